@@ -1,0 +1,33 @@
+"""quantlab: pluggable weight quantization for PyTorch and Hugging Face transformers."""
+
+from quantlab.config import QuantlabConfig
+from quantlab.convert import dequantize, quantize
+from quantlab.errors import ConfigError, QuantizationError, QuantlabError, UnknownMethodError
+from quantlab.methods.builtin import register_builtin_methods
+from quantlab.methods.custom_bits import CustomBitsConfig
+from quantlab.methods.int8 import Int8SymmetricConfig
+from quantlab.methods.nf4 import NF4Config
+from quantlab.nn import QuantizedLinear
+from quantlab.registry import Method, get_method, list_methods, register_method
+
+__version__ = "0.1.0"
+
+register_builtin_methods()
+
+__all__ = [
+    "ConfigError",
+    "CustomBitsConfig",
+    "Int8SymmetricConfig",
+    "Method",
+    "NF4Config",
+    "QuantizationError",
+    "QuantizedLinear",
+    "QuantlabConfig",
+    "QuantlabError",
+    "UnknownMethodError",
+    "dequantize",
+    "get_method",
+    "list_methods",
+    "quantize",
+    "register_method",
+]

@@ -1,0 +1,108 @@
+"""The base class of every quantlab method config.
+
+A config is a dataclass (its fields are the method's options: the CLI builds its flags from
+them) and a transformers `QuantizationConfigMixin` (so it rides in `config.json` and in
+`from_pretrained(quantization_config=...)`). It serializes with a `format_version`, so a
+checkpoint written by a newer, incompatible quantlab is refused with a clear message.
+"""
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from quantlab.errors import ConfigError
+
+FORMAT_VERSION = 1
+TRANSFORMERS_PREFIX = "quantlab_"
+SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def transformers_name(method: str) -> str:
+    """The `quant_method` a quantlab method carries in transformers (namespaced, so `hqq` can't clash)."""
+    return TRANSFORMERS_PREFIX + method
+
+
+@dataclasses.dataclass
+class QuantlabConfig(QuantizationConfigMixin):
+    """Options shared by every method. Subclasses set `method` and add their own fields.
+
+    `modules_to_not_convert`: module names (or name suffixes) kept in float. `None` keeps
+    transformers' own choice: the output head and tied embeddings.
+    """
+
+    method: ClassVar[str] = ""
+    format_version: ClassVar[int] = FORMAT_VERSION
+
+    # Set from `method` in `__post_init__`; the mixin declares it as a required field.
+    quant_method: str = dataclasses.field(default="", init=False, repr=False)
+    modules_to_not_convert: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        self.quant_method = transformers_name(self.method)
+        if self.modules_to_not_convert is not None and not isinstance(self.modules_to_not_convert, list):
+            self.modules_to_not_convert = list(self.modules_to_not_convert)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `ConfigError` for invalid values; subclasses extend it."""
+
+    # -- serialization -------------------------------------------------------------------
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [field.name for field in dataclasses.fields(cls) if field.init]
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
+        options = {**config_dict, **kwargs}
+        quant_method = options.pop("quant_method", None)
+        if quant_method not in (None, transformers_name(cls.method)):
+            raise ConfigError(f"{cls.__name__} cannot read a config of method {quant_method!r}")
+        version = options.pop("format_version", FORMAT_VERSION)
+        if int(version) > FORMAT_VERSION:
+            raise ConfigError(
+                f"this checkpoint was written with quantlab format version {version}, but the installed "
+                f"quantlab reads versions up to {FORMAT_VERSION}: upgrade quantlab (pip install -U quantlab)"
+            )
+        config = cls.from_options(options)
+        return (config, {}) if return_unused_kwargs else config
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "QuantlabConfig":
+        """Build a config from a plain dict, naming unknown options and the valid ones."""
+        unknown = sorted(set(options) - set(cls.option_names()))
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {', '.join(unknown)} for method {cls.method!r}; "
+                f"valid options: {', '.join(cls.option_names())}"
+            )
+        return cls(**options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_method": self.quant_method,
+            "format_version": self.format_version,
+            **{name: getattr(self, name) for name in self.option_names()},
+        }
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.option_names())
+        return f"{type(self).__name__}({options})"
+
+
+def check_choice(method: str, option: str, value: Any, choices: Any) -> None:
+    if value not in choices:
+        raise ConfigError(f"{method}: {option}={value!r} is not valid; choose one of {sorted(choices)!r}")
+
+
+def check_group_size(method: str, option: str, value: int | None, low: int, high: int) -> None:
+    """Group sizes are powers of two in [low, high], or None for one group per output channel."""
+    if value is None:
+        return
+    if not isinstance(value, int) or not low <= value <= high or value & (value - 1):
+        raise ConfigError(
+            f"{method}: {option}={value!r} is not valid; use a power of two from {low} to {high}, "
+            f"or None for one group per output channel"
+        )

@@ -1,0 +1,135 @@
+"""Quantizing and dequantizing any loaded `nn.Module`, transformers model or not."""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.quantizers.base import get_keys_to_not_convert
+from transformers.quantizers.quantizers_utils import should_convert_module
+
+from quantlab.config import QuantlabConfig
+from quantlab.errors import QuantizationError
+from quantlab.nn import QuantizedLinear
+
+
+def quantize(model: nn.Module, config: QuantlabConfig, modules: list[str] | None = None) -> nn.Module:
+    """Replace the Linear layers of `model` by the method's quantized layer, in place.
+
+    `modules`: names of the layers to quantize (default: every Linear layer, less
+    `config.modules_to_not_convert`, or transformers' default of the output head and tied
+    embeddings). A transformers model comes back ready for `save_pretrained`.
+    """
+    from quantlab.registry import method_of
+
+    method = method_of(config)
+    if type(model) is nn.Linear:
+        return method.module_class.from_linear(model, config, layer="model")
+    if modules is not None:
+        _check_targets(model, modules)
+        wanted = set(modules)
+        selected = wanted.__contains__
+    else:
+        skip = _default_skips(model, config)
+        selected = lambda name: should_convert_module(name, skip)  # noqa: E731
+    converted = replace_linear_layers(model, config, method.module_class, selected, quantize=True)
+    if not converted:
+        raise QuantizationError(
+            f"{type(model).__name__} has no nn.Linear layer left to quantize with {config.method!r}; "
+            f"check modules_to_not_convert"
+        )
+    _attach_hf_quantizer(model, config, method.quantizer_class)
+    return model
+
+
+def dequantize(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Replace every quantized layer by a float `nn.Linear`, in place."""
+    if hasattr(model, "hf_quantizer") and hasattr(model, "dequantize"):
+        return model.dequantize(dtype=dtype)
+    return dequantize_layers(model, dtype)
+
+
+def replace_linear_layers(
+    model: nn.Module,
+    config: QuantlabConfig,
+    module_class: type[QuantizedLinear],
+    selected: Callable[[str], bool],
+    quantize: bool,
+) -> list[str]:
+    """Swap the selected `nn.Linear` layers for `module_class`; returns their names.
+
+    With `quantize` false the new layers are empty shells (on the Linear's device: meta while
+    transformers loads); otherwise they are quantized from the Linear's weight.
+    """
+    converted = []
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or not selected(name):
+            continue
+        if quantize:
+            new = module_class.from_linear(module, config, layer=name)
+        else:
+            new = module_class(
+                module.in_features,
+                module.out_features,
+                module.bias is not None,
+                config,
+                dtype=module.weight.dtype,
+                device=module.weight.device,
+            )
+        _set_submodule(model, name, new)
+        converted.append(name)
+    return converted
+
+
+def dequantize_layers(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            _set_submodule(model, name, module.to_linear(dtype))
+    for attribute in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attribute):
+            delattr(model, attribute)
+    if hasattr(model, "config") and hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
+    return model
+
+
+def quantized_layers(model: nn.Module) -> dict[str, QuantizedLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def _default_skips(model: nn.Module, config: QuantlabConfig) -> list[str]:
+    if config.modules_to_not_convert is not None:
+        return list(config.modules_to_not_convert)
+    if hasattr(model, "all_tied_weights_keys") and hasattr(model, "get_output_embeddings"):
+        return get_keys_to_not_convert(model)
+    return []
+
+
+def _check_targets(model: nn.Module, modules: list[str]) -> None:
+    named = dict(model.named_modules())
+    for name in modules:
+        module = named.get(name)
+        if module is None:
+            raise QuantizationError(f"no module named {name!r} in {type(model).__name__}; check the name")
+        if type(module) is not nn.Linear:
+            raise QuantizationError(
+                f"{name} is a {type(module).__name__}, not an nn.Linear layer: quantlab quantizes Linear layers "
+                f"only; target its Linear sub-layers instead"
+            )
+
+
+def _attach_hf_quantizer(model: nn.Module, config: QuantlabConfig, quantizer_class: type) -> None:
+    """Make a converted transformers model look like one loaded with `quantization_config`."""
+    if not hasattr(model, "config") or not hasattr(model, "save_pretrained"):
+        return
+    model.hf_quantizer = quantizer_class(config, pre_quantized=True)
+    model.is_quantized = True
+    model.quantization_method = config.quant_method
+    model.config.quantization_config = config
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)

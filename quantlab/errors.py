@@ -1,0 +1,24 @@
+"""Errors quantlab raises for user mistakes.
+
+Every error says what is wrong and how to fix it. The CLI prints `QuantlabError`s as one
+line on stderr with exit code 2 instead of a traceback.
+"""
+
+
+class QuantlabError(Exception):
+    """Base class of every error caused by user input (bad config, bad weights, bad path)."""
+
+
+class ConfigError(QuantlabError, ValueError):
+    """A quantization config has an unknown option or an invalid value."""
+
+
+class UnknownMethodError(QuantlabError, KeyError):
+    """A method name is not in the registry."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class QuantizationError(QuantlabError, ValueError):
+    """A layer cannot be quantized as asked (NaN weights, shapes that do not fit)."""

@@ -1,0 +1,33 @@
+"""Cutting a weight matrix into groups along its input dimension.
+
+A `[out, in]` matrix becomes `[out, groups, group_size]`. When `group_size` does not divide
+`in`, the last group of each row is padded by repeating the row's last weight, so the padding
+never widens the group's range; `ungroup` drops it again.
+"""
+
+import torch
+
+
+def num_groups(in_features: int, group_size: int | None) -> int:
+    """Groups per row; `None` means one group spanning the row (per output channel)."""
+    return 1 if group_size is None else -(-in_features // group_size)
+
+
+def effective_group_size(in_features: int, group_size: int | None) -> int:
+    return in_features if group_size is None else group_size
+
+
+def group(weight: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """`[out, in]` → `[out, groups, group_size]`, padding the last group if needed."""
+    out_features, in_features = weight.shape
+    size = effective_group_size(in_features, group_size)
+    groups = num_groups(in_features, group_size)
+    padding = groups * size - in_features
+    if padding:
+        weight = torch.cat([weight, weight[:, -1:].expand(out_features, padding)], dim=1)
+    return weight.reshape(out_features, groups, size)
+
+
+def ungroup(grouped: torch.Tensor, in_features: int) -> torch.Tensor:
+    """`[out, groups, group_size]` → `[out, in]`, dropping padding."""
+    return grouped.reshape(grouped.shape[0], -1)[:, :in_features]

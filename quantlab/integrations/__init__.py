@@ -1,0 +1,1 @@
+"""Glue to the libraries quantlab plugs into: transformers, PEFT, optimum."""

@@ -1,0 +1,119 @@
+"""transformers 5 integration: one `HfQuantizer` subclass per method, quantizing while loading.
+
+`from_pretrained(path, quantization_config=config)` builds the model on the meta device,
+swaps its Linear layers for the method's quantized layer, then quantizes each float weight
+as the loader streams it in (`get_quantize_ops`): the float model never exists in memory.
+A checkpoint saved from such a model reloads through the same quantizer on its pre-quantized
+path, the stored tensors landing straight in the layers' buffers.
+"""
+
+from typing import Any, ClassVar
+
+import torch
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers import HfQuantizer
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
+from transformers.quantizers.quantizers_utils import get_module_from_name
+
+from quantlab.config import QuantlabConfig
+from quantlab.errors import QuantlabError
+from quantlab.nn import QuantizedLinear
+
+
+def register_with_transformers(config_class: type[QuantlabConfig], quantizer_class: type[HfQuantizer]) -> None:
+    name = config_class(modules_to_not_convert=None).quant_method
+    if AUTO_QUANTIZATION_CONFIG_MAPPING.get(name) is not config_class:
+        register_quantization_config(name)(config_class)
+    if AUTO_QUANTIZER_MAPPING.get(name) is not quantizer_class:
+        register_quantizer(name)(quantizer_class)
+
+
+def make_quantizer_class(module_class: type[QuantizedLinear]) -> type["QuantlabHfQuantizer"]:
+    name = module_class.config_class.__name__.removesuffix("Config") + "HfQuantizer"
+    return type(name, (QuantlabHfQuantizer,), {"module_class": module_class, "__module__": module_class.__module__})
+
+
+class QuantlabHfQuantizer(HfQuantizer):
+    """Quantizes a method's layers while transformers loads a checkpoint."""
+
+    module_class: ClassVar[type[QuantizedLinear]]
+    requires_calibration = False
+
+    def __init__(self, quantization_config: QuantlabConfig, **kwargs: Any) -> None:
+        super().__init__(quantization_config, **kwargs)
+        # Names only: the storage layout does not depend on the layer's shape.
+        self.serialized_names = {"weight": list(self.module_class.storage_spec(256, 1, quantization_config))}
+        self.modules_to_not_convert: list[str] = []
+        self.errors: list[QuantlabError] = []
+
+    def param_needs_quantization(self, model: torch.nn.Module, param_name: str, **kwargs: Any) -> bool:
+        if self.pre_quantized:
+            return False
+        module, tensor_name = get_module_from_name(model, param_name)
+        return isinstance(module, self.module_class) and tensor_name == "weight"
+
+    def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> None:
+        from quantlab.convert import replace_linear_layers, should_convert_module
+
+        self.modules_to_not_convert = self.get_modules_to_not_convert(
+            model, self.quantization_config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
+        )
+        skip = self.modules_to_not_convert
+        replace_linear_layers(
+            model, self.quantization_config, self.module_class, lambda name: should_convert_module(name, skip), False
+        )
+
+    def _process_model_after_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        if self.errors:
+            raise self.errors[0]
+        return model
+
+    def _dequantize(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        from quantlab.convert import dequantize_layers
+
+        return dequantize_layers(model, dtype)
+
+    def get_quantize_ops(self) -> ConversionOps:
+        return QuantizeOnLoad(self)
+
+    def is_serializable(self) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+
+class QuantizeOnLoad(ConversionOps):
+    """Quantizes one float weight as it is loaded, returning the layer's stored tensors.
+
+    transformers turns exceptions raised here into a long loading report; a `QuantlabError`
+    (NaN weights, for example) is instead kept and raised once loading is over, so the user
+    reads one clear message. Layers after the first error are not quantized, only filled.
+    """
+
+    def __init__(self, hf_quantizer: QuantlabHfQuantizer) -> None:
+        self.hf_quantizer = hf_quantizer
+
+    def convert(
+        self, input_dict: dict[str, Any], model: torch.nn.Module | None = None, **kwargs: Any
+    ) -> dict[str, torch.Tensor]:
+        target_key, value = next(iter(input_dict.items()))
+        weight = value[0] if isinstance(value, list) else value
+        layer_name = target_key.rpartition(".")[0]
+        module, _ = get_module_from_name(model, target_key)
+        stored = None
+        if not self.hf_quantizer.errors:
+            try:
+                stored = module.quantize_checked(weight, module.config, layer_name)
+            except QuantlabError as error:
+                self.hf_quantizer.errors.append(error)
+        if stored is None:
+            spec = module.storage_spec(module.in_features, module.out_features, module.config)
+            stored = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+        return {f"{layer_name}.{name}": tensor for name, tensor in stored.items()}

@@ -1,0 +1,5 @@
+"""Quantized modules."""
+
+from quantlab.nn.quantized_linear import QuantizedLinear
+
+__all__ = ["QuantizedLinear"]

@@ -1,0 +1,146 @@
+"""`QuantizedLinear`: the base every method's quantized Linear layer derives from.
+
+A method's layer declares what it stores (`storage_spec`), how a float weight becomes those
+tensors (`quantize_weight`, used both by `quantlab.quantize` and tensor by tensor while
+transformers loads a checkpoint) and how they become a float weight again
+(`dequantize_weight`). Everything stored is a buffer, so nothing quantized is ever trainable,
+and the codes are stored as `weight` with three dimensions `[out, groups, bytes]`: a
+process that loads the checkpoint without quantlab sees a shape mismatch and stops, instead
+of running integer codes as float weights.
+
+The forward pass asks the kernel table for the fastest kernel of this layer's storage
+format on the input's device; the reference kernel is dequantize-then-matmul.
+"""
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from quantlab.config import QuantlabConfig
+from quantlab.errors import QuantizationError
+
+StorageSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class QuantizedLinear(nn.Module):
+    """A Linear layer whose weight is stored quantized; `bias` stays a float parameter."""
+
+    config_class: ClassVar[type[QuantlabConfig]]
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        config: QuantlabConfig,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.config = config
+        for name, (shape, storage_dtype) in self.storage_spec(in_features, out_features, config).items():
+            self.register_buffer(name, torch.zeros(shape, dtype=storage_dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    # -- what a method defines --------------------------------------------------------------
+
+    @property
+    def format(self) -> str:
+        """Storage format: the key (with the device) of this layer's kernels."""
+        raise NotImplementedError
+
+    @classmethod
+    def storage_spec(cls, in_features: int, out_features: int, config: QuantlabConfig) -> StorageSpec:
+        """Name → (shape, dtype) of every tensor the layer stores; `weight` holds the codes."""
+        raise NotImplementedError
+
+    @classmethod
+    def quantize_weight(cls, weight: torch.Tensor, config: QuantlabConfig) -> dict[str, torch.Tensor]:
+        """Float `[out, in]` weight → the tensors of `storage_spec`."""
+        raise NotImplementedError
+
+    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float `[out, in]` weight the stored tensors represent."""
+        raise NotImplementedError
+
+    # -- shared behaviour -----------------------------------------------------------------
+
+    @classmethod
+    def quantize_checked(cls, weight: torch.Tensor, config: QuantlabConfig, layer: str) -> dict[str, torch.Tensor]:
+        """`quantize_weight` after checking the weight, with the layer named in any error."""
+        if weight.dim() != 2:
+            raise QuantizationError(f"{layer}: expected a 2-D Linear weight, got shape {tuple(weight.shape)}")
+        bad = (~torch.isfinite(weight)).sum().item()
+        if bad:
+            raise QuantizationError(
+                f"{layer}: weight has {bad} NaN/Inf value(s) and cannot be quantized; repair the checkpoint, "
+                f"or keep this layer in float with modules_to_not_convert=[{layer!r}]"
+            )
+        stored = cls.quantize_weight(weight.detach(), config)
+        expected = cls.storage_spec(weight.shape[1], weight.shape[0], config)
+        if stored.keys() != expected.keys():
+            raise TypeError(
+                f"{cls.__name__}.quantize_weight returned {sorted(stored)}, storage_spec says {sorted(expected)}"
+            )
+        return stored
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: QuantlabConfig, layer: str = "") -> "QuantizedLinear":
+        """Quantize a float `nn.Linear`; the bias is kept as is."""
+        weight = linear.weight
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            config,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        module.load_stored(cls.quantize_checked(weight, config, layer or type(linear).__name__))
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+        return module
+
+    def load_stored(self, stored: dict[str, torch.Tensor]) -> None:
+        for name, tensor in stored.items():
+            setattr(self, name, tensor.to(getattr(self, name).device))
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        names = self.storage_spec(self.in_features, self.out_features, self.config)
+        return {name: getattr(self, name) for name in names}
+
+    def stored_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.stored_tensors().values())
+
+    def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
+        """A float `nn.Linear` with the dequantized weight."""
+        dtype = dtype or (self.bias.dtype if self.bias is not None else torch.float32)
+        weight = self.dequantize_weight(dtype)
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=weight.device)
+        linear.weight = nn.Parameter(weight)
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias.detach().to(dtype))
+        return linear.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from quantlab.kernels import select_kernel
+
+        return select_kernel(self.format, x.device.type)(self, x)
+
+    def extra_repr(self) -> str:
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, bias={self.bias is not None}, config={self.config!r}"
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # Buffers loaded through `load_state_dict` must keep their shapes: a float `weight`
+        # here means someone loads an unquantized state dict into a quantized model.
+        weight = state_dict.get(prefix + "weight")
+        if weight is not None and weight.is_floating_point():
+            raise QuantizationError(
+                f"{prefix[:-1]}: got a float weight for a quantized layer; quantize the float model with "
+                f"quantlab.quantize(model, config) instead of loading its state dict into a quantized one"
+            )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
