@@ -1,0 +1,44 @@
+"""Tiny transformers models built from configs, for tests that must not download anything."""
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+
+def tiny_llama(seed: int = 0, tie_word_embeddings: bool = False) -> LlamaForCausalLM:
+    """A 2-layer Llama whose Linear layers have 64, 128 and 96 input features."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_bert(seed: int = 0) -> BertModel:
+    """A 2-layer BERT encoder."""
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
+    return BertModel(config).eval()
+
+
+def tiny_model_dir(model: PreTrainedModel, directory: str | os.PathLike) -> Path:
+    """Save `model` as a float safetensors checkpoint and return its folder."""
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    return directory
