@@ -1,0 +1,83 @@
+"""The method registry: names, errors, transformers registration, plugin discovery."""
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+
+import quantlab
+from quantlab import registry
+from quantlab.methods.int8 import Int8Linear
+
+
+def test_builtin_methods_are_listed():
+    assert {"int8", "nf4", "custom_bits"} <= set(quantlab.list_methods())
+
+
+def test_unknown_method_lists_known_ones():
+    with pytest.raises(
+        quantlab.UnknownMethodError, match=r"unknown quantization method 'int3'.*custom_bits.*int8.*nf4"
+    ):
+        quantlab.get_method("int3")
+
+
+def test_methods_are_registered_with_transformers():
+    method = quantlab.get_method("nf4")
+    assert AUTO_QUANTIZATION_CONFIG_MAPPING["quantlab_nf4"] is method.config_class
+    assert AUTO_QUANTIZER_MAPPING["quantlab_nf4"] is method.quantizer_class
+
+
+def test_registering_the_same_classes_again_is_a_no_op():
+    method = quantlab.get_method("int8")
+    assert quantlab.register_method(method.config_class, method.module_class) is method
+
+
+def test_a_different_method_under_a_taken_name_raises():
+    @dataclasses.dataclass(repr=False)
+    class OtherInt8(quantlab.Int8SymmetricConfig):
+        method = "int8"
+
+    with pytest.raises(ValueError, match="already registered"):
+        quantlab.register_method(OtherInt8, Int8Linear)
+
+
+def test_method_names_must_be_lowercase():
+    @dataclasses.dataclass(repr=False)
+    class Shouty(quantlab.Int8SymmetricConfig):
+        method = "Int9"
+
+    with pytest.raises(ValueError, match="lowercase"):
+        quantlab.register_method(Shouty, Int8Linear)
+
+
+def test_a_broken_plugin_warns_instead_of_failing(monkeypatch):
+    class BrokenEntryPoint:
+        name, value = "broken", "nowhere:register"
+
+        def load(self):
+            raise ImportError("no module named nowhere")
+
+    monkeypatch.setattr(registry, "_plugins_discovered", False)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [BrokenEntryPoint()])
+    with pytest.warns(RuntimeWarning, match="plugin 'broken'.*failed to load"):
+        registry.discover_plugins()
+    assert "int8" in quantlab.list_methods()
+
+
+@pytest.mark.subprocess
+def test_import_does_not_load_plugins_until_asked():
+    script = textwrap.dedent(
+        """
+        import quantlab, quantlab.registry as r
+        assert not r._plugins_discovered
+        quantlab.list_methods()
+        assert r._plugins_discovered
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env={"QUANTLAB_AUTOLOAD": "0"}
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
