@@ -134,6 +134,22 @@ class QuantizedLinear(nn.Module):
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{shape}, bias={self.bias is not None}, config={self.config!r}"
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "QuantizedLinear":
+        # `model.half()` / `.to(bfloat16)` cast every float buffer; the stored tensors must
+        # keep their dtype (a float32 scale rounded to bf16 and back changes the model), so
+        # they only follow device moves. Codes and scales are moved, never converted.
+        stored = {
+            name: self._buffers.pop(name)
+            for name in self.storage_spec(self.in_features, self.out_features, self.config)
+        }
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, tensor in stored.items():
+                device = fn(torch.empty(0, device=tensor.device)).device
+                self._buffers[name] = tensor if tensor.device == device else tensor.to(device)
+        return self
+
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # Buffers loaded through `load_state_dict` must keep their shapes: a float `weight`
         # here means someone loads an unquantized state dict into a quantized model.
