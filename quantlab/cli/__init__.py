@@ -1,0 +1,1 @@
+"""The `quantlab` command line. Each subcommand is one module listed in `quantlab.cli.main.COMMANDS`."""

@@ -1,0 +1,163 @@
+"""`quantlab inspect MODEL [--reference FLOAT_MODEL]`: what each Linear layer of a checkpoint stores.
+
+Per layer: the method, the code width, the group size, the stored bytes and bits per weight.
+With `--reference`, also the relative error of the layer's weight against the float model it
+came from, `||W - W_q|| / ||W||` (Frobenius norms, float64).
+"""
+
+import argparse
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantlab.cli.console import Console, add_output_options, column_table
+from quantlab.cli.models import ModelSource, float_checkpoint, load_model, model_class, read_config, resolve_model
+from quantlab.errors import QuantlabError
+from quantlab.nn import QuantizedLinear
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="per-layer method, width, group size and stored bytes of a checkpoint",
+        description="List every Linear layer of a checkpoint: quantized ones with their method, code width, group "
+        "size and stored bytes, float ones as kept. --reference adds each layer's relative weight error.",
+    )
+    parser.add_argument("model", metavar="MODEL", help="a checkpoint folder (quantized or not)")
+    parser.add_argument(
+        "--reference",
+        metavar="FLOAT_MODEL",
+        help="the float model the checkpoint was quantized from (folder or .gguf): adds ||W - W_q|| / ||W||",
+    )
+    add_output_options(parser)
+
+
+@dataclass
+class LayerRow:
+    name: str
+    method: str
+    bits: float
+    group_size: int | None
+    shape: list[int]
+    stored_bytes: int
+    bits_per_weight: float
+    relative_error: float | None = None
+
+    def cells(self, with_error: bool) -> list[Any]:
+        group = "-" if self.method == "float" else ("channel" if self.group_size is None else self.group_size)
+        cells = [
+            self.name,
+            self.method,
+            f"{self.bits:g}",
+            group,
+            f"{self.shape[0]}x{self.shape[1]}",
+            f"{self.stored_bytes:,}",
+            f"{self.bits_per_weight:.3f}",
+        ]
+        if with_error:
+            cells.append("-" if self.relative_error is None else f"{self.relative_error:.2e}")
+        return cells
+
+
+HEADERS = ["layer", "method", "width", "group", "out x in", "stored bytes", "bits/weight"]
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console.from_args(args)
+    source = resolve_model(args.model)
+    model = _load(source, console)
+    rows = [_describe(name, module) for name, module in _linear_layers(model)]
+    if not rows:
+        raise QuantlabError(f"{source} has no Linear layers to inspect")
+    if args.reference is not None:
+        reference_source = resolve_model(args.reference)
+        reference = _load(reference_source, console)
+        _add_errors(rows, model, reference, str(reference_source), console)
+    with_error = args.reference is not None
+    table = column_table(HEADERS + (["rel. error"] if with_error else []), [row.cells(with_error) for row in rows])
+    total_bytes = sum(row.stored_bytes for row in rows)
+    weights = sum(row.shape[0] * row.shape[1] for row in rows)
+    summary = (
+        f"{sum(row.method != 'float' for row in rows)} of {len(rows)} Linear layers quantized; "
+        f"{total_bytes:,} bytes stored for {weights:,} weights ({8 * total_bytes / weights:.3f} bits/weight)"
+    )
+    console.report(
+        f"{source}\n{table}\n{summary}",
+        {"command": "inspect", "model": str(source), "reference": args.reference, "layers": [asdict(r) for r in rows]},
+    )
+    return 0
+
+
+def _load(source: ModelSource, console: Console) -> nn.Module:
+    with float_checkpoint(source, progress=console.progress) as folder:
+        return load_model(folder, model_class(read_config(folder)))
+
+
+def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, (QuantizedLinear, nn.Linear))]
+
+
+def _describe(name: str, module: nn.Module) -> LayerRow:
+    shape = [module.out_features, module.in_features]
+    if isinstance(module, QuantizedLinear):
+        group_size = _group_size(module)
+        stored = module.stored_bytes()
+        method, bits = module.config.method, _code_bits(module, group_size)
+    else:
+        group_size, stored = None, module.weight.numel() * module.weight.element_size()
+        method, bits = "float", 8 * module.weight.element_size()
+    return LayerRow(name, method, bits, group_size, shape, stored, 8 * stored / (shape[0] * shape[1]))
+
+
+def _group_size(module: QuantizedLinear) -> int | None:
+    """The config's group size, else read from the codes' `[out, groups, bytes]` layout.
+
+    Group sizes are powers of two and the last group is padded, so the group size is the
+    smallest power of two that cuts a row into that many groups; one group is per channel.
+    """
+    for option in ("group_size", "blocksize", "block_size"):
+        if hasattr(module.config, option):
+            return getattr(module.config, option)
+    groups = module.weight.shape[1]
+    if groups == 1:
+        return None
+    return 1 << (math.ceil(module.in_features / groups) - 1).bit_length()
+
+
+def _code_bits(module: QuantizedLinear, group_size: int | None) -> float:
+    bits = getattr(module.config, "bits", None)
+    if isinstance(bits, int):
+        return bits
+    codes_per_group = module.in_features if group_size is None else group_size
+    return round(8 * module.weight.shape[-1] * module.weight.element_size() / codes_per_group, 2)
+
+
+def _add_errors(rows: list[LayerRow], model: nn.Module, reference: nn.Module, name: str, console: Console) -> None:
+    layers = dict(model.named_modules())
+    references = dict(reference.named_modules())
+    for row in console.bar(rows, "comparing layers"):
+        original = references.get(row.name)
+        if not isinstance(original, nn.Linear) or list(original.weight.shape) != row.shape:
+            raise QuantlabError(
+                f"{name} has no {row.shape[0]}x{row.shape[1]} Linear layer {row.name!r}: "
+                f"--reference must be the float model the checkpoint was quantized from"
+            )
+        row.relative_error = relative_error(_float_weight(layers[row.name]), original.weight)
+
+
+def _float_weight(module: nn.Module) -> torch.Tensor:
+    if isinstance(module, QuantizedLinear):
+        return module.dequantize_weight(torch.float32)
+    return module.weight
+
+
+def relative_error(approximation: torch.Tensor, reference: torch.Tensor) -> float:
+    """`||reference - approximation|| / ||reference||` in float64 (0 for an all-zero reference)."""
+    reference = reference.detach().double()
+    norm = reference.norm()
+    if norm == 0:
+        return 0.0
+    return float((reference - approximation.detach().double()).norm() / norm)

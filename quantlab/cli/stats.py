@@ -1,0 +1,45 @@
+"""Counting what a model holds: quantized and float Linear layers, parameters, peak memory."""
+
+import resource
+import sys
+from dataclasses import dataclass
+
+from torch import nn
+
+from quantlab.nn import QuantizedLinear
+
+
+@dataclass(frozen=True)
+class LayerSummary:
+    quantized: list[str]
+    kept: list[str]  # Linear layers left in float
+
+    def describe(self, shown: int = 3) -> str:
+        kept = f"{len(self.kept)} kept in float"
+        if self.kept:
+            names = ", ".join(self.kept[:shown]) + (", ..." if len(self.kept) > shown else "")
+            kept += f" ({names})"
+        return f"{len(self.quantized)} quantized, {kept}"
+
+
+def layer_summary(model: nn.Module) -> LayerSummary:
+    quantized, kept = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            quantized.append(name)
+        elif isinstance(module, nn.Linear):
+            kept.append(name)
+    return LayerSummary(quantized, kept)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Parameters of the float model: float parameters plus the weights quantized layers encode."""
+    floats = sum(parameter.numel() for parameter in model.parameters())
+    encoded = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantizedLinear))
+    return floats + encoded
+
+
+def peak_memory_bytes() -> int:
+    """Peak resident memory of this process so far (`getrusage` ru_maxrss)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes

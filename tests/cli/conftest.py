@@ -1,0 +1,135 @@
+"""Tiny checkpoints (with a byte-level tokenizer) and a helper to run the CLI in a fresh process."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from quantlab.testing import tiny_bert, tiny_llama, tiny_model_dir
+
+# Windows small enough for the tiny Llama (128 positions) and the bundled text.
+TINY_EVAL = ["--seq-len", "64", "--windows", "2"]
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with exactly 256 tokens, the tiny models' vocabulary size."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={char: i for i, char in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+    """The tiny Llama as an F32 GGUF file with a byte-level tokenizer, as llama.cpp names its tensors."""
+    import gguf
+
+    model = tiny_llama(seed)
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_vocab_size(config.vocab_size)
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges([])
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    for layer in range(config.num_hidden_layers):
+        for ours, theirs in per_layer.items():
+            names[f"model.layers.{layer}.{ours}.weight"] = f"blk.{layer}.{theirs}.weight"
+    for name, tensor in model.state_dict().items():
+        writer.add_tensor(names[name], tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tiny_model_dir(tiny_llama(), tmp_path_factory.mktemp("models") / "tiny-llama")
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tiny_bert(), tmp_path_factory.mktemp("models") / "tiny-bert")
+
+
+@pytest.fixture(scope="session")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny-llama.gguf")
+
+
+@dataclass
+class Completed:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> dict:
+        """The JSON object on the last line of stdout."""
+        return json.loads(self.stdout.strip().splitlines()[-1])
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.strip()]
+
+
+def run_cli(*args: str | os.PathLike, cwd: Path | None = None, module: str = "quantlab.cli.main") -> Completed:
+    """Run `python -m quantlab.cli.main ARGS` in a fresh process (stderr is a pipe: no progress bars)."""
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=environment,
+        timeout=600,
+    )
+    return Completed(result.returncode, result.stdout, result.stderr)
+
+
+def assert_user_error(result: Completed, *fragments: str) -> None:
+    """Exit code 2, exactly one line on stderr, starting `quantlab: error:`, naming the fragments."""
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert len(result.error_lines) == 1, result.stderr
+    line = result.error_lines[0]
+    assert line.startswith("quantlab: error: "), line
+    for fragment in fragments:
+        assert fragment in line, (fragment, line)
