@@ -1,0 +1,174 @@
+"""Training checkpoints: layout, atomic writes, rotation, and finding where to resume.
+
+A run folder holds `checkpoints/step-00000050/`, one per saved step. Each is written into a
+hidden staging folder and renamed into place once complete (`quantlab.utils.atomic`), so a
+crash or a full disk mid-write leaves the previous checkpoint as the latest usable one.
+Inside: accelerate's state (optimizer, scheduler, gradient scaler, each process's RNG
+states, callback states), `trainable.safetensors` (only the parameters that train: LoRA
+adapters stay small, the frozen base is not copied) and `trainer_state.json` (step, data
+position, and the run's fingerprint). Resuming checks the fingerprint first, so a folder
+of another model, adapter layout, data set or batch layout is refused with the differences
+named, instead of being loaded into the wrong run.
+"""
+
+import dataclasses
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from quantlab.errors import QuantlabError
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+class ResumeError(QuantlabError):
+    """A checkpoint cannot be resumed from in this run."""
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """Where the loop stands: optimizer steps done and the data position after them."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    tokens_seen: int = 0
+    fingerprint: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def read(cls, checkpoint: Path) -> "TrainerState":
+        return cls(**json.loads((checkpoint / STATE_FILE).read_text()))
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (staging folders are hidden and skipped)."""
+    folder = Path(run_dir) / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), path) for path in folder.iterdir() if (m := _NAME.match(path.name))]
+    return [path for _, path in sorted(found) if (path / STATE_FILE).is_file()]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    checkpoints = list_checkpoints(run_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def resolve_resume(resume_from: str | Path, output_dir: Path) -> Path:
+    """`"latest"` → the newest checkpoint of `output_dir`; a run folder → its newest; a checkpoint → itself."""
+    if str(resume_from) == "latest":
+        latest = latest_checkpoint(output_dir)
+        if latest is None:
+            raise ResumeError(
+                f"resume_from='latest' but {Path(output_dir) / CHECKPOINTS} holds no complete checkpoint; "
+                f"drop resume_from to start a new run, or point it at a checkpoint folder"
+            )
+        return latest
+    path = Path(resume_from)
+    if (path / STATE_FILE).is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ResumeError(
+            f"{path} is neither a checkpoint (no {STATE_FILE}) nor a run folder with checkpoints; "
+            f"pass a folder such as {Path(output_dir) / CHECKPOINTS / 'step-00000100'} or 'latest'"
+        )
+    return latest
+
+
+def rotate(run_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints."""
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_staging_leftovers(run_dir: Path) -> None:
+    """Remove half-written checkpoints a killed process left behind (hidden `.step-*` folders)."""
+    folder = Path(run_dir) / CHECKPOINTS
+    if folder.is_dir():
+        for leftover in folder.glob(".step-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+# -- trainable parameters -------------------------------------------------------------------
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def save_trainable(model: nn.Module, path: Path) -> None:
+    tensors = {name: p.detach().contiguous() for name, p in trainable_parameters(model).items()}
+    save_file(tensors, str(path))
+
+
+def load_trainable(model: nn.Module, path: Path) -> None:
+    """Copy saved trainable parameters into `model`; the name sets must match exactly."""
+    saved = load_file(str(path))
+    current = trainable_parameters(model)
+    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if missing or unexpected:
+        raise ResumeError(
+            f"{path} does not hold this model's trainable parameters "
+            f"(missing {len(missing)}, e.g. {missing[:2]}; unexpected {len(unexpected)}, e.g. {unexpected[:2]})"
+        )
+    with torch.no_grad():
+        for name, parameter in current.items():
+            if saved[name].shape != parameter.shape:
+                raise ResumeError(f"{name}: saved shape {tuple(saved[name].shape)}, model has {tuple(parameter.shape)}")
+            parameter.copy_(saved[name])
+
+
+# -- fingerprints ---------------------------------------------------------------------------
+
+
+def model_fingerprint(model: nn.Module) -> dict[str, Any]:
+    """What identifies the model being trained: architecture, quantization, trainable layout."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    config_text = ""
+    if config is not None:
+        values = config.to_dict()
+        for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
+            values.pop(volatile, None)
+        config_text = json.dumps(values, sort_keys=True, default=str)
+    layout = sorted((name, tuple(p.shape)) for name, p in trainable_parameters(model).items())
+    return {
+        "model_class": type(base).__name__,
+        "model_config": _digest(config_text),
+        "trainable_parameters": len(layout),
+        "trainable_layout": _digest(json.dumps(layout)),
+    }
+
+
+def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], checkpoint: Path) -> None:
+    differences = [
+        f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key) != current.get(key)
+    ]
+    if differences:
+        raise ResumeError(
+            f"{checkpoint} belongs to another run: " + "; ".join(differences) + ". Resume with the same model, "
+            "adapters, data and batch settings, or start a new run in another output_dir"
+        )
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
