@@ -1,0 +1,215 @@
+"""`to_onnx`: export a float or quantlab-quantized transformers model to one ONNX file.
+
+The model is traced by `torch.onnx.export(dynamo=True)` with each quantized layer replaced
+by a placeholder node; the placeholders are then lowered to onnxruntime's low-bit operators
+fed with the layers' own codes and scales (see `builtin_lowerings.py` for the table). The
+graph has dynamic batch and sequence axes, and optionally past key values.
+
+Why the dynamo exporter: the TorchScript one (`dynamo=False`) also exports transformers 5.23
+Llama with a DynamicCache, about 10x faster, but it bakes Python branches on sizes into the
+graph (its tracer warns on `q_length == 1` and `padding_length > 0` in the mask code) and is
+deprecated; torch.export keeps those shapes symbolic.
+"""
+
+import contextlib
+import logging
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx_ir as ir
+import torch
+from torch import nn
+
+import quantlab
+from quantlab.export import placeholder
+from quantlab.export.errors import ExportError
+from quantlab.export.lower import lower_placeholders, operator_counts
+from quantlab.export.lowering import lowering_for
+from quantlab.export.saving import save_model, staged_output, stored_bytes
+from quantlab.export.tracking import ModuleTracker, module_of_failed_node, short_reason
+from quantlab.export.wrappers import ExportSpec, build_spec
+from quantlab.nn import QuantizedLinear
+
+logger = logging.getLogger(__name__)
+_WRAPPER_PREFIX = "model."  # the wrappers hold the model as `self.model`
+
+
+@dataclass
+class OnnxExport:
+    """What `to_onnx` wrote."""
+
+    path: Path
+    bytes: int
+    kind: str
+    with_past: bool
+    input_names: list[str]
+    output_names: list[str]
+    operators: dict[str, int]
+    layer_operators: dict[str, str] = field(default_factory=dict)
+    ort_dynamic_int8: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "output": str(self.path),
+            "bytes": self.bytes,
+            "kind": self.kind,
+            "with_past": self.with_past,
+            "ort_dynamic_int8": self.ort_dynamic_int8,
+            "inputs": self.input_names,
+            "outputs": self.output_names,
+            "operators": self.operators,
+            "quantized_layers": dict(Counter(self.layer_operators.values())),
+        }
+
+
+def to_onnx(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    with_past: bool = False,
+    ort_dynamic_int8: bool = False,
+    overwrite: bool = False,
+) -> OnnxExport:
+    """Export `model` (a transformers causal LM or encoder, float or quantized by quantlab) to `path`.
+
+    `with_past`: causal LMs take and return past key values, for generation (see `OnnxCausalLM`).
+    `ort_dynamic_int8`: run onnxruntime's `quantize_dynamic` (int8 weights and activations)
+    on the float export, for comparison; the model must then have no quantlab layers.
+    The file is written atomically; weights above ~1.8 GB go to `<path>.data`.
+    """
+    check_exportable(model)
+    if ort_dynamic_int8:
+        _check_float(model)
+    with _eval_mode(model):
+        spec = _traced(model, "", build_spec, model, with_past)
+        with placeholder.placeholders(model) as layers:
+            program = _export(spec)
+    layer_operators = lower_placeholders(program.model, layers)
+    onnx_model = program.model
+    for key, value in {**spec.metadata, "quantlab.version": quantlab.__version__}.items():
+        onnx_model.metadata_props[key] = value
+    with staged_output(path, overwrite) as staged:
+        if ort_dynamic_int8:
+            float_path = staged.parent / ("float-" + staged.name)
+            save_model(onnx_model, float_path)
+            from quantlab.export.ort_quantize import quantize_dynamic_int8
+
+            quantize_dynamic_int8(float_path, staged)
+            operators = operator_counts(ir.load(staged))
+        else:
+            save_model(onnx_model, staged)
+            operators = operator_counts(onnx_model)
+    path = Path(path)
+    return OnnxExport(
+        path=path,
+        bytes=stored_bytes(path),
+        kind=spec.kind,
+        with_past=with_past,
+        input_names=spec.input_names,
+        output_names=spec.output_names,
+        operators=dict(sorted(operators.items())),
+        layer_operators=layer_operators,
+        ort_dynamic_int8=ort_dynamic_int8,
+    )
+
+
+def check_exportable(model: nn.Module) -> None:
+    """Refuse, by module name, layers the export cannot carry: quantized layers of other libraries
+    and quantlab layers without an ONNX lowering."""
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            lowering_for(name, module)
+            continue
+        for tensor_name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor_name in ("weight", "bias") and not tensor.is_floating_point():
+                raise ExportError(
+                    f"{name}: {type(module).__name__} stores its {tensor_name} as {tensor.dtype}, a quantization "
+                    f"quantlab cannot export; load the model in float, or quantize it with quantlab"
+                )
+            if tensor.device.type == "meta":
+                raise ExportError(f"{name}: {tensor_name} is on the meta device; load the model's weights first")
+
+
+def _check_float(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            raise ExportError(
+                f"{name}: ort_dynamic_int8 quantizes a float export with onnxruntime, but this model is already "
+                f"quantized by quantlab; export the float checkpoint instead"
+            )
+
+
+def _export(spec: ExportSpec) -> "torch.onnx.ONNXProgram":
+    """torch.export, then ONNX translation; failures become `ExportError`s naming the module."""
+    program = _traced(
+        spec.wrapper,
+        _WRAPPER_PREFIX,
+        torch.export.export,
+        spec.wrapper,
+        spec.args,
+        dynamic_shapes=_torch_dims(spec.dynamic_shapes),
+        strict=False,
+    )
+    try:
+        with _quiet_exporter():
+            return torch.onnx.export(
+                program,
+                input_names=spec.input_names,
+                output_names=spec.output_names,
+                dynamic_shapes=spec.dynamic_shapes,
+                custom_translation_table=placeholder.TRANSLATION_TABLE,
+                dynamo=True,
+                optimize=True,
+                verbose=False,
+            )
+    except Exception as error:
+        module = module_of_failed_node(program, error, prefix=_WRAPPER_PREFIX)
+        where = f"{module} ({type(spec.wrapper.model.get_submodule(module)).__name__})" if module else "the model"
+        raise ExportError(f"{where} cannot be converted to ONNX: {short_reason(error)}") from error
+
+
+def _torch_dims(named: tuple) -> tuple:
+    """torch.export takes `Dim`s; the names are given back to the ONNX axes by `torch.onnx.export`."""
+    return tuple(
+        _torch_dims(axes) if isinstance(axes, tuple) else {axis: torch.export.Dim.DYNAMIC for axis in axes}
+        for axes in named
+    )
+
+
+def _traced(root: nn.Module, prefix: str, fn, *args, **kwargs):
+    """Run `fn` while tracking `root`'s modules; an exception is re-raised naming the innermost one."""
+    tracker = ModuleTracker(root, prefix=prefix)
+    try:
+        with tracker.active(), _quiet_exporter():
+            return fn(*args, **kwargs)
+    except ExportError:
+        raise
+    except Exception as error:
+        module = tracker.innermost
+        where = type(root).__name__
+        if module:
+            where = f"{module} ({type(root.get_submodule(prefix + module)).__name__})"
+        raise ExportError(f"{where} cannot be exported: {short_reason(error)}") from error
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter's own deprecation and renaming chatter is not the user's business."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=DeprecationWarning)
+        warnings.simplefilter("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*The axis name.*will not be used.*")
+        yield

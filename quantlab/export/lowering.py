@@ -1,0 +1,203 @@
+"""Lowering one quantized Linear layer into ONNX nodes that compute with its stored weights.
+
+The exported graph holds a placeholder node per quantized layer (see `placeholder.py`); a
+lowering replaces it by onnxruntime operators fed with the layer's own codes and scales.
+Lowerings are looked up by layer class in a table, so a plugin method adds its own with
+`register_onnx_lowering(MyLinear)`; a layer without one is refused, naming it.
+
+Three kinds of nodes are available to a lowering:
+
+- `matmul_nbits`: `com.microsoft::MatMulNBits`, onnxruntime's fused low-bit matmul.
+- `matmul_bnb4`: `com.microsoft::MatMulBnb4`, the NF4/FP4 matmul of bitsandbytes' format.
+- the fallback, `dequantize_matmul`: standard ONNX operators that unpack quantlab's packed
+  codes, compute `(q - zero) * scale` (or a table lookup) and multiply. The file then keeps
+  quantlab's packed bytes (3 bits per 3-bit weight); onnxruntime folds the subgraph into a
+  float weight when it loads the session, so it runs at float speed and float memory.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+import torch
+
+from quantlab.export.errors import ExportError
+from quantlab.export.layouts import Bnb4Weight, NBitsWeight
+from quantlab.nn import QuantizedLinear
+
+MS_DOMAIN = "com.microsoft"
+NF4_QUANT_TYPE = 1
+
+Lowering = Callable[["LayerLowering", QuantizedLinear], ir.Value]
+_LOWERINGS: dict[type, Lowering] = {}
+
+
+def register_onnx_lowering(module_class: type) -> Callable[[Lowering], Lowering]:
+    """Decorator: `fn(ctx, module) -> ir.Value` lowers layers of `module_class` (and subclasses)."""
+
+    def decorator(fn: Lowering) -> Lowering:
+        _LOWERINGS[module_class] = fn
+        return fn
+
+    return decorator
+
+
+def lowering_for(name: str, module: QuantizedLinear) -> Lowering:
+    for cls in type(module).__mro__:
+        if cls in _LOWERINGS:
+            return _LOWERINGS[cls]
+    raise ExportError(
+        f"{name}: no ONNX lowering for quantized layer type {type(module).__name__}; register one with "
+        f"quantlab.export.register_onnx_lowering({type(module).__name__}), or dequantize this layer before export"
+    )
+
+
+@dataclass
+class LayerLowering:
+    """Builds the nodes of one layer: `x` is the layer input, names start with the layer name.
+
+    Initializers go straight into `graph`; `created` is shared by all layers, so a layer called
+    twice (shared weights) reuses its initializers instead of storing them again.
+    """
+
+    name: str
+    x: ir.Value
+    graph: ir.Graph
+    created: dict[str, ir.Value]
+    tape: ir.tape.Tape = field(default_factory=ir.tape.Tape)
+    operator: str = ""  # the operator chosen, for the export summary
+
+    @property
+    def dtype(self) -> ir.DataType:
+        return self.x.dtype
+
+    # -- building blocks -----------------------------------------------------------------
+
+    def initializer(self, suffix: str, tensor: torch.Tensor) -> ir.Value:
+        name = f"{self.name}.{suffix}"
+        if name in self.created:
+            return self.created[name]
+        if name in self.graph.initializers:
+            raise ExportError(f"{self.name}: the exported graph already has an initializer named {name!r}")
+        data = ir.tensor(tensor.detach().contiguous().cpu(), name=name)
+        value = ir.Value(name=name, shape=ir.Shape(data.shape), type=ir.TensorType(data.dtype), const_value=data)
+        self.graph.register_initializer(value)
+        self.created[name] = value
+        return value
+
+    def constant(self, suffix: str, values: list, dtype: torch.dtype) -> ir.Value:
+        return self.initializer(suffix, torch.tensor(values, dtype=dtype))
+
+    def op(self, op_type: str, inputs: list[ir.Value | None], **attributes) -> ir.Value:
+        while inputs and inputs[-1] is None:
+            inputs = inputs[:-1]
+        domain = MS_DOMAIN if op_type in ("MatMulNBits", "MatMulBnb4") else ""
+        return self.tape.op(op_type, inputs, attributes or None, domain=domain)
+
+    def activation_dtype(self) -> torch.dtype:
+        dtypes = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16}
+        dtypes[ir.DataType.BFLOAT16] = torch.bfloat16
+        if self.dtype not in dtypes:
+            raise ExportError(f"{self.name}: cannot export a quantized layer with {self.dtype} activations")
+        return dtypes[self.dtype]
+
+    def bias(self, module: QuantizedLinear) -> ir.Value | None:
+        if module.bias is None:
+            return None
+        return self.initializer("bias", module.bias.to(self.activation_dtype()))
+
+    # -- the three ways to compute a layer ---------------------------------------------------
+
+    def matmul_nbits(self, weight: NBitsWeight, module: QuantizedLinear) -> ir.Value:
+        self.operator = "MatMulNBits"
+        dtype = self.activation_dtype()
+        zero = weight.zero_points
+        return self.op(
+            "MatMulNBits",
+            [
+                self.x,
+                self.initializer("qweight", weight.packed),
+                self.initializer("scales", weight.scales.to(dtype)),
+                None if zero is None else self.initializer("zero_points", zero.to(dtype)),
+                None,  # g_idx (deprecated)
+                self.bias(module),
+            ],
+            K=weight.in_features,
+            N=weight.out_features,
+            bits=weight.bits,
+            block_size=weight.block_size,
+        )
+
+    def matmul_bnb4(self, weight: Bnb4Weight, module: QuantizedLinear) -> ir.Value:
+        self.operator = "MatMulBnb4"
+        y = self.op(
+            "MatMulBnb4",
+            [
+                self.x,
+                self.initializer("qweight", weight.packed),
+                self.initializer("absmax", weight.absmax.to(self.activation_dtype())),
+            ],
+            K=weight.in_features,
+            N=weight.out_features,
+            block_size=weight.block_size,
+            quant_type=NF4_QUANT_TYPE,
+        )
+        return self.add_bias(y, module)
+
+    def dequantize_matmul(self, weight: ir.Value, module: QuantizedLinear) -> ir.Value:
+        """The fallback: `x @ weight.T` with `weight` a float `[N, K]` value built by the lowering."""
+        self.operator = "fallback"
+        y = self.op("MatMul", [self.x, self.op("Transpose", [weight], perm=[1, 0])])
+        return self.add_bias(y, module)
+
+    def add_bias(self, y: ir.Value, module: QuantizedLinear) -> ir.Value:
+        bias = self.bias(module)
+        return y if bias is None else self.op("Add", [y, bias])
+
+    # -- pieces of a dequantization subgraph (the fallback) ------------------------------------
+
+    def unpacked_codes(self, packed: torch.Tensor, bits: int, group_size: int) -> ir.Value:
+        """int64 codes `[N, G, group_size]` from `quantlab.formats.packing` bytes `[N, G, bytes]`.
+
+        Each run of `bits` bytes holds eight codes: the bytes are joined into one integer
+        (little-endian) and code `i` is `(word >> (i * bits)) & (2**bits - 1)`, as in `unpack`.
+        """
+        stored = self.initializer("qweight", packed)
+        out_features, groups, nbytes = packed.shape
+        if bits == 8:
+            return self.op("Cast", [stored], to=ir.DataType.INT64)
+        chunks = nbytes // bits
+        shape = self.constant("chunk_shape", [out_features, groups, chunks, bits], torch.int64)
+        as_bytes = self.op("Cast", [self.op("Reshape", [stored, shape])], to=ir.DataType.INT64)
+        byte_weights = self.constant("byte_weights", [1 << (8 * i) for i in range(bits)], torch.int64)
+        words = self.op(
+            "ReduceSum",
+            [self.op("Mul", [as_bytes, byte_weights]), self.constant("last_axis", [-1], torch.int64)],
+            keepdims=1,
+        )
+        shifts = self.constant("code_shifts", [1 << (bits * i) for i in range(8)], torch.int64)
+        mask = self.constant("code_mask", [(1 << bits) - 1], torch.int64)
+        codes = self.op("BitwiseAnd", [self.op("Div", [words, shifts]), mask])
+        flat_shape = self.constant("code_shape", [out_features, groups, chunks * 8], torch.int64)
+        codes = self.op("Reshape", [codes, flat_shape])
+        if chunks * 8 == group_size:
+            return codes
+        return self.slice_last(codes, group_size, "group")
+
+    def to_float(self, value: ir.Value) -> ir.Value:
+        return self.op("Cast", [value], to=self.dtype)
+
+    def grouped_param(self, suffix: str, tensor: torch.Tensor) -> ir.Value:
+        """A `[N, G]` scale or zero as stored (its own dtype), cast to float `[N, G, 1]`."""
+        stored = self.initializer(suffix, tensor)
+        return self.op("Unsqueeze", [self.to_float(stored), self.constant(f"{suffix}_axis", [-1], torch.int64)])
+
+    def ungroup(self, grouped: ir.Value, out_features: int, in_features: int) -> ir.Value:
+        """`[N, G, group_size]` → `[N, in_features]`, dropping the padding of the last group."""
+        rows = self.op("Reshape", [grouped, self.constant("row_shape", [out_features, -1], torch.int64)])
+        return self.slice_last(rows, in_features, "row")
+
+    def slice_last(self, value: ir.Value, length: int, what: str) -> ir.Value:
+        starts = self.constant(f"{what}_start", [0], torch.int64)
+        ends = self.constant(f"{what}_end", [length], torch.int64)
+        return self.op("Slice", [value, starts, ends, self.constant(f"{what}_axis", [-1], torch.int64)])

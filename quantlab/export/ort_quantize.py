@@ -1,0 +1,23 @@
+"""onnxruntime's own dynamic int8 quantization of a float export, the baseline quantlab compares to.
+
+`quantize_dynamic` re-quantizes the float weights of MatMul (and Gather) nodes to int8 per
+output channel and quantizes activations to uint8 on the fly at run time (DynamicQuantizeLinear
++ MatMulInteger), so its results differ from any quantlab method by both errors.
+"""
+
+from pathlib import Path
+
+from onnxruntime.quantization import QuantType, quantize_dynamic
+
+from quantlab.export.saving import EXTERNAL_DATA_THRESHOLD, data_file
+
+
+def quantize_dynamic_int8(float_model: Path, output: Path) -> None:
+    size = float_model.stat().st_size + (data_file(float_model).stat().st_size if data_file(float_model).exists() else 0)
+    quantize_dynamic(
+        float_model,
+        output,
+        weight_type=QuantType.QInt8,
+        per_channel=True,
+        use_external_data_format=size > EXTERNAL_DATA_THRESHOLD,
+    )
