@@ -111,25 +111,63 @@ class Completed:
         return [line for line in self.stderr.splitlines() if line.strip()]
 
 
-def run_cli(*args: str | os.PathLike, cwd: Path | None = None, module: str = "quantlab.cli.main") -> Completed:
-    """Run `python -m quantlab.cli.main ARGS` in a fresh process (stderr is a pipe: no progress bars)."""
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=environment,
-        timeout=600,
-    )
-    return Completed(result.returncode, result.stdout, result.stderr)
+class Cli:
+    """Runs quantlab and Python in fresh processes (stderr is a pipe, so no progress bars)."""
+
+    tiny_eval = TINY_EVAL
+
+    @staticmethod
+    def run(*args: str | os.PathLike, env: dict[str, str] | None = None) -> Completed:
+        """`python -m quantlab.cli.main ARGS`."""
+        return Cli.command([sys.executable, "-m", "quantlab.cli.main", *map(str, args)], env=env)
+
+    @staticmethod
+    def python(code: str, *args: str | os.PathLike) -> Completed:
+        return Cli.command([sys.executable, "-c", code, *map(str, args)])
+
+    @staticmethod
+    def command(command: list[str | os.PathLike], env: dict[str, str] | None = None) -> Completed:
+        environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+        result = subprocess.run(list(map(str, command)), capture_output=True, text=True, env=environment, timeout=900)
+        return Completed(result.returncode, result.stdout, result.stderr)
+
+    @staticmethod
+    def assert_user_error(result: Completed, *fragments: str, notes_before: bool = False) -> None:
+        """Exit code 2 and one last line on stderr, `quantlab: error: ...`, naming the fragments; no traceback.
+
+        `notes_before`: the command may have printed progress notes before failing; otherwise
+        the error must be all of stderr.
+        """
+        assert result.returncode == 2, (result.returncode, result.stderr)
+        assert "Traceback" not in result.stderr, result.stderr
+        lines = result.error_lines
+        assert lines and lines[-1].startswith("quantlab: error: "), result.stderr
+        if notes_before:
+            assert sum(line.startswith("quantlab: error:") for line in lines) == 1, result.stderr
+        else:
+            assert len(lines) == 1, result.stderr
+        for fragment in fragments:
+            assert fragment in lines[-1], (fragment, lines[-1])
 
 
-def assert_user_error(result: Completed, *fragments: str) -> None:
-    """Exit code 2, exactly one line on stderr, starting `quantlab: error:`, naming the fragments."""
-    assert result.returncode == 2, (result.returncode, result.stderr)
-    assert len(result.error_lines) == 1, result.stderr
-    line = result.error_lines[0]
-    assert line.startswith("quantlab: error: "), line
-    for fragment in fragments:
-        assert fragment in line, (fragment, line)
+@pytest.fixture(scope="session")
+def cli() -> type[Cli]:
+    return Cli
+
+
+@dataclass
+class QuantizeRun:
+    output: Path
+    result: Completed
+
+
+@pytest.fixture(scope="session")
+def quantized_llama(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> QuantizeRun:
+    """The tiny Llama quantized to 3 bits in groups of 32, with --eval, reported as JSON."""
+    output = tmp_path_factory.mktemp("quantized") / "llama-3bit"
+    result = Cli.run(
+        "quantize", llama_dir, "--method", "custom_bits", "--bits", "3", "--group-size", "32",
+        "--output", output, "--eval", *TINY_EVAL, "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return QuantizeRun(output, result)

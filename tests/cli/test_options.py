@@ -1,0 +1,147 @@
+"""Flags generated from config dataclasses: types, parsing, defaults, and errors (in-process)."""
+
+import argparse
+import dataclasses
+import enum
+from typing import Literal
+
+import pytest
+
+from quantlab import ConfigError, CustomBitsConfig, Int8SymmetricConfig, NF4Config, QuantlabConfig, UnknownMethodError
+from quantlab.cli import options
+from quantlab.cli.main import main, parse
+
+
+class Speed(enum.Enum):
+    FAST = "fast"
+    EXACT = "exact"
+
+
+@dataclasses.dataclass(repr=False)
+class EveryTypeConfig(QuantlabConfig):
+    """A config with one field of each kind the CLI understands (not registered)."""
+
+    method = "every_type"
+
+    count: int = 3
+    ratio: float | None = 0.5
+    label: str = "x"
+    enabled: bool = True
+    maybe: bool | None = None
+    layers: list[str] = dataclasses.field(default_factory=list)
+    mode: Literal["a", "b"] = "a"
+    speed: Speed = Speed.FAST
+    table: dict[str, int] = dataclasses.field(default_factory=dict, metadata={"help": "a mapping"})
+
+
+def specs_of(config_class: type) -> dict[str, options.OptionSpec]:
+    return {spec.name: spec for spec in options.option_specs(config_class)}
+
+
+def test_flags_follow_the_config_fields_of_every_builtin() -> None:
+    for config_class in (Int8SymmetricConfig, NF4Config, CustomBitsConfig):
+        assert sorted(specs_of(config_class)) == sorted(config_class.option_names())
+    flags = [spec.flag for spec in options.option_specs(CustomBitsConfig)]
+    # The method's own options first, the shared ones after.
+    assert flags == ["--bits", "--group-size", "--symmetric", "--scale-dtype", "--modules-to-not-convert"]
+
+
+def test_kinds_and_defaults_come_from_annotations() -> None:
+    specs = specs_of(EveryTypeConfig)
+    kinds = {name: (spec.kind, spec.optional) for name, spec in specs.items()}
+    assert kinds == {
+        "count": ("int", False),
+        "ratio": ("float", True),
+        "label": ("str", False),
+        "enabled": ("bool", False),
+        "maybe": ("bool", True),
+        "layers": ("list", False),
+        "mode": ("choice", False),
+        "speed": ("choice", False),
+        "table": ("json", False),
+        "modules_to_not_convert": ("list", True),
+    }
+    assert specs["count"].default == 3
+    assert specs["layers"].default == []
+    assert specs["table"].help == "a mapping"
+    assert specs["enabled"].usage == "--enabled/--no-enabled"
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "value"),
+    [
+        ("count", "7", 7),
+        ("ratio", "none", None),
+        ("ratio", "0.25", 0.25),
+        ("maybe", "yes", True),
+        ("maybe", "None", None),
+        ("layers", "lm_head, model.layers.0.mlp", ["lm_head", "model.layers.0.mlp"]),
+        ("layers", "", []),
+        ("mode", "b", "b"),
+        ("speed", "exact", Speed.EXACT),
+        ("table", '{"a": 1}', {"a": 1}),
+    ],
+)
+def test_parse_turns_text_into_field_values(name: str, text: str, value: object) -> None:
+    assert specs_of(EveryTypeConfig)[name].parse(text) == value
+
+
+def test_group_size_accepts_channel_for_per_channel() -> None:
+    assert specs_of(CustomBitsConfig)["group_size"].parse("channel") is None
+
+
+@pytest.mark.parametrize(("name", "text"), [("count", "three"), ("mode", "c"), ("maybe", "perhaps"), ("table", "{")])
+def test_parse_rejects_text_of_the_wrong_type(name: str, text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=specs_of(EveryTypeConfig)[name].flag):
+        specs_of(EveryTypeConfig)[name].parse(text)
+
+
+def test_parsed_flags_build_the_config_and_absent_flags_keep_its_defaults() -> None:
+    args = parse(["quantize", "--method", "custom_bits", "--bits", "3", "--no-symmetric", "--output", "x"])
+    config = options.config_from_args(args)
+    assert config == CustomBitsConfig(bits=3, symmetric=False)
+    args = parse(["quantize", "--method", "int8", "--group-size", "channel", "--output", "x"])
+    assert options.config_from_args(args) == Int8SymmetricConfig(group_size=None)
+    args = parse(["quantize", "--method", "nf4", "--modules-to-not-convert", "lm_head,mlp", "--output", "x"])
+    assert options.config_from_args(args).modules_to_not_convert == ["lm_head", "mlp"]
+
+
+def test_invalid_values_raise_the_configs_own_error() -> None:
+    args = parse(["quantize", "--method", "custom_bits", "--bits", "9", "--output", "x"])
+    with pytest.raises(ConfigError, match="bits=9 is not valid"):
+        options.config_from_args(args)
+
+
+def test_unknown_method_lists_the_known_ones() -> None:
+    with pytest.raises(UnknownMethodError, match=r"known methods: .*custom_bits.*int8.*nf4"):
+        parse(["quantize", "--method", "nope", "--output", "x"])
+
+
+def test_another_methods_flag_is_named_with_its_owner() -> None:
+    message = options.explain_unrecognized(["--bits", "3"], "nf4")
+    assert message.startswith("--bits is not an option of method 'nf4' (--bits is an option of custom_bits)")
+    assert "--blocksize INT" in message
+
+
+def test_a_field_that_clashes_with_a_command_flag_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    @dataclasses.dataclass(repr=False)
+    class ClashConfig(QuantlabConfig):
+        method = "clash"
+        output: str = "x"
+
+    class FakeMethod:
+        name, config_class, description = "clash", ClashConfig, "clashes"
+
+    monkeypatch.setattr("quantlab.registry.get_method", lambda name: FakeMethod)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output")
+    with pytest.raises(options.QuantlabError, match="clashes with the command's own --output"):
+        options.add_method_options(parser, "clash")
+
+
+def test_method_help_lists_that_methods_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["quantize", "--method", "custom_bits", "--help"]) == 0
+    shown = capsys.readouterr().out
+    assert "custom_bits options" in shown
+    assert "--group-size INT|none" in shown
+    assert "--symmetric, --no-symmetric" in shown

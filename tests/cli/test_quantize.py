@@ -1,0 +1,114 @@
+"""`quantlab quantize` end to end, each run in a fresh process."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.subprocess
+
+RELOAD_IN_NEW_PROCESS = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+layers = [type(m).__name__ for m in model.modules() if hasattr(m, "stored_bytes")]
+ids = torch.tensor([tokenizer("Hello quantized world")["input_ids"]])
+logits = model(ids).logits
+print(len(layers), sorted(set(layers)), bool(torch.isfinite(logits).all()))
+"""
+
+
+def test_quantize_writes_a_checkpoint_and_a_json_report(quantized_llama) -> None:
+    report = quantized_llama.result.json()
+    assert report["command"] == "quantize"
+    assert report["method"] == "custom_bits"
+    assert report["config"]["bits"] == 3 and report["config"]["group_size"] == 32
+    assert report["layers_quantized"] == 14
+    assert report["layers_kept"] == ["lm_head"]
+    assert report["parameters"] == 131_392  # the tiny Llama's parameters, quantized or not
+    # 3-bit codes plus a float16 scale and zero point per 32 weights: 3 + 32/32 bits.
+    assert report["bits_per_quantized_weight"] == pytest.approx(4.0)
+    assert report["size_after_bytes"] < 0.5 * report["size_before_bytes"]
+    assert report["peak_memory_bytes"] > 0
+    assert math.isfinite(report["perplexity_before"]) and math.isfinite(report["perplexity_after"])
+    assert report["perplexity_after"] != report["perplexity_before"]
+    files = {path.name for path in quantized_llama.output.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "quantlab_report.json"} <= files
+    saved = json.loads((quantized_llama.output / "quantlab_report.json").read_text())
+    assert saved["perplexity_after"] == report["perplexity_after"]
+
+
+def test_the_checkpoint_reloads_in_a_new_process_with_its_tokenizer(cli, quantized_llama) -> None:
+    result = cli.python(RELOAD_IN_NEW_PROCESS, quantized_llama.output)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == "14 ['CustomBitsLinear'] True"
+
+
+def test_no_temporary_folder_is_left_beside_the_output(quantized_llama) -> None:
+    assert [path.name for path in quantized_llama.output.parent.iterdir()] == [quantized_llama.output.name]
+
+
+def test_the_report_table_is_printed_without_progress_bars_when_stderr_is_a_pipe(
+    cli, llama_dir: Path, tmp_path: Path
+) -> None:
+    result = cli.run("quantize", llama_dir, "--method", "nf4", "--output", tmp_path / "out", "--eval", *cli.tiny_eval)
+    assert result.returncode == 0, result.stderr
+    for label in ("layers", "parameters", "stored bits", "size on disk", "time", "peak memory", "perplexity"):
+        assert f"\n  {label} " in result.stdout, label
+    assert "14 quantized, 1 kept in float (lm_head)" in result.stdout
+    assert "%|" not in result.stderr  # no tqdm bar
+    assert "quantizing" in result.stderr  # the notes still go to stderr
+
+
+def test_overwrite_replaces_an_existing_output(cli, llama_dir: Path, tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "old.txt").write_text("previous run")
+    result = cli.run("quantize", llama_dir, "--method", "int8", "--output", output, "--overwrite", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert not (output / "old.txt").exists()
+    assert (output / "model.safetensors").is_file()
+    assert result.stderr == ""  # --quiet: nothing but the report
+
+
+def test_a_gguf_file_is_dequantized_then_quantized(cli, gguf_file: Path, tmp_path: Path) -> None:
+    output = tmp_path / "from-gguf"
+    result = cli.run("quantize", gguf_file, "--method", "nf4", "--output", output, "--eval", *cli.tiny_eval, "--json")
+    assert result.returncode == 0, result.stderr
+    report = result.json()
+    assert report["layers_quantized"] == 14
+    assert report["size_before_bytes"] == gguf_file.stat().st_size
+    assert math.isfinite(report["perplexity_after"])
+    assert cli.python(RELOAD_IN_NEW_PROCESS, output).stdout.split("\n")[0] == "14 ['NF4Linear'] True"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["from-gguf"]  # the float copy is gone
+
+
+def test_an_encoder_is_quantized_through_its_own_class(cli, bert_dir: Path, tmp_path: Path) -> None:
+    output = tmp_path / "bert-int8"
+    result = cli.run("quantize", bert_dir, "--method", "int8", "--group-size", "32", "--output", output, "--json")
+    assert result.returncode == 0, result.stderr
+    assert result.json()["layers_quantized"] == 13  # 2 x (q, k, v, o, up, down) + pooler
+    code = (
+        "import sys; from transformers import AutoModel; print(type(AutoModel.from_pretrained(sys.argv[1])).__name__)"
+    )
+    assert cli.python(code, output).stdout.strip() == "BertModel"
+
+
+def test_modules_to_not_convert_keeps_layers_in_float(cli, llama_dir: Path, tmp_path: Path) -> None:
+    result = cli.run(
+        "quantize", llama_dir, "--method", "nf4", "--modules-to-not-convert", "lm_head,down_proj",
+        "--output", tmp_path / "out", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = result.json()
+    assert report["layers_quantized"] == 12
+    assert sorted(report["layers_kept"]) == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+
+
+def test_python_dash_m_quantlab_cli_runs_the_same_command(cli) -> None:
+    result = cli.command([sys.executable, "-m", "quantlab.cli", "methods", "--json"])
+    assert result.returncode == 0, result.stderr
+    assert {"custom_bits", "int8", "nf4"} <= {method["name"] for method in result.json()["methods"]}
