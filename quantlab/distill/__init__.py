@@ -1,0 +1,31 @@
+"""Knowledge distillation on the shared training loop.
+
+```python
+from quantlab.distill import DistillationConfig, distillation_trainer
+
+trainer = distillation_trainer(student, teacher, TrainingConfig("runs/kd", max_steps=200), data.train,
+                               distillation=DistillationConfig(alpha=0.5, temperature=2.0),
+                               eval_windows=data.eval_windows)
+trainer.train()
+```
+The teacher may be float or quantized; the student smaller, pruned (its masks are held) or
+quantized with LoRA adapters. They must share a vocabulary.
+"""
+
+from quantlab.distill.compat import VocabularyMismatchError, check_vocabularies, vocabulary_size
+from quantlab.distill.config import DistillationConfig
+from quantlab.distill.hidden import HiddenStateProjection, hidden_state_error
+from quantlab.distill.loss import DistillationLoss, token_kl
+from quantlab.distill.trainer import distillation_trainer
+
+__all__ = [
+    "DistillationConfig",
+    "DistillationLoss",
+    "HiddenStateProjection",
+    "VocabularyMismatchError",
+    "check_vocabularies",
+    "distillation_trainer",
+    "hidden_state_error",
+    "token_kl",
+    "vocabulary_size",
+]

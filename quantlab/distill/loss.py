@@ -1,0 +1,76 @@
+"""The distillation loss, as a loss function of the shared training loop (`quantlab.training.loss`).
+
+Per micro-batch: the teacher (an extra module of the loop, frozen, in eval mode) runs without
+gradients; the student runs with its labels, giving the cross-entropy; the KL term compares
+both next-token distributions at exactly the positions the cross-entropy scores (labels not
+padding). Every term is a sum over those tokens divided by `num_items`, the token count of the
+whole optimizer step, as the loop requires, so gradient accumulation and several processes
+give the exact token mean. The terms are logged as `kl`, `ce` (and `hidden_mse`).
+"""
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantlab.distill.compat import VocabularyMismatchError
+from quantlab.distill.config import DistillationConfig
+from quantlab.distill.hidden import hidden_state_error
+from quantlab.training.data import IGNORE_INDEX
+from quantlab.training.loss import LossOutput
+
+if TYPE_CHECKING:
+    from quantlab.training.trainer import Trainer
+
+TEACHER = "teacher"
+HIDDEN_PROJECTION = "hidden_projection"
+
+
+def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """`KL(softmax(t/T) || softmax(s/T))` for each row of `[tokens, vocab]` logits, in float32: `[tokens]`."""
+    teacher_log_probs = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    student_log_probs = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    return F.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True).sum(-1)
+
+
+class DistillationLoss:
+    """`alpha * T^2 * KL + (1 - alpha) * CE (+ hidden_weight * MSE)`, reading the teacher from the loop."""
+
+    def __init__(self, config: DistillationConfig | None = None) -> None:
+        self.config = config or DistillationConfig()
+
+    def __call__(
+        self, trainer: "Trainer", model: nn.Module, batch: dict[str, torch.Tensor], num_items: int
+    ) -> LossOutput:
+        config = self.config
+        teacher = trainer.extra_modules[TEACHER]
+        hidden = config.matches_hidden_states
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        with torch.no_grad():
+            teacher_out = teacher(**inputs, output_hidden_states=hidden)
+        student_out = model(**batch, num_items_in_batch=num_items, output_hidden_states=hidden)
+        scored = batch["labels"][:, 1:] != IGNORE_INDEX  # the positions the cross-entropy scores
+        student_logits = student_out.logits[:, :-1][scored]
+        teacher_logits = teacher_out.logits[:, :-1][scored]
+        if student_logits.shape[-1] != teacher_logits.shape[-1]:
+            raise VocabularyMismatchError(
+                f"the teacher gives {teacher_logits.shape[-1]} logits per token, the student "
+                f"{student_logits.shape[-1]}: they do not share a vocabulary"
+            )
+        kl = token_kl(teacher_logits, student_logits, config.temperature).sum() / num_items
+        ce = student_out.loss
+        loss = config.alpha * config.temperature**2 * kl + (1.0 - config.alpha) * ce
+        metrics = {"kl": kl.detach(), "ce": ce.detach()}
+        if hidden:
+            mse = self._hidden_error(trainer, student_out, teacher_out, scored) / num_items
+            loss = loss + config.hidden_weight * mse
+            metrics["hidden_mse"] = mse.detach()
+        return LossOutput(loss=loss, metrics=metrics)
+
+    def _hidden_error(self, trainer: "Trainer", student_out, teacher_out, scored: torch.Tensor) -> torch.Tensor:
+        pairs = self.config.layer_pairs
+        student_states = [student_out.hidden_states[s][:, :-1][scored] for s, _ in pairs]
+        teacher_states = [teacher_out.hidden_states[t][:, :-1][scored] for _, t in pairs]
+        projected = trainer.extra_modules[HIDDEN_PROJECTION](student_states)
+        return hidden_state_error(projected, teacher_states).sum()
