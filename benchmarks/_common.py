@@ -1,0 +1,67 @@
+"""Shared helpers of the benchmarks: the default text, tables, the environment, JSON output."""
+
+import json
+import platform
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantlab.eval.data import bundled_text_path
+from quantlab.utils.atomic import atomic_file
+
+# The shared evaluation text of baselines.md, beside the repository; the bundled excerpt has
+# the same first 16 x 512 SmolLM2 tokens, so the harness gives the same perplexities on it.
+SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw-test.txt"
+
+
+def default_text_path() -> Path:
+    return SHARED_TEXT if SHARED_TEXT.is_file() else bundled_text_path()
+
+
+@contextmanager
+def stopwatch() -> Iterator[dict[str, float]]:
+    """`with stopwatch() as t: ...` then `t["seconds"]`."""
+    timing = {"seconds": 0.0}
+    start = time.perf_counter()
+    try:
+        yield timing
+    finally:
+        timing["seconds"] = time.perf_counter() - start
+
+
+def environment() -> dict[str, Any]:
+    packages = ("torch", "transformers", "bitsandbytes", "hqq", "quantlab", "quantlab-hqq")
+    versions = {}
+    for name in packages:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "packages": versions,
+    }
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table; numbers are expected pre-formatted as strings, None prints as blank."""
+    cells = [[("" if value is None else str(value)) for value in row] for row in rows]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def number(value: float | None, digits: int) -> str | None:
+    return None if value is None else f"{value:.{digits}f}"
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    with atomic_file(path) as staging:
+        staging.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")

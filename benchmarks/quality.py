@@ -1,0 +1,392 @@
+"""Quality of quantlab's methods on real weights, beside bitsandbytes run in the same process.
+
+SmolLM2-135M-Instruct: perplexity with the shared harness (WikiText-2, 16 windows of 512
+tokens, notes/baselines.md), stored bits per quantized weight measured from the saved
+safetensors file, checkpoint size, and the time `from_pretrained` takes to load and quantize.
+all-MiniLM-L6-v2 (genuine fp32 weights): mean (and worst) cosine similarity of mean-pooled
+sentence embeddings to fp32 on 256 non-empty WikiText lines.
+
+Every model is quantized the way users do it, `from_pretrained(..., quantization_config=...)`.
+Peer figures from notes/baselines.md are printed beside ours where they exist.
+
+    python benchmarks/quality.py                 # everything (about an hour on 2 busy cores)
+    python benchmarks/quality.py --quick         # a representative subset
+    python benchmarks/quality.py --json out.json --text path/to/wiki.test.raw
+"""
+
+import argparse
+import gc
+import logging
+import math
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from _common import default_text_path, environment, format_table, number, stopwatch, write_json
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+import quantlab
+from quantlab.eval import perplexity
+from quantlab.eval.data import read_text
+from quantlab.eval.models import minilm_dir, smollm2_dir
+from quantlab.eval.size import checkpoint_storage
+
+HARNESS_WINDOWS, HARNESS_SEQ_LEN = 16, 512
+MINILM_LINES, MINILM_MAX_TOKENS = 256, 256  # sentence-transformers' max_seq_length for this model
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row: how to build the quantization config, and the peer figure to print beside it."""
+
+    name: str
+    family: str  # "float", "quantlab", "plugin" or "bitsandbytes"
+    make_config: Callable[[], Any] | None
+    peer: tuple[float, str] | None = None
+    quick: bool = False
+
+
+@dataclass
+class Row:
+    name: str
+    family: str
+    perplexity: float | None = None
+    cosine_mean: float | None = None
+    cosine_min: float | None = None
+    bits_per_weight: float | None = None
+    checkpoint_mb: float | None = None
+    load_seconds: float | None = None
+    eval_seconds: float | None = None
+    peer_perplexity: float | None = None
+    peer_source: str | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# -- the variants -------------------------------------------------------------------------
+
+
+def builtin_variants() -> list[Variant]:
+    rtn = "RTN, baselines.md"
+    variants = [
+        Variant("fp32", "float", None, (36.077, "baselines.md"), quick=True),
+        Variant("int8 (per channel)", "quantlab", quantlab.Int8SymmetricConfig, (36.079, rtn), quick=True),
+        Variant("nf4 b64 + double quant", "quantlab", quantlab.NF4Config, (45.610, "bnb NF4+DQ"), quick=True),
+        Variant("nf4 b64", "quantlab", lambda: quantlab.NF4Config(double_quant=False), (45.673, "bnb NF4")),
+    ]
+    for bits in (8, 4, 3, 2):
+        for group in (64, 128):
+            peer = (52.749, rtn) if (bits, group) == (4, 64) else None
+            variants.append(
+                Variant(
+                    f"custom_bits {bits}-bit g{group} asym",
+                    "quantlab",
+                    lambda bits=bits, group=group: quantlab.CustomBitsConfig(bits=bits, group_size=group),
+                    peer,
+                    quick=(bits, group) == (4, 64),
+                )
+            )
+    return variants
+
+
+def plugin_variants() -> tuple[list[Variant], list[str]]:
+    """The `hqq` plugin's rows, if it is installed (plugins/quantlab-hqq)."""
+    if "hqq" not in quantlab.list_methods():
+        return [], ["plugin method 'hqq' is not installed (pip install -e plugins/quantlab-hqq): its rows are skipped"]
+    config_class = quantlab.get_method("hqq").config_class
+    peers = {(4, 64): 44.479, (4, 128): 49.983, (3, 64): 345.46}
+    variants = [
+        Variant(
+            f"hqq (plugin) {bits}-bit g{group}",
+            "plugin",
+            lambda bits=bits, group=group: config_class.from_options({"bits": bits, "group_size": group}),
+            (peer, "hqq package, baselines.md"),
+            quick=(bits, group) == (4, 64),
+        )
+        for (bits, group), peer in peers.items()
+    ]
+    return variants, []
+
+
+def bitsandbytes_variants() -> tuple[list[Variant], list[str]]:
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        return [], ["bitsandbytes is not installed (pip install 'quantlab[compare]'): its rows are skipped"]
+
+    def nf4(double_quant: bool) -> Callable[[], Any]:
+        return lambda: BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
+
+    return [
+        Variant("bitsandbytes nf4 + double quant", "bitsandbytes", nf4(True), (45.610, "baselines.md"), quick=True),
+        Variant("bitsandbytes nf4", "bitsandbytes", nf4(False), (45.673, "baselines.md")),
+        Variant(
+            "bitsandbytes LLM.int8",
+            "bitsandbytes",
+            lambda: BitsAndBytesConfig(load_in_8bit=True),
+            (36.822, "baselines.md"),
+        ),
+    ], []
+
+
+# -- measuring ----------------------------------------------------------------------------
+
+
+def load(model_class: type, directory: Path, variant: Variant) -> tuple[torch.nn.Module, float]:
+    config = variant.make_config() if variant.make_config else None
+    with stopwatch() as timing:
+        model = model_class.from_pretrained(
+            directory, dtype=torch.float32, quantization_config=config, local_files_only=True
+        )
+    return model.eval(), timing["seconds"]
+
+
+def measure_storage(model: torch.nn.Module, row: Row, float_directory: Path) -> None:
+    """Bits per quantized weight and checkpoint size, from what `save_pretrained` writes."""
+    if row.family == "float":
+        row.bits_per_weight = 32.0
+        row.checkpoint_mb = sum(f.stat().st_size for f in float_directory.glob("*.safetensors")) / 1e6
+        return
+    with tempfile.TemporaryDirectory(prefix="quantlab-quality-") as directory:
+        model.save_pretrained(directory)
+        storage = checkpoint_storage(directory, model=model)
+    row.bits_per_weight = storage.bits_per_weight
+    row.checkpoint_mb = storage.file_bytes / 1e6
+    row.extra["quantized_layers"] = len(storage.layers)
+
+
+def smollm2_row(variant: Variant, tokenizer: Any, text: str, windows: int) -> Row:
+    directory = smollm2_dir()
+    row = Row(variant.name, variant.family)
+    if variant.peer and windows == HARNESS_WINDOWS:
+        row.peer_perplexity, row.peer_source = variant.peer
+    model, row.load_seconds = load(AutoModelForCausalLM, directory, variant)
+    measure_storage(model, row, directory)
+    with stopwatch() as timing:
+        row.perplexity = perplexity(model, tokenizer, text, seq_len=HARNESS_SEQ_LEN, windows=windows)
+    row.eval_seconds = timing["seconds"]
+    return row
+
+
+def sentence_embeddings(model: torch.nn.Module, tokenizer: Any, lines: list[str], batch: int = 32) -> torch.Tensor:
+    """Mean pooling over the attention mask, as sentence-transformers configures all-MiniLM-L6-v2."""
+    chunks = []
+    with torch.inference_mode():
+        for start in range(0, len(lines), batch):
+            encoded = tokenizer(
+                lines[start : start + batch],
+                padding=True,
+                truncation=True,
+                max_length=MINILM_MAX_TOKENS,
+                return_tensors="pt",
+            )
+            hidden = model(**encoded).last_hidden_state.float()
+            mask = encoded["attention_mask"].unsqueeze(-1).float()
+            chunks.append((hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9))
+    return torch.cat(chunks)
+
+
+def minilm_row(variant: Variant, tokenizer: Any, lines: list[str], reference: torch.Tensor | None) -> Row:
+    directory = minilm_dir()
+    row = Row(variant.name, variant.family)
+    model, row.load_seconds = load(AutoModel, directory, variant)
+    measure_storage(model, row, directory)
+    with stopwatch() as timing:
+        embeddings = sentence_embeddings(model, tokenizer, lines)
+    row.eval_seconds = timing["seconds"]
+    row.extra["embeddings"] = embeddings
+    if reference is not None:
+        cosine = F.cosine_similarity(embeddings, reference, dim=-1)
+        row.cosine_mean, row.cosine_min = float(cosine.mean()), float(cosine.min())
+    return row
+
+
+def guarded(measure: Callable[[], Row], variant: Variant) -> Row:
+    """Run one row; a failing peer tool must not cost the other rows, so its error becomes the row."""
+    try:
+        return measure()
+    except Exception as error:  # reported in the table, logged with its traceback
+        logging.getLogger("quality").exception("%s failed", variant.name)
+        return Row(variant.name, variant.family, error=f"{type(error).__name__}: {error}".splitlines()[0][:160])
+    finally:
+        gc.collect()
+
+
+# -- reports ------------------------------------------------------------------------------
+
+
+def smollm2_table(rows: list[Row]) -> str:
+    reference = next((r.perplexity for r in rows if r.family == "float" and r.perplexity), None)
+    body = []
+    for r in rows:
+        change = None
+        if reference and r.perplexity is not None:
+            change = f"{100 * (r.perplexity / reference - 1):+.1f} %"
+        peer = f"{r.peer_perplexity:.3f} ({r.peer_source})" if r.peer_perplexity else None
+        body.append(
+            [
+                r.name,
+                number(r.perplexity, 3) if r.error is None else f"failed: {r.error}",
+                change,
+                peer,
+                number(r.bits_per_weight, 3),
+                number(r.checkpoint_mb, 1),
+                number(r.load_seconds, 1),
+                number(r.eval_seconds, 0),
+            ]
+        )
+    columns = [
+        "SmolLM2-135M",
+        "perplexity",
+        "vs fp32",
+        "peer perplexity",
+        "bits / quantized weight (file)",
+        "checkpoint MB",
+        "load + quantize s",
+        "eval s",
+    ]
+    return format_table(columns, body)
+
+
+def minilm_table(rows: list[Row]) -> str:
+    body = [
+        [
+            r.name,
+            number(r.cosine_mean, 5) if r.error is None else f"failed: {r.error}",
+            number(r.cosine_min, 5),
+            number(r.bits_per_weight, 3),
+            number(r.checkpoint_mb, 1),
+            number(r.load_seconds, 1),
+        ]
+        for r in rows
+    ]
+    columns = [
+        "all-MiniLM-L6-v2",
+        f"mean cosine to fp32 ({MINILM_LINES} lines)",
+        "worst cosine",
+        "bits / quantized weight (file)",
+        "checkpoint MB",
+        "load + quantize s",
+    ]
+    return format_table(columns, body)
+
+
+def acceptance(rows: list[Row]) -> list[dict[str, Any]]:
+    """The acceptance criteria of issue 2 that this benchmark measures."""
+    by_name = {r.name: r for r in rows}
+    checks = [
+        ("int8 (per channel)", "perplexity", 36.12),
+        ("nf4 b64 + double quant", "perplexity", 45.84),
+        ("nf4 b64 + double quant", "bits_per_weight", 4.13),
+        ("custom_bits 4-bit g64 asym", "perplexity", 52.75),
+    ]
+    results = []
+    for name, metric, limit in checks:
+        row = by_name.get(name)
+        value = getattr(row, metric) if row else None
+        results.append(
+            {"row": name, "metric": metric, "limit": limit, "value": value, "ok": value is not None and value <= limit}
+        )
+    return results
+
+
+# -- main ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--text", type=Path, default=None, help="evaluation text (default: the shared WikiText-2)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    parser.add_argument("--quick", action="store_true", help="a representative subset of the rows")
+    parser.add_argument("--models", choices=["smollm2", "minilm", "both"], default="both")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (baselines.md used 2)")
+    parser.add_argument(
+        "--windows",
+        type=int,
+        default=HARNESS_WINDOWS,
+        help=f"perplexity windows (default {HARNESS_WINDOWS}, the harness; other values drop the peer figures)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(args.threads)
+    text_path = args.text or default_text_path()
+    text = read_text(text_path)
+
+    variants = builtin_variants()
+    notes: list[str] = []
+    for more, more_notes in (plugin_variants(), bitsandbytes_variants()):
+        variants += more
+        notes += more_notes
+    if args.quick:
+        variants = [v for v in variants if v.quick]
+    for note in notes:
+        print(f"note: {note}", flush=True)
+    print(f"text: {text_path}; threads: {torch.get_num_threads()}; rows: {len(variants)}", flush=True)
+
+    report: dict[str, Any] = {"environment": environment(), "text": str(text_path), "windows": args.windows}
+    report["notes"] = notes
+    if args.models in ("smollm2", "both"):
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
+        rows = []
+        for variant in variants:
+            rows.append(guarded(lambda v=variant: smollm2_row(v, tokenizer, text, args.windows), variant))
+            print(f"  smollm2 {variant.name}: {_summary(rows[-1])}", flush=True)
+        print("\n" + smollm2_table(rows) + "\n", flush=True)
+        report["smollm2"] = [asdict(r) for r in rows]
+        report["acceptance"] = acceptance(rows)
+        for check in report["acceptance"]:
+            value = "missing" if check["value"] is None else f"{check['value']:.3f}"
+            verdict = "ok" if check["ok"] else "NOT MET"
+            print(f"acceptance: {check['row']} {check['metric']} {value} <= {check['limit']}: {verdict}")
+    if args.models in ("minilm", "both"):
+        report["minilm"] = run_minilm(variants, text)
+    if args.json:
+        write_json(args.json, report)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def run_minilm(variants: list[Variant], text: str) -> list[dict[str, Any]]:
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True)
+    lines = [line.strip() for line in text.splitlines() if line.strip()][:MINILM_LINES]
+    reference = None
+    rows = []
+    for variant in variants:
+        row = guarded(lambda v=variant, ref=reference: minilm_row(v, tokenizer, lines, ref), variant)
+        embeddings = row.extra.pop("embeddings", None)
+        if variant.family == "float" and embeddings is not None:
+            reference = embeddings
+            row.cosine_mean = row.cosine_min = 1.0
+        rows.append(row)
+        print(f"  minilm {variant.name}: {_summary(row)}", flush=True)
+    print("\n" + minilm_table(rows) + "\n", flush=True)
+    return [asdict(r) for r in rows]
+
+
+def _summary(row: Row) -> str:
+    if row.error:
+        return f"failed: {row.error}"
+    metric = f"ppl {row.perplexity:.3f}" if row.perplexity is not None else f"cos {row.cosine_mean}"
+    bits = "" if row.bits_per_weight is None or math.isnan(row.bits_per_weight) else f", {row.bits_per_weight:.3f} b/w"
+    return f"{metric}{bits}, load {row.load_seconds:.1f} s, eval {row.eval_seconds:.0f} s"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
