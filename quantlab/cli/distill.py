@@ -1,0 +1,354 @@
+"""`quantlab distill --teacher T --student S --steps N --output DIR`: train a student to match a teacher.
+
+The teacher (float, quantized or sparse checkpoint) runs frozen; the student learns from
+`alpha * T^2 * KL + (1 - alpha) * CE` on the shared training loop: all its weights but the
+embeddings, or LoRA adapters (`--lora-r`, required for a quantized student, merged into it at
+the end). A sparse student (written by `quantlab prune`) keeps its masks and is saved sparse.
+Training text: the bundled WikiText-2 slice after the evaluation windows, or `--data FILE`.
+
+This module also holds the training options `quantlab prune --finetune-steps` shares.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from quantlab.cli.console import Console, add_output_options, disk_size, key_value_table, seconds
+from quantlab.cli.evaluation import TextSpec, add_text_options, measure_perplexity, read_text
+from quantlab.cli.models import (
+    float_checkpoint,
+    load_model,
+    load_tokenizer,
+    model_class,
+    quantization_method_of,
+    read_config,
+    resolve_model,
+    save_checkpoint,
+    weights_size,
+)
+from quantlab.errors import QuantlabError
+
+REPORT_FILE = "quantlab_report.json"
+
+
+# -- options shared with `quantlab prune` -------------------------------------------------------------
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, learning_rate: float) -> None:
+    group = parser.add_argument_group("training (the shared loop)")
+    group.add_argument("--batch-size", type=int, default=4, metavar="N", help="examples per micro-batch (default: 4)")
+    group.add_argument(
+        "--train-seq-len", type=int, default=256, metavar="N", help="tokens per training example (default: 256)"
+    )
+    group.add_argument("--grad-accum", type=int, default=1, metavar="K", help="micro-batches per step (default: 1)")
+    group.add_argument(
+        "--learning-rate", type=float, default=learning_rate, metavar="LR", help=f"(default: {learning_rate:g})"
+    )
+    group.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="(default: fp32)")
+    group.add_argument("--data", metavar="FILE", help="training text, .txt or .jsonl (default: the bundled text)")
+    group.add_argument("--run-dir", metavar="DIR", help="keep the run's log and checkpoints here (default: temporary)")
+    group.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps (--run-dir)")
+    group.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    group.add_argument("--seed", type=int, default=0, help="(default: 0)")
+
+
+def add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("distillation loss")
+    group.add_argument("--alpha", type=float, default=0.5, help="share of the KL term (default: 0.5)")
+    group.add_argument("--temperature", type=float, default=2.0, help="softmax temperature T (default: 2.0)")
+    group.add_argument(
+        "--hidden-weight", type=float, default=0.0, help="weight of last-hidden-state matching (default: 0, off)"
+    )
+
+
+def check_training_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad training options before any model is loaded."""
+    for name in ("batch_size", "grad_accum"):
+        if getattr(args, name) < 1:
+            raise QuantlabError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.train_seq_len < 2:
+        raise QuantlabError("--train-seq-len must be at least 2")
+    if args.resume and not args.run_dir:
+        raise QuantlabError("--resume continues the run kept in --run-dir; pass --run-dir DIR")
+    if args.save_every and not args.run_dir:
+        raise QuantlabError("--save-every writes checkpoints into --run-dir; pass --run-dir DIR")
+    if args.data is not None and not Path(args.data).expanduser().is_file():
+        raise QuantlabError(f"--data {args.data}: no such file")
+
+
+def distillation_config(args: argparse.Namespace):
+    from quantlab.distill import DistillationConfig
+
+    return DistillationConfig(alpha=args.alpha, temperature=args.temperature, hidden_weight=args.hidden_weight)
+
+
+@contextlib.contextmanager
+def run_directory(args: argparse.Namespace, output: Path) -> Iterator[Path]:
+    """`--run-dir`, or a temporary folder beside the output that is removed afterwards."""
+    if args.run_dir:
+        path = Path(args.run_dir).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{output.name}.run-", dir=output.parent) as folder:
+        yield Path(folder)
+
+
+def training_config(args: argparse.Namespace, steps: int, run_dir: Path):
+    from quantlab.training import TrainingConfig
+
+    return TrainingConfig(
+        run_dir,
+        max_steps=steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        learning_rate=args.learning_rate,
+        lr_scheduler="cosine",
+        warmup_ratio=0.05,
+        precision=args.precision,
+        save_every=args.save_every,
+        resume_from="latest" if args.resume else None,
+        seed=args.seed,
+        progress_bar=not Console.from_args(args).silent,
+        tensorboard=False,
+    )
+
+
+def training_data(args: argparse.Namespace, tokenizer: Any):
+    """Training examples, with the first 16 x 512 tokens held out (the evaluation windows of the bundled text)."""
+    from quantlab.training import bundled_data, causal_lm_data, read_documents
+
+    if tokenizer is None:
+        raise QuantlabError("training needs the model's tokenizer, and the model folder has none")
+    if args.data is None:
+        return bundled_data(tokenizer, seq_len=args.train_seq_len)
+    return causal_lm_data(tokenizer, read_documents(Path(args.data).expanduser()), seq_len=args.train_seq_len)
+
+
+def load_checkpoint(folder: Path) -> Any:
+    """A float, quantized or sparse checkpoint (a sparse one with its pruning masks), in eval mode."""
+    import torch
+
+    from quantlab.prune import is_sparse_checkpoint, load_sparse
+
+    cls = model_class(read_config(folder))
+    if is_sparse_checkpoint(folder):
+        return load_sparse(folder, dtype=torch.float32)
+    return load_model(folder, cls, dtype=torch.float32)
+
+
+def is_quantized(folder: Path) -> bool:
+    return quantization_method_of(read_config(folder)) is not None
+
+
+def freeze_embeddings(model: Any) -> None:
+    """Train the decoder layers only: the (often tied) embeddings and output head stay as they are."""
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None:
+            module.requires_grad_(False)
+
+
+def save_model(model: Any, tokenizer: Any, output: Path, overwrite: bool) -> None:
+    """Sparse storage when the model carries pruning masks, `save_pretrained` otherwise (atomically)."""
+    from quantlab.prune import masked_layers, save_sparse
+    from quantlab.utils.atomic import atomic_directory
+
+    if masked_layers(model):
+        save_sparse(model, output, tokenizer=tokenizer, overwrite=overwrite)
+        return
+    with atomic_directory(output, overwrite=overwrite) as staging:
+        save_checkpoint(model, tokenizer, staging)
+
+
+def write_report(output: Path, report: dict[str, Any]) -> None:
+    """The command's report as JSON beside the checkpoint it describes."""
+    from quantlab.utils.atomic import atomic_file
+
+    with atomic_file(output / REPORT_FILE) as staging:
+        staging.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def check_output(output: Path, overwrite: bool, *inputs: Path) -> None:
+    from quantlab.utils.atomic import OutputExistsError
+
+    if output.exists() and not overwrite:
+        raise OutputExistsError(f"output {output} already exists; pass --overwrite to replace it, or pick another")
+    for path in inputs:
+        if output.resolve() == path.resolve():
+            raise QuantlabError(f"--output {output} is one of the input models; write somewhere else")
+
+
+# -- the command --------------------------------------------------------------------------------------
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "distill",
+        help="distill a teacher model into a student on the shared training loop",
+        description="Train a student (float, pruned, or quantized with --lora-r) to match a frozen teacher "
+        "(float or quantized) with alpha*T^2*KL + (1-alpha)*CE. Both must share a tokenizer.",
+    )
+    parser.add_argument("--teacher", required=True, metavar="T", help="teacher model folder or .gguf file")
+    parser.add_argument("--student", required=True, metavar="S", help="student model folder (float, sparse, quantized)")
+    parser.add_argument("--steps", type=int, required=True, metavar="N", help="optimizer steps")
+    parser.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write the student to")
+    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    parser.add_argument("--lora-r", type=int, metavar="R", help="train LoRA adapters of rank R (quantized students)")
+    add_distillation_arguments(parser)
+    add_training_arguments(parser, learning_rate=1e-4)
+    parser.add_argument("--eval", action="store_true", help="measure the student's perplexity before and after")
+    add_text_options(parser)
+    add_output_options(parser)
+
+
+@dataclasses.dataclass
+class DistillReport:
+    teacher: str
+    student: str
+    output: str
+    steps: int
+    alpha: float
+    temperature: float
+    hidden_weight: float
+    lora_r: int | None
+    loss: float | None
+    train_seconds: float
+    size_bytes: int
+    perplexity_teacher: float | None = None
+    perplexity_before: float | None = None
+    perplexity_after: float | None = None
+    evaluation_text: str | None = None
+
+    def as_table(self) -> str:
+        rows = [
+            ("loss", f"alpha={self.alpha:g}, T={self.temperature:g}, hidden_weight={self.hidden_weight:g}"),
+            ("training", f"{self.steps} steps, {seconds(self.train_seconds)}, final loss {self.loss:.4f}"),
+            ("student", f"LoRA r={self.lora_r} (merged)" if self.lora_r else "all weights but embeddings"),
+            ("size on disk", disk_size(self.size_bytes)),
+        ]
+        if self.perplexity_after is not None:
+            rows.append(
+                (
+                    "perplexity",
+                    f"teacher {self.perplexity_teacher:.3f}; student {self.perplexity_before:.3f} -> "
+                    f"{self.perplexity_after:.3f} on {self.evaluation_text}",
+                )
+            )
+        return key_value_table(f"distilled {self.teacher} -> {self.student} -> {self.output}", rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console.from_args(args)
+    if args.steps < 1:
+        raise QuantlabError("--steps must be at least 1")
+    check_training_arguments(args)
+    distillation = distillation_config(args)
+    if args.lora_r is not None and args.lora_r < 1:
+        raise QuantlabError("--lora-r must be at least 1")
+    output = Path(args.output).expanduser()
+    text = read_text(args) if args.eval else None
+    teacher_source, student_source = resolve_model(args.teacher), resolve_model(args.student)
+    check_output(output, args.overwrite, teacher_source.path, student_source.path)
+    with (
+        float_checkpoint(teacher_source, scratch=output.parent, progress=console.progress) as teacher_folder,
+        float_checkpoint(student_source, scratch=output.parent, progress=console.progress) as student_folder,
+    ):
+        report = distill_checkpoints(args, teacher_folder, student_folder, output, distillation, text, console)
+    report.teacher, report.student = str(teacher_source), str(student_source)
+    console.report(report.as_table(), {"command": "distill", **dataclasses.asdict(report)})
+    return 0
+
+
+def distill_checkpoints(
+    args: argparse.Namespace,
+    teacher_folder: Path,
+    student_folder: Path,
+    output: Path,
+    distillation: Any,
+    text: TextSpec | None,
+    console: Console,
+) -> DistillReport:
+    from quantlab.distill import check_vocabularies, distillation_trainer
+
+    quantized_student = is_quantized(student_folder)
+    if quantized_student and args.lora_r is None:
+        raise QuantlabError(
+            f"the student {student_folder} is quantized: its weights cannot train directly; pass --lora-r R to "
+            f"train LoRA adapters on it (merged into it at the end)"
+        )
+    teacher_tokenizer, student_tokenizer = load_tokenizer(teacher_folder), load_tokenizer(student_folder)
+    tokenizer = student_tokenizer or teacher_tokenizer
+    console.note(f"loading the teacher {teacher_folder} and the student {student_folder}")
+    teacher, student = load_checkpoint(teacher_folder), load_checkpoint(student_folder)
+    check_vocabularies(teacher, student, teacher_tokenizer, student_tokenizer)
+    report = DistillReport(
+        teacher=str(teacher_folder), student=str(student_folder), output=str(output), steps=args.steps,
+        alpha=distillation.alpha, temperature=distillation.temperature, hidden_weight=distillation.hidden_weight,
+        lora_r=args.lora_r, loss=None, train_seconds=0.0, size_bytes=0,
+    )  # fmt: skip
+    if text is not None:
+        console.note(f"measuring perplexity on {text.describe()}")
+        report.perplexity_teacher = measure_perplexity(teacher, tokenizer, text, console)
+        report.perplexity_before = measure_perplexity(student, tokenizer, text, console)
+        report.evaluation_text = text.describe()
+    trainable = _prepare_student(student, args.lora_r, quantized_student)
+    data = training_data(args, tokenizer)
+    from quantlab.training import CausalLMCollator
+
+    started = time.perf_counter()
+    with run_directory(args, output) as run_dir:
+        config = training_config(args, args.steps, run_dir)
+        trainer = distillation_trainer(
+            trainable, teacher, config, data.train, distillation=distillation,
+            collator=CausalLMCollator.for_tokenizer(tokenizer),
+        )  # fmt: skip
+        result = trainer.train()
+    report.loss, report.train_seconds = result.loss, time.perf_counter() - started
+    student = _finish_student(trainable, args.lora_r, quantized_student)
+    del teacher
+    if text is not None:
+        report.perplexity_after = measure_perplexity(student, tokenizer, text, console)
+    save_model(student, tokenizer, output, args.overwrite)
+    report.size_bytes = weights_size(output)
+    write_report(output, dataclasses.asdict(report))
+    return report
+
+
+def _prepare_student(student: Any, lora_r: int | None, quantized: bool) -> Any:
+    from quantlab.training import add_lora, prepare_for_kbit_training
+
+    student.train()
+    if lora_r is None:
+        freeze_embeddings(student)
+        return student
+    if quantized:
+        prepare_for_kbit_training(student)
+    else:
+        student.requires_grad_(False)
+    return add_lora(student, r=lora_r, alpha=2 * lora_r, dropout=0.0)
+
+
+def _finish_student(trained: Any, lora_r: int | None, quantized: bool) -> Any:
+    """The plain student: LoRA merged (re-quantized if the base is), pruning masks re-applied after a merge."""
+    from quantlab.prune import attach_mask, mask_of, masked_layers
+    from quantlab.training import merge_to_float, merge_to_quantized
+
+    if lora_r is None:
+        return trained.eval()
+    masks = {_base_name(name): mask_of(layer) for name, layer in masked_layers(trained).items()}
+    merged = merge_to_quantized(trained) if quantized else merge_to_float(trained)
+    modules = dict(merged.named_modules())
+    for name, mask in masks.items():
+        attach_mask(modules[name], mask)  # the dense LoRA update is pruned back to the student's pattern
+    return merged.eval()
+
+
+def _base_name(name: str) -> str:
+    return name.removeprefix("base_model.model.").removesuffix(".base_layer")

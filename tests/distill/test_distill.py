@@ -1,0 +1,122 @@
+"""Distillation on the shared loop with tiny Llamas: the KL falls, pruned students stay pruned, runs resume."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+import quantlab
+from quantlab.distill import DistillationConfig, distillation_trainer, token_kl
+from quantlab.prune import mask_of, masked_layers, prune
+from quantlab.testing import tiny_llama
+from quantlab.training import Callback, TokenSequences, TrainingConfig, add_lora, prepare_for_kbit_training
+
+
+def _sequences(count: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (16,), generator=generator) for _ in range(count)]
+
+
+def _teacher() -> torch.nn.Module:
+    """A tiny Llama with confident predictions (its output head scaled up), so there is something to learn."""
+    teacher = tiny_llama(0)
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(30)
+    return teacher
+
+
+def _config(output_dir, **overrides) -> TrainingConfig:
+    output_dir.mkdir(parents=True, exist_ok=True)  # the loop writes log.jsonl there without creating it
+    options = {
+        "max_steps": 12,
+        "batch_size": 8,
+        "learning_rate": 1e-3,
+        "lr_scheduler": "constant",
+        "progress_bar": False,
+        "tensorboard": False,
+    }
+    options.update(overrides)
+    return TrainingConfig(output_dir, **options)
+
+
+def _heldout_kl(teacher, student) -> float:
+    x = torch.stack(_sequences(8, seed=99))  # never trained on
+    with torch.no_grad():
+        return float(token_kl(teacher(x).logits.flatten(0, 1), student(x).logits.flatten(0, 1)).mean())
+
+
+def test_distillation_lowers_the_kl_to_the_teacher_on_held_out_text(tmp_path):
+    teacher, student = _teacher(), tiny_llama(1).train()
+    before = _heldout_kl(teacher, student)
+    trainer = distillation_trainer(
+        student, teacher, _config(tmp_path), TokenSequences(_sequences(64, seed=0)),
+        distillation=DistillationConfig(alpha=1.0, temperature=1.0),
+    )  # fmt: skip
+    trainer.train()
+    after = _heldout_kl(teacher, student)
+    assert after < 0.7 * before
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert {"kl", "ce", "loss"} <= set(log[-1])
+    assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
+
+
+def test_pruned_student_recovers_and_keeps_its_masks(tmp_path):
+    teacher = _teacher()
+    student = copy.deepcopy(teacher).train()
+    prune(student, "2:4")
+    masks = {name: mask_of(layer).clone() for name, layer in masked_layers(student).items()}
+    before = _heldout_kl(teacher, student)
+    trainer = distillation_trainer(student, teacher, _config(tmp_path), TokenSequences(_sequences(64, seed=0)))
+    trainer.train()  # KeepMasks is added because the student carries masks
+    assert _heldout_kl(teacher, student) < before
+    for name, layer in masked_layers(student).items():
+        assert not bool(layer.weight[~masks[name]].any()), name
+
+
+def test_quantized_teacher_and_quantized_student_with_lora(tmp_path):
+    teacher = quantlab.quantize(_teacher(), quantlab.NF4Config(blocksize=32))
+    student = quantlab.quantize(tiny_llama(1), quantlab.Int8SymmetricConfig())
+    student = add_lora(prepare_for_kbit_training(student), r=4)
+    before = _heldout_kl(teacher, student)
+    trainer = distillation_trainer(
+        student, teacher, _config(tmp_path, learning_rate=1e-2), TokenSequences(_sequences(64, seed=0)),
+        distillation=DistillationConfig(alpha=0.8, temperature=1.0),
+    )  # fmt: skip
+    trainer.train()
+    assert _heldout_kl(teacher, student) < before
+    assert (tmp_path / "final" / "adapter_config.json").is_file()
+
+
+class _Interrupt(Exception):
+    pass
+
+
+class _StopAt(Callback):
+    def on_step_begin(self, trainer):
+        if trainer.state.step == 3:
+            raise _Interrupt
+
+
+def test_resume_with_hidden_matching_continues_bit_identically(tmp_path):
+    distillation = DistillationConfig(alpha=0.5, temperature=2.0, hidden_weight=0.1)
+    data = TokenSequences(_sequences(32, seed=0))
+
+    def run(output_dir, student, callbacks=(), **overrides):
+        config = _config(output_dir, max_steps=5, batch_size=4, grad_accum=2, save_every=2, **overrides)
+        trainer = distillation_trainer(
+            student, _teacher(), config, data, distillation=distillation, callbacks=list(callbacks)
+        )
+        trainer.train()
+        return trainer
+
+    straight = run(tmp_path / "straight", tiny_llama(1).train())
+    with pytest.raises(_Interrupt):
+        run(tmp_path / "resumed", tiny_llama(1).train(), callbacks=[_StopAt()])
+    resumed = run(tmp_path / "resumed", tiny_llama(1).train(), resume_from="latest")
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    projection = [m.state_dict() for m in (straight.extra_modules["hidden_projection"],)]
+    resumed_projection = resumed.extra_modules["hidden_projection"].state_dict()
+    for name, tensor in projection[0].items():
+        assert torch.equal(tensor, resumed_projection[name]), name
