@@ -152,9 +152,28 @@ def model_fingerprint(model: nn.Module) -> dict[str, Any]:
     return {
         "model_class": type(base).__name__,
         "model_config": _digest(config_text),
+        "frozen_weights": frozen_weights_digest(model),
         "trainable_parameters": len(layout),
         "trainable_layout": _digest(json.dumps(layout)),
     }
+
+
+def frozen_weights_digest(model: nn.Module, samples: int = 1024) -> str:
+    """A hash of evenly spaced samples of every frozen tensor: tells two checkpoints of one architecture apart.
+
+    Sampling keeps it to milliseconds on a large model; two different trainings or quantizations
+    differ in nearly every element, so they differ in the samples too.
+    """
+    digest = hashlib.sha256()
+    tensors = [(n, p) for n, p in model.named_parameters() if not p.requires_grad] + list(model.named_buffers())
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() == 0 or flat.device.type == "meta":
+            continue
+        step = max(1, flat.numel() // samples)
+        digest.update(name.encode())
+        digest.update(flat[::step].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], checkpoint: Path) -> None:

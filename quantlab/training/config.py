@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from quantlab.errors import ConfigError
+from quantlab.training.optimizers import check_optimizer_name
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -77,6 +78,7 @@ class TrainingConfig:
             raise ConfigError(f"learning_rate={self.learning_rate!r} must be > 0")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm={self.max_grad_norm!r} must be > 0, or None to turn clipping off")
+        check_optimizer_name(self.optim)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r} is not valid; choose one of {', '.join(PRECISIONS)}")
         if self.lr_scheduler not in SCHEDULES:

@@ -39,7 +39,7 @@ def current_memory_bytes(device: torch.device | None = None) -> int:
 
 def release_cached_memory() -> None:
     """Empty the accelerator's cache and, on glibc, return freed heap pages to the system."""
-    from accelerate.utils import clear_device_cache
+    from accelerate.utils.memory import clear_device_cache
 
     clear_device_cache(garbage_collection=False)
     _malloc_trim()

@@ -107,19 +107,44 @@ def float_weight(layer: nn.Module) -> torch.Tensor:
         return layer.dequantize_weight(torch.float32)
     if type(layer) is nn.Linear:
         return layer.weight.detach().float()
+    return _bitsandbytes_weight(layer)
+
+
+def _bitsandbytes_weight(layer: nn.Module) -> torch.Tensor:
+    """bitsandbytes' dequantized weight.
+
+    On CPU, bitsandbytes' first eval-mode forward repacks a 4-bit weight for a bf16 kernel, in
+    place and for good; the repacking is undone here, but its bf16 absmax is what remains.
+    """
     from peft.utils.integrations import dequantize_module_weight
 
+    weight = layer.weight
+    state = getattr(weight, "quant_state", None)
+    if getattr(state, "packing_format_for_cpu", False):
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
     return dequantize_module_weight(layer).float()
 
 
 def _dequantize_rest(model: nn.Module, dtype: torch.dtype) -> None:
+    """Dequantize the layers no adapter covered, and drop the model's quantization markers."""
     hf_quantizer = getattr(model, "hf_quantizer", None)
+    if not any(_is_quantized_linear(module) for module in model.modules()):
+        if hf_quantizer is not None:
+            hf_quantizer.remove_quantization_config(model)
+        return
     if hf_quantizer is not None and hasattr(model, "dequantize"):
         model.dequantize(dtype=dtype)
         return
     from quantlab.convert import dequantize_layers
 
     dequantize_layers(model, dtype)
+
+
+def _is_quantized_linear(module: nn.Module) -> bool:
+    """quantlab layers, and Linear subclasses that store quantized weights (bitsandbytes)."""
+    return isinstance(module, QuantizedLinear) or (isinstance(module, nn.Linear) and type(module) is not nn.Linear)
 
 
 def _check_lora(model: nn.Module) -> None:

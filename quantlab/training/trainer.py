@@ -315,6 +315,7 @@ class Trainer:
         """Resume if asked; otherwise refuse to mix a new run into a folder holding another's checkpoints."""
         config = self.config
         if self.accelerator.is_main_process:
+            output_dir.mkdir(parents=True, exist_ok=True)
             ckpt.remove_staging_leftovers(output_dir)
         self.accelerator.wait_for_everyone()
         if config.resume_from is not None:

@@ -1,0 +1,91 @@
+"""Fixtures for the training tests: tiny Llamas (float or quantized, with LoRA), token data, quick configs.
+
+The builders are handed out as fixtures (`make_qlora`, `make_data`, `make_config`) because the
+suite imports test modules with `--import-mode=importlib`, where test modules cannot import helpers.
+"""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from quantlab.convert import quantize
+from quantlab.registry import get_method, list_methods
+from quantlab.testing import tiny_llama
+from quantlab.training import TokenSequences, TrainingConfig, add_lora, prepare_for_kbit_training
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per byte (ids 0..255, the tiny models' vocabulary); id 0 doubles as EOS and padding."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={char: i for i, char in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.eos_token = alphabet[0]
+    tokenizer.pad_token = alphabet[0]
+    return tokenizer
+
+
+def default_configs() -> list:
+    """Every registered method (plugins included) with its default options."""
+    return [get_method(name).config_class() for name in list_methods()]
+
+
+def qlora_model(
+    config=None, seed: int = 0, r: int = 4, dropout: float = 0.0, checkpointing: bool = False, lora_seed: int = 1
+):
+    """A tiny Llama, quantized with `config` (float if None), with LoRA on every projection."""
+    torch.manual_seed(seed)
+    model = tiny_llama(seed)
+    if config is not None:
+        quantize(model, config)
+        prepare_for_kbit_training(model, activation_checkpointing=checkpointing)
+    else:
+        model.requires_grad_(False)
+    torch.manual_seed(lora_seed)
+    return add_lora(model, r=r, alpha=2 * r, dropout=dropout, init_lora_weights=False)
+
+
+def token_data(count: int = 48, low: int = 6, high: int = 33, seed: int = 0) -> TokenSequences:
+    """Examples of varied length drawn from a small repeating pattern, so a model can learn them."""
+    generator = torch.Generator().manual_seed(seed)
+    pattern = torch.arange(40) % 13 + 10
+    sequences = []
+    for _ in range(count):
+        length = int(torch.randint(low, high, (), generator=generator))
+        start = int(torch.randint(0, 7, (), generator=generator))
+        sequences.append(pattern[start : start + length])
+    return TokenSequences(sequences)
+
+
+def quick_config(output_dir, **overrides) -> TrainingConfig:
+    options = {
+        "max_steps": 4,
+        "batch_size": 4,
+        "learning_rate": 1e-2,
+        "progress_bar": False,
+        "tensorboard": False,
+    }
+    options.update(overrides)
+    return TrainingConfig(output_dir, **options)
+
+
+@pytest.fixture
+def tokenizer() -> PreTrainedTokenizerFast:
+    return byte_tokenizer()
+
+
+@pytest.fixture
+def make_qlora():
+    return qlora_model
+
+
+@pytest.fixture
+def make_data():
+    return token_data
+
+
+@pytest.fixture
+def make_config():
+    return quick_config
