@@ -89,6 +89,7 @@ def to_onnx(
             program = _export(spec)
     layer_operators = lower_placeholders(program.model, layers)
     onnx_model = program.model
+    _drop_trace_metadata(onnx_model)
     for key, value in {**spec.metadata, "quantlab.version": quantlab.__version__}.items():
         onnx_model.metadata_props[key] = value
     with staged_output(path, overwrite) as staged:
@@ -193,6 +194,13 @@ def _traced(root: nn.Module, prefix: str, fn, *args, **kwargs):
         if module:
             where = f"{module} ({type(root.get_submodule(prefix + module)).__name__})"
         raise ExportError(f"{where} cannot be exported: {short_reason(error)}") from error
+
+
+def _drop_trace_metadata(model: ir.Model) -> None:
+    """The exporter annotates every node with its Python stack and module path: about 3.7 MB on
+    SmolLM2, 2 % of a 4-bit export, useful only to debug the exporter."""
+    for node in model.graph:
+        node.metadata_props.clear()
 
 
 @contextlib.contextmanager

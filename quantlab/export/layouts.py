@@ -62,7 +62,8 @@ def matmul_nbits_weight(
     """Grouped unsigned codes `[N, G, group_size]` (dequantized as `(q - zero) * scale`, zero
     `2**(bits-1)` when None) in `MatMulNBits` layout."""
     if not supports_matmul_nbits(bits, zero is not None):
-        raise ValueError(f"MatMulNBits cannot hold {bits}-bit codes with{'' if zero is not None else 'out'} float zeros")
+        zeros = "float zeros" if zero is not None else "the default zero point"
+        raise ValueError(f"MatMulNBits cannot hold {bits}-bit codes with {zeros}")
     block_size = nbits_block_size(codes.shape[1], codes.shape[2], in_features, bits)
     codes, index = reblock(codes, in_features, block_size)
     return NBitsWeight(

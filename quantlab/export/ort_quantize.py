@@ -9,11 +9,11 @@ from pathlib import Path
 
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
-from quantlab.export.saving import EXTERNAL_DATA_THRESHOLD, data_file
+from quantlab.export.saving import EXTERNAL_DATA_THRESHOLD, stored_bytes
 
 
 def quantize_dynamic_int8(float_model: Path, output: Path) -> None:
-    size = float_model.stat().st_size + (data_file(float_model).stat().st_size if data_file(float_model).exists() else 0)
+    size = stored_bytes(float_model)
     quantize_dynamic(
         float_model,
         output,

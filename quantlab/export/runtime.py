@@ -123,7 +123,7 @@ class OnnxCausalLM:
         self, ids: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray]
     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         outputs = self.session.run(["logits", *self.present_names], {"input_ids": ids, "attention_mask": mask, **past})
-        return outputs[0], dict(zip(self.past_names, outputs[1:]))
+        return outputs[0], dict(zip(self.past_names, outputs[1:], strict=True))
 
 
 def _as_int64(values) -> np.ndarray:

@@ -103,7 +103,7 @@ class CausalLMForExport(nn.Module):
             kwargs["position_ids"] = positions[:, -input_ids.shape[1] :]
         if not self.with_past:
             return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
-        cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])), config=self.model.config)
+        cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2], strict=True)), config=self.model.config)
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, **kwargs
         )
@@ -176,7 +176,7 @@ class EncoderForExport(nn.Module):
         self.output_names = output_names
 
     def forward(self, *inputs: torch.Tensor):
-        out = self.model(**dict(zip(self.input_names, inputs)), return_dict=True)
+        out = self.model(**dict(zip(self.input_names, inputs, strict=True)), return_dict=True)
         return tuple(out[name] for name in self.output_names)
 
 
