@@ -9,9 +9,10 @@ sentence embeddings to fp32 on 256 non-empty WikiText lines.
 Every model is quantized the way users do it, `from_pretrained(..., quantization_config=...)`.
 Peer figures from notes/baselines.md are printed beside ours where they exist.
 
-    python benchmarks/quality.py                 # everything (about an hour on 2 busy cores)
+    python benchmarks/quality.py                 # everything (1-4 hours on 2 cores, depending on their load)
     python benchmarks/quality.py --quick         # a representative subset
     python benchmarks/quality.py --json out.json --text path/to/wiki.test.raw
+    python benchmarks/quality.py --only hqq --only bitsandbytes   # some rows (fp32 always runs)
 """
 
 import argparse
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from _common import default_text_path, environment, format_table, number, stopwatch, write_json
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
 import quantlab
 from quantlab.eval import perplexity
@@ -311,6 +313,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--quick", action="store_true", help="a representative subset of the rows")
     parser.add_argument("--models", choices=["smollm2", "minilm", "both"], default="both")
+    parser.add_argument(
+        "--only", action="append", default=None, metavar="TEXT", help="only rows whose name contains TEXT (repeatable)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (baselines.md used 2)")
     parser.add_argument(
         "--windows",
@@ -325,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)
+    transformers_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     text_path = args.text or default_text_path()
     text = read_text(text_path)
@@ -336,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         notes += more_notes
     if args.quick:
         variants = [v for v in variants if v.quick]
+    if args.only:
+        variants = [v for v in variants if v.family == "float" or any(text in v.name for text in args.only)]
     for note in notes:
         print(f"note: {note}", flush=True)
     print(f"text: {text_path}; threads: {torch.get_num_threads()}; rows: {len(variants)}", flush=True)
