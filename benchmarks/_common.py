@@ -1,6 +1,7 @@
 """Shared helpers of the benchmarks: the default text, tables, the environment, JSON output."""
 
 import json
+import os
 import platform
 import time
 from collections.abc import Iterator, Sequence
@@ -14,13 +15,17 @@ import torch
 from quantlab.eval.data import bundled_text_path
 from quantlab.utils.atomic import atomic_file
 
-# The shared evaluation text of baselines.md, beside the repository; the bundled excerpt has
-# the same first 16 x 512 SmolLM2 tokens, so the harness gives the same perplexities on it.
-SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw-test.txt"
+
+def shared_text_path() -> Path:
+    """The shared evaluation text of baselines.md: `$QUANTLAB_SHARED/data/...`, default `../shared` of the repo."""
+    shared = os.environ.get("QUANTLAB_SHARED") or Path(__file__).resolve().parents[2] / "shared"
+    return Path(shared) / "data" / "wikitext-2-raw-test.txt"
 
 
 def default_text_path() -> Path:
-    return SHARED_TEXT if SHARED_TEXT.is_file() else bundled_text_path()
+    """The shared text when present, else the bundled excerpt: same first 16 x 512 tokens, same perplexities."""
+    shared = shared_text_path()
+    return shared if shared.is_file() else bundled_text_path()
 
 
 @contextmanager

@@ -1,10 +1,12 @@
+import os
 from pathlib import Path
 
 import pytest
 
 from quantlab.eval.data import bundled_text, bundled_text_path, data_dir, read_text
 
-SHARED_TEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2-raw-test.txt"
+SHARED = os.environ.get("QUANTLAB_SHARED") or Path(__file__).resolve().parents[3] / "shared"
+SHARED_TEXT = Path(SHARED) / "data" / "wikitext-2-raw-test.txt"
 needs_shared_text = pytest.mark.skipif(not SHARED_TEXT.is_file(), reason=f"{SHARED_TEXT} is not on this machine")
 
 
