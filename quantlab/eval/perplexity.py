@@ -11,16 +11,20 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from quantlab.errors import QuantlabError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 def perplexity(
     model: nn.Module,
-    tokenizer,
+    tokenizer: "PreTrainedTokenizerBase",
     text: str,
     seq_len: int = 512,
     windows: int = 16,
@@ -32,9 +36,11 @@ def perplexity(
     ids = token_ids(tokenizer, text)
     needed = seq_len * windows
     if len(ids) < needed:
+        fits = len(ids) // seq_len
+        fix = f"pass windows={fits} or less" if fits else f"pass seq_len={len(ids)} or less"
         raise QuantlabError(
             f"the text has {len(ids)} tokens, fewer than the {windows} windows of {seq_len} tokens asked "
-            f"({needed} tokens); pass windows={len(ids) // seq_len} or less, a shorter seq_len, or a longer text"
+            f"({needed} tokens); {fix}, or give a longer text"
         )
     batches = torch.tensor(ids[:needed], dtype=torch.long).view(windows, seq_len)
     losses = window_losses(model, batches, progress=progress)
@@ -42,7 +48,7 @@ def perplexity(
     return math.exp(sum(loss * predicted for loss in losses) / (windows * predicted))
 
 
-def token_ids(tokenizer, text: str) -> list[int]:
+def token_ids(tokenizer: "PreTrainedTokenizerBase", text: str) -> list[int]:
     """The ids of the whole text, as the tokenizer encodes it by default."""
     # verbose=False: the "longer than the maximum sequence length" warning is moot, windows are cut after.
     return list(tokenizer(text, return_attention_mask=False, verbose=False)["input_ids"])

@@ -46,6 +46,11 @@ def test_text_too_short_names_its_length_and_the_fix(tokenizer):
         perplexity(tiny_llama(), tokenizer, TEXT, seq_len=512, windows=16)
 
 
+def test_text_shorter_than_one_window_suggests_a_shorter_window(tokenizer):
+    with pytest.raises(QuantlabError, match=r"has 10 tokens.*pass seq_len=10 or less"):
+        perplexity(tiny_llama(), tokenizer, "ten bytes!", seq_len=64, windows=1)
+
+
 def test_bad_window_arguments_raise(tokenizer):
     with pytest.raises(QuantlabError, match="seq_len >= 2"):
         perplexity(tiny_llama(), tokenizer, TEXT, seq_len=1, windows=4)
