@@ -40,4 +40,5 @@ def registered_kernels() -> dict[tuple[str, str], Kernel]:
     return dict(_KERNELS)
 
 
-from quantlab.kernels import reference  # noqa: E402,F401  (registers the wildcard kernel)
+# The reference registers the wildcard kernel; cpu registers the native kernels for ("<format>", "cpu").
+from quantlab.kernels import cpu, reference  # noqa: E402,F401

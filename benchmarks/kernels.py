@@ -1,0 +1,275 @@
+"""Quantized Linear kernels on CPU, side by side in one process: milliseconds per call and ratios.
+
+    python benchmarks/kernels.py                      # every shape, rows 1/16/128, 5 rounds
+    python benchmarks/kernels.py --shapes 2048x8192 --rows 1 --rounds 9 --json
+
+Candidates: torch fp32 `nn.Linear`; quantlab's reference kernel (dequantize then matmul, 4-bit);
+quantlab's layers as users run them (int8 per channel, 4-bit and 3-bit asymmetric with groups
+of 64, NF4 with double quantization); bitsandbytes NF4 (double quant) and int8 (LLM.int8);
+onnxruntime `MatMulNBits` at 4 and 8 bits, blocks of 64, each a one-node model.
+
+The machine is shared and noisy, so every candidate is timed in every round, in rotated
+order, and each figure is the median over rounds of the median call in that round; ratios are
+taken inside a round (candidates measured seconds apart) and their median and range over
+rounds are printed. The bandwidth bound is the stored weight bytes divided by the measured
+copy bandwidth (bytes read + written per second): the time a kernel needs at one row if it
+only streams its weights from memory (small weights sit in cache and can beat it).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import quantlab
+from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
+from quantlab.kernels.cpu import native
+from quantlab.kernels.reference import dequantize_matmul
+
+SHAPES = [(2048, 8192), (576, 576), (576, 192), (576, 1536), (1536, 576)]
+ROWS = [1, 16, 128]
+Forward = Callable[[torch.Tensor], object]
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+def time_call(forward: Callable[[], object], min_seconds: float = 0.03, min_calls: int = 3) -> float:
+    """Median wall time of one call in milliseconds, after one warm-up call."""
+    forward()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_calls or time.perf_counter() - start < min_seconds:
+        begin = time.perf_counter()
+        forward()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times) * 1e3
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes read plus written per second by a large tensor copy (best of `repeats`)."""
+    source = torch.ones(megabytes << 18)
+    target = torch.empty_like(source)
+    best = min(time_call(lambda: target.copy_(source), 0.0, 1) for _ in range(repeats))
+    return 2 * source.numel() * 4 / (best / 1e3)
+
+
+@dataclass
+class Spread:
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    def text(self, digits: int = 3) -> str:
+        return f"{self.median:.{digits}f}"
+
+    def range_text(self, digits: int = 2) -> str:
+        return f"{self.median:.{digits}f} [{min(self.values):.{digits}f}-{max(self.values):.{digits}f}]"
+
+
+# -- candidates -----------------------------------------------------------------------------------
+
+QUANTLAB = {
+    "ql int8": Int8SymmetricConfig(),
+    "ql 4b": CustomBitsConfig(bits=4, group_size=64),
+    "ql nf4": NF4Config(),
+    "ql 3b": CustomBitsConfig(bits=3, group_size=64),
+}
+
+
+def quantlab_layer(linear: torch.nn.Linear, config) -> quantlab.QuantizedLinear:
+    return quantlab.get_method(config.method).module_class.from_linear(linear, config)
+
+
+def build_candidates(linear: torch.nn.Linear, threads: int) -> tuple[dict[str, Forward], dict[str, int]]:
+    """name -> forward(x), and name -> stored weight bytes."""
+    forwards: dict[str, Forward] = {"torch fp32": linear}
+    sizes = {"torch fp32": linear.weight.numel() * 4}
+    reference = quantlab_layer(linear, QUANTLAB["ql 4b"])
+    forwards["ql ref 4b"] = lambda x: dequantize_matmul(reference, x)
+    for name, config in QUANTLAB.items():
+        layer = quantlab_layer(linear, config)
+        forwards[name] = layer
+        sizes[name] = layer.stored_bytes()
+    forwards.update(bitsandbytes_layers(linear))
+    for bits in (4, 8):
+        forward, size = onnxruntime_matmul_nbits(linear, bits, threads)
+        if forward is not None:
+            forwards[f"ort {bits}b"] = forward
+            sizes[f"ort {bits}b"] = size
+    return forwards, sizes
+
+
+def bitsandbytes_layers(linear: torch.nn.Linear) -> dict[str, Forward]:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return {}
+    weight = linear.weight.data
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nf4 = bnb.nn.Linear4bit(*reversed(weight.shape), bias=False, compute_dtype=torch.float32, quant_type="nf4")
+        nf4.weight = bnb.nn.Params4bit(weight.clone(), requires_grad=False, quant_type="nf4", compress_statistics=True)
+        int8 = bnb.nn.Linear8bitLt(*reversed(weight.shape), bias=False, has_fp16_weights=False)
+        int8.weight = bnb.nn.Int8Params(weight.clone(), requires_grad=False, has_fp16_weights=False)
+        return {"bnb nf4": nf4.to("cpu"), "bnb int8": int8.to("cpu")}
+
+
+def onnxruntime_matmul_nbits(linear: torch.nn.Linear, bits: int, threads: int) -> tuple[Forward | None, int]:
+    """A one-node MatMulNBits model (block 64, zero points) quantized by onnxruntime's own tool."""
+    try:
+        import logging
+
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    except ImportError:
+        return None, 0
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    out_features, in_features = linear.weight.shape
+    weight = numpy_helper.from_array(linear.weight.detach().T.contiguous().numpy(), "W")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", in_features])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", out_features])],
+        [weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=64, is_symmetric=False)
+    quantizer.process()
+    quantized = quantizer.model.model
+    size = sum(numpy_helper.to_array(t).nbytes for t in quantized.graph.initializer)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(quantized.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return (lambda x: session.run(None, {"x": x.numpy()})), size
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+RATIOS = {  # label -> (numerator, denominator): > 1 means the quantlab kernel is faster
+    "fp32 / ql 4b": ("torch fp32", "ql 4b"),
+    "fp32 / ql int8": ("torch fp32", "ql int8"),
+    "bnb nf4 / ql 4b": ("bnb nf4", "ql 4b"),
+    "bnb int8 / ql int8": ("bnb int8", "ql int8"),
+    "ort 4b / ql 4b": ("ort 4b", "ql 4b"),
+    "ort 8b / ql int8": ("ort 8b", "ql int8"),
+    "fp32 / ql nf4": ("torch fp32", "ql nf4"),
+    "fp32 / ql 3b": ("torch fp32", "ql 3b"),
+}
+
+
+def run_case(forwards: dict[str, Forward], in_features: int, rows: int, rounds: int) -> dict[str, Spread]:
+    x = torch.randn(rows, in_features)
+    times = {name: Spread() for name in forwards}
+    names = list(forwards)
+    with torch.no_grad():
+        for round_index in range(rounds):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                times[name].values.append(time_call(lambda name=name: forwards[name](x)))
+    return times
+
+
+def ratios(times: dict[str, Spread]) -> dict[str, Spread]:
+    out = {}
+    for label, (numerator, denominator) in RATIOS.items():
+        if numerator in times and denominator in times:
+            pairs = zip(times[numerator].values, times[denominator].values, strict=True)
+            out[label] = Spread([a / b for a, b in pairs])
+    return out
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    print(f"\n{title}")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES], help="INxOUT")
+    parser.add_argument("--rows", nargs="+", type=int, default=ROWS)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    bandwidth = copy_bandwidth()
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}, "
+        f"quantlab kernels: {native.isa()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"load average {os.getloadavg()[0]:.1f}, {args.rounds} rounds"
+    )
+    results = []
+    for shape in args.shapes:
+        in_features, out_features = (int(v) for v in shape.split("x"))
+        linear = torch.nn.Linear(in_features, out_features, bias=False)
+        torch.nn.init.normal_(linear.weight, std=0.02)
+        linear.requires_grad_(False)
+        forwards, sizes = build_candidates(linear, args.threads)
+        for rows in args.rows:
+            times = run_case(forwards, in_features, rows, args.rounds)
+            bounds = {name: size / bandwidth * 1e3 for name, size in sizes.items()}
+            results.append({"shape": shape, "rows": rows, "times": times, "ratios": ratios(times), "bounds": bounds})
+            print(f"  done {shape} M={rows}", flush=True)
+
+    names = list(results[0]["times"])
+    print_table(
+        "Milliseconds per call (median over rounds; lower is better)",
+        ["shape", "M", *names],
+        [[r["shape"], r["rows"], *(r["times"][n].text() for n in names)] for r in results],
+    )
+    bound_names = [
+        n for n in ("torch fp32", "ql int8", "ql 4b", "ql nf4", "ql 3b", "ort 4b") if n in results[0]["bounds"]
+    ]
+    print_table(
+        "Bandwidth bound at M=1: stored weight bytes / copy bandwidth (ms)",
+        ["shape", *bound_names],
+        [[r["shape"], *(f"{r['bounds'][n]:.3f}" for n in bound_names)] for r in results if r["rows"] == 1],
+    )
+    labels = list(results[0]["ratios"])
+    print_table(
+        "Speed ratios, median [min-max] over rounds (> 1: quantlab faster)",
+        ["shape", "M", *labels],
+        [[r["shape"], r["rows"], *(r["ratios"][label].range_text() for label in labels)] for r in results],
+    )
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+    if args.json:
+        summary = {
+            "threads": args.threads,
+            "copy_bandwidth_gbs": bandwidth / 1e9,
+            "results": [
+                {
+                    "shape": r["shape"],
+                    "rows": r["rows"],
+                    "ms": {n: s.median for n, s in r["times"].items()},
+                    "ms_rounds": {n: s.values for n, s in r["times"].items()},
+                    "ratios": {n: s.median for n, s in r["ratios"].items()},
+                    "bound_ms": r["bounds"],
+                }
+                for r in results
+            ],
+        }
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

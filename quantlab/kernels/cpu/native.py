@@ -1,0 +1,175 @@
+"""Building and loading the native CPU kernels (`quantlab_cpu.c`) through ctypes.
+
+The library is plain C (no Python or torch headers), so it builds in about a second of
+compiler time with any C compiler and does not depend on the torch ABI. It is built once
+per machine into a cache folder (`$QUANTLAB_CACHE/kernels`, default `~/.cache/quantlab`),
+never into the installed package: a read-only or shared installation keeps working, and
+the file name carries a hash of the source, compiler and flags, so an upgraded quantlab
+never loads a stale build. `python -m quantlab.kernels.cpu.build` builds it ahead of time
+(for images and CI); `QUANTLAB_CPU_KERNELS=/path/lib.so` points at a prebuilt one.
+
+Without a C compiler, or with `QUANTLAB_NATIVE_KERNELS=0`, `library()` returns None and
+the layers run on the reference kernel: slower, never wrong.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import warnings
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("quantlab_cpu.c")
+ABI_VERSION = 1
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno"]
+
+
+class NativeBuildError(RuntimeError):
+    """The C compiler is missing or failed; the message holds its output."""
+
+
+class QuantlabCpuWeight(ctypes.Structure):
+    """Mirror of `ql_weight` in quantlab_cpu.c (same fields, same order)."""
+
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("groups", ctypes.c_int64),
+        ("group_size", ctypes.c_int64),
+        ("group_codes", ctypes.c_int64),
+        ("group_bytes", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
+        ("kind", ctypes.c_int32),
+        ("scale", ctypes.c_void_p),
+        ("zero", ctypes.c_void_p),
+        ("scale_dtype", ctypes.c_int32),
+        ("zero_dtype", ctypes.c_int32),
+        ("zero_const", ctypes.c_float),
+        ("absmax_offset", ctypes.c_float),
+        ("absmax_codes", ctypes.c_void_p),
+        ("absmax_scale", ctypes.c_void_p),
+        ("absmax_block", ctypes.c_int64),
+        ("levels", ctypes.c_float * 16),
+        ("absmax_map", ctypes.c_float * 256),
+    ]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("QUANTLAB_CACHE") or Path.home() / ".cache" / "quantlab"
+    return Path(root) / "kernels"
+
+
+def compiler() -> str | None:
+    """The C compiler to use: `$CC`, else the one Python was built with, else cc/gcc/clang."""
+    candidates = [os.environ.get("CC"), (sysconfig.get_config_var("CC") or "").split(" ")[0], "cc", "gcc", "clang"]
+    for candidate in candidates:
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+def _compiler_identity(cc: str) -> str:
+    result = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
+    return result.stdout.splitlines()[0] if result.stdout else cc
+
+
+def library_path(cc: str) -> Path:
+    """Where the build of this source with this compiler lives in the cache."""
+    digest = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        _compiler_identity(cc).encode(),
+        " ".join(_FLAGS).encode(),
+        sys.platform.encode(),
+    ):
+        digest.update(part)
+        digest.update(b"\0")
+    return cache_dir() / f"libquantlab_cpu-{digest.hexdigest()[:16]}.so"
+
+
+def build(target: Path | None = None) -> Path:
+    """Compile the library and return its path (at once if this build already exists).
+
+    Compiles into a temporary file next to the target and renames it into place, so
+    processes building at the same time never load a half-written library.
+    """
+    cc = compiler()
+    if cc is None:
+        raise NativeBuildError("no C compiler found (set CC, or install gcc or clang)")
+    path = target or library_path(cc)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(handle)
+    command = [cc, *_FLAGS, str(SOURCE), "-o", staging]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        Path(staging).unlink(missing_ok=True)
+        raise NativeBuildError(f"compiling the quantlab CPU kernels failed:\n$ {' '.join(command)}\n{result.stderr}")
+    os.replace(staging, path)
+    logger.info("built %s", path)
+    return path
+
+
+def _existing_build() -> Path | None:
+    override = os.environ.get("QUANTLAB_CPU_KERNELS")
+    if override:
+        return Path(override)
+    cc = compiler()
+    path = library_path(cc) if cc else None
+    return path if path is not None and path.exists() else None
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    weight = ctypes.POINTER(QuantlabCpuWeight)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.ql_gemm.argtypes = [weight, ptr, i64, i64, ptr, i64, ctypes.c_int]
+    lib.ql_gemm.restype = ctypes.c_int
+    lib.ql_dequantize.argtypes = [weight, i64, i64, ptr, i64, ctypes.c_int]
+    lib.ql_dequantize.restype = ctypes.c_int
+    lib.ql_isa.restype = ctypes.c_int
+    lib.ql_force_isa.argtypes = [ctypes.c_int]
+    lib.ql_abi_version.restype = ctypes.c_int
+    if lib.ql_abi_version() != ABI_VERSION:
+        raise NativeBuildError(f"library ABI {lib.ql_abi_version()} does not match quantlab's {ABI_VERSION}")
+    return lib
+
+
+def enabled() -> bool:
+    return os.environ.get("QUANTLAB_NATIVE_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
+    try:
+        path = _existing_build() or build()
+        return _bind(ctypes.CDLL(str(path)))
+    except (NativeBuildError, OSError) as error:
+        warnings.warn(
+            f"quantlab's native CPU kernels are unavailable, quantized layers use the slower reference kernel: {error}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded native library, building it on first use; None when disabled or unbuildable."""
+    return _load() if enabled() else None
+
+
+def isa() -> str | None:
+    """Instruction set the kernels run with on this CPU (`avx512`, `avx2`, `scalar`), or None."""
+    lib = library()
+    return None if lib is None else ISA_NAMES[lib.ql_isa()]

@@ -1,0 +1,126 @@
+"""Describing a quantized layer's stored tensors to the native kernels, without copying them.
+
+The kernels read the checkpoint layout as is (codes `[out, groups, bytes]` and per-group
+scales), so nothing is repacked: a description is a C struct of pointers into the layer's
+own buffers. It is cached per layer in a weak dictionary (never on the module, so copying
+or pickling a model is unaffected) and rebuilt when any stored tensor is replaced, modified
+in place (its version counter moves), moved or cast.
+"""
+
+import ctypes
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from quantlab.formats import grouping, nf4
+from quantlab.kernels.cpu.native import QuantlabCpuWeight
+
+AFFINE, INT8, NF4 = 0, 1, 2
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class NativeWeight:
+    """A layer's `QuantlabCpuWeight` plus the tensors its pointers refer to (kept alive here)."""
+
+    def __init__(self, struct: QuantlabCpuWeight, tensors: list[torch.Tensor]) -> None:
+        self.struct = struct
+        self.pointer = ctypes.byref(struct)
+        self.tensors = tensors
+        self.out_features = int(struct.n)
+        self.in_features = int(struct.k)
+
+
+Describer = Callable[[torch.nn.Module], NativeWeight]
+_DESCRIBERS: dict[str, Describer] = {}
+_cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, NativeWeight]]" = weakref.WeakKeyDictionary()
+
+
+def describes(*formats: str) -> Callable[[Describer], Describer]:
+    def decorator(describer: Describer) -> Describer:
+        for format in formats:
+            _DESCRIBERS[format] = describer
+        return describer
+
+    return decorator
+
+
+def supported(format: str) -> bool:
+    return format in _DESCRIBERS
+
+
+def native_weight(module: torch.nn.Module) -> NativeWeight:
+    """The (cached) description of `module`'s stored tensors."""
+    stored = module.stored_tensors()
+    key = (module.format, *((t.data_ptr(), t._version, t.dtype, t.shape) for t in stored.values()))
+    cached = _cache.get(module)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    described = _DESCRIBERS[module.format](module)
+    _cache[module] = (key, described)
+    return described
+
+
+def _readable(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as the kernels read it: contiguous, on CPU, float32/16/bf16 if floating."""
+    tensor = tensor.detach()
+    if tensor.is_floating_point() and tensor.dtype not in _DTYPE_CODES:
+        tensor = tensor.float()
+    return tensor.contiguous()
+
+
+def _base(module: torch.nn.Module, bits: int, kind: int, group_size: int | None) -> tuple[QuantlabCpuWeight, list]:
+    codes = _readable(module.weight)
+    out_features, groups, group_bytes = codes.shape
+    struct = QuantlabCpuWeight()
+    struct.codes = codes.data_ptr()
+    struct.n, struct.k, struct.groups = out_features, module.in_features, groups
+    struct.group_size = grouping.effective_group_size(module.in_features, group_size)
+    struct.group_bytes = group_bytes
+    struct.group_codes = group_bytes * 8 // bits
+    struct.bits, struct.kind = bits, kind
+    return struct, [codes]
+
+
+def _set_scale(struct: QuantlabCpuWeight, keep: list, scale: torch.Tensor, zero: torch.Tensor | None) -> None:
+    scale = _readable(scale)
+    struct.scale, struct.scale_dtype = scale.data_ptr(), _DTYPE_CODES[scale.dtype]
+    keep.append(scale)
+    if zero is not None:
+        zero = _readable(zero)
+        struct.zero, struct.zero_dtype = zero.data_ptr(), _DTYPE_CODES[zero.dtype]
+        keep.append(zero)
+
+
+@describes("int8")
+def _describe_int8(module: torch.nn.Module) -> NativeWeight:
+    struct, keep = _base(module, 8, INT8, module.config.group_size)
+    _set_scale(struct, keep, module.weight_scale, None)
+    struct.zero_const = 0.0
+    return NativeWeight(struct, keep)
+
+
+@describes(*(f"uint{bits}_{kind}" for bits in range(2, 9) for kind in ("sym", "asym")))
+def _describe_custom_bits(module: torch.nn.Module) -> NativeWeight:
+    bits = module.config.bits
+    struct, keep = _base(module, bits, AFFINE, module.config.group_size)
+    _set_scale(struct, keep, module.weight_scale, getattr(module, "weight_zero", None))
+    struct.zero_const = float(1 << (bits - 1))
+    return NativeWeight(struct, keep)
+
+
+@describes("nf4")
+def _describe_nf4(module: torch.nn.Module) -> NativeWeight:
+    struct, keep = _base(module, 4, NF4, module.config.blocksize)
+    struct.levels[:] = nf4.NF4_LEVELS
+    if module.config.double_quant:
+        codes = _readable(module.weight_absmax_codes)
+        scale = _readable(module.weight_absmax_scale).float()
+        struct.absmax_codes, struct.absmax_scale = codes.data_ptr(), scale.data_ptr()
+        struct.absmax_offset = float(module.weight_absmax_offset.float().item())
+        struct.absmax_block = nf4.ABSMAX_BLOCKSIZE
+        struct.absmax_map[:] = nf4.dynamic_map()
+        keep += [codes, scale]
+    else:
+        _set_scale(struct, keep, module.weight_absmax, None)
+    return NativeWeight(struct, keep)
