@@ -186,27 +186,27 @@ class LayerLowering:
     # -- pieces of a dequantization subgraph (the fallback) ------------------------------------
 
     def unpacked_codes(self, packed: torch.Tensor, bits: int, group_size: int) -> ir.Value:
-        """int64 codes `[N, G, group_size]` from `quantlab.formats.packing` bytes `[N, G, bytes]`.
+        """int32 codes `[N, G, group_size]` from `quantlab.formats.packing` bytes `[N, G, bytes]`.
 
-        Each run of `bits` bytes holds eight codes: the bytes are joined into one integer
-        (little-endian) and code `i` is `(word >> (i * bits)) & (2**bits - 1)`, as in `unpack`.
+        Every run of `bits` bytes holds eight codes, code `i` starting at bit `i * bits` (low
+        bits first). A code spans at most two bytes, so it is `(lo + 256 * hi) >> shift & mask`
+        with `lo`, `hi` gathered from the run: small integers only (onnxruntime's int64
+        ReduceSum rounds through double, so joining the run into one 56-bit word is not exact).
         """
         stored = self.initializer("qweight", packed)
         out_features, groups, nbytes = packed.shape
         if bits == 8:
-            return self.op("Cast", [stored], to=ir.DataType.INT64)
+            return self.op("Cast", [stored], to=ir.DataType.INT32)
         chunks = nbytes // bits
         shape = self.constant("chunk_shape", [out_features, groups, chunks, bits], torch.int64)
-        as_bytes = self.op("Cast", [self.op("Reshape", [stored, shape])], to=ir.DataType.INT64)
-        byte_weights = self.constant("byte_weights", [1 << (8 * i) for i in range(bits)], torch.int64)
-        words = self.op(
-            "ReduceSum",
-            [self.op("Mul", [as_bytes, byte_weights]), self.constant("last_axis", [-1], torch.int64)],
-            keepdims=1,
-        )
-        shifts = self.constant("code_shifts", [1 << (bits * i) for i in range(8)], torch.int64)
-        mask = self.constant("code_mask", [(1 << bits) - 1], torch.int64)
-        codes = self.op("BitwiseAnd", [self.op("Div", [words, shifts]), mask])
+        runs = self.op("Cast", [self.op("Reshape", [stored, shape])], to=ir.DataType.INT32)
+        starts = [i * bits for i in range(8)]
+        low = self.op("Gather", [runs, self.constant("low_byte", [s // 8 for s in starts], torch.int64)], axis=3)
+        high_index = [min(s // 8 + 1, bits - 1) for s in starts]  # the last code never needs a next byte
+        high = self.op("Gather", [runs, self.constant("high_byte", high_index, torch.int64)], axis=3)
+        pairs = self.op("Add", [low, self.op("Mul", [high, self.constant("byte", [256], torch.int32)])])
+        shifted = self.op("Div", [pairs, self.constant("code_shift", [1 << (s % 8) for s in starts], torch.int32)])
+        codes = self.op("BitwiseAnd", [shifted, self.constant("code_mask", [(1 << bits) - 1], torch.int32)])
         flat_shape = self.constant("code_shape", [out_features, groups, chunks * 8], torch.int64)
         codes = self.op("Reshape", [codes, flat_shape])
         if chunks * 8 == group_size:
