@@ -23,7 +23,7 @@ from quantlab.cli.console import Console
 from quantlab.errors import QuantlabError
 
 # Module names under quantlab.cli; later subcommands (finetune, prune, distill, export) add theirs.
-COMMANDS: list[str] = ["quantize", "evaluate", "methods", "inspect", "prune", "distill", "export"]
+COMMANDS: list[str] = ["quantize", "evaluate", "methods", "inspect", "prune", "distill", "export", "finetune"]
 
 ERROR_PREFIX = "quantlab: error:"
 EXIT_USAGE = 2
