@@ -28,7 +28,7 @@ from quantlab.export import placeholder
 from quantlab.export.errors import ExportError
 from quantlab.export.lower import lower_placeholders, operator_counts
 from quantlab.export.lowering import lowering_for
-from quantlab.export.saving import save_model, staged_output, stored_bytes
+from quantlab.export.saving import check_output, save_model, staged_output, stored_bytes
 from quantlab.export.tracking import ModuleTracker, module_of_failed_node, short_reason
 from quantlab.export.wrappers import ExportSpec, build_spec
 from quantlab.nn import QuantizedLinear
@@ -80,6 +80,7 @@ def to_onnx(
     on the float export, for comparison; the model must then have no quantlab layers.
     The file is written atomically; weights above ~1.8 GB go to `<path>.data`.
     """
+    check_output(path, overwrite)
     check_exportable(model)
     if ort_dynamic_int8:
         _check_float(model)

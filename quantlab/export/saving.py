@@ -29,14 +29,20 @@ def data_file(path: Path) -> Path:
     return path.parent / (path.name + ".data")
 
 
-@contextlib.contextmanager
-def staged_output(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary path named like `target`; on success it (and its `.data`) replace `target`."""
+def check_output(target: str | os.PathLike, overwrite: bool = False) -> Path:
+    """`target` as a Path, refused when it is a folder, or exists and `overwrite` is false."""
     target = Path(target)
     if target.is_dir():
         raise OutputExistsError(f"output {target} is a directory; give the path of an .onnx file")
     if target.exists() and not overwrite:
         raise OutputExistsError(f"output {target} already exists; pass --overwrite (overwrite=True) or pick another")
+    return target
+
+
+@contextlib.contextmanager
+def staged_output(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary path named like `target`; on success it (and its `.data`) replace `target`."""
+    target = check_output(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:

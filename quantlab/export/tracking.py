@@ -46,17 +46,24 @@ class ModuleTracker:
 
 
 def module_of_failed_node(program: torch.export.ExportedProgram, error: BaseException, prefix: str = "") -> str | None:
-    """The module that produced the FX node an ONNX conversion error names, if any."""
-    match = re.search(r"Error when translating node %(\S+)", _full_message(error))
+    """The module whose FX node an ONNX conversion error names, if it can be found.
+
+    The exporter decomposes the program before translating it, so the failing node may carry
+    a new name (`%zeta` for `aten.special_zeta`): it is looked up by name, then by operator.
+    """
+    match = re.search(r"Error when translating node %(\S+) .*?target=([\w.]+)", _full_message(error))
     if match is None:
         return None
-    for node in program.graph.nodes:
-        if node.name == match.group(1):
-            stack = node.meta.get("nn_module_stack") or {}
-            if stack:
-                path = list(stack.values())[-1][0]
-                return path.removeprefix(prefix) or None
-            return None
+    name, target = match.groups()
+    operator = target.split(".")[-2] if target.count(".") >= 2 else target
+    nodes = [node for node in program.graph.nodes if node.op == "call_function"]
+    candidates = [node for node in nodes if node.name == name] or [
+        node for node in nodes if operator in str(node.target)
+    ]
+    for node in candidates:
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack:
+            return list(stack.values())[-1][0].removeprefix(prefix) or None
     return None
 
 
@@ -68,7 +75,9 @@ def short_reason(error: BaseException) -> str:
     summary = re.search(r"## Exception summary\s+(.+?)(?:\n\n|$)", str(error), re.S)
     text = summary.group(1) if summary else str(innermost)
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("⬆")]
-    return lines[0][:400] if lines else type(innermost).__name__
+    if not lines:
+        return type(innermost).__name__
+    return re.sub(r"^<class '[\w.]+'>: ", "", lines[0])[:400]
 
 
 def _full_message(error: BaseException) -> str:

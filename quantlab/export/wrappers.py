@@ -197,6 +197,6 @@ def _encoder_spec(model: PreTrainedModel) -> ExportSpec:
         args=tuple(inputs.values()),
         input_names=input_names,
         output_names=output_names,
-        dynamic_shapes=tuple({0: BATCH, 1: SEQUENCE} for _ in input_names),
+        dynamic_shapes=(tuple({0: BATCH, 1: SEQUENCE} for _ in input_names),),  # one `*inputs` argument
         metadata={"quantlab.kind": ENCODER},
     )

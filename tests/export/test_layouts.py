@@ -73,7 +73,9 @@ def test_per_channel_block_size_stores_the_fewest_bytes() -> None:
 @pytest.mark.parametrize(("in_features", "blocksize", "block"), [(128, 64, 64), (96, 64, 32), (64, 512, 64)])
 @pytest.mark.parametrize("double_quant", [True, False])
 def test_nf4_layout_dequantizes_to_the_same_weight(in_features, blocksize, block, double_quant) -> None:
-    layer = NF4Linear.from_linear(_linear(in_features), quantlab.NF4Config(blocksize=blocksize, double_quant=double_quant))
+    layer = NF4Linear.from_linear(
+        _linear(in_features), quantlab.NF4Config(blocksize=blocksize, double_quant=double_quant)
+    )
     weight = layouts.matmul_bnb4_weight(layer.codes(), layer.absmax(), in_features)
     assert weight.block_size == block
     assert torch.equal(_matmul_bnb4_weight(weight), layer.dequantize_weight())
