@@ -85,7 +85,7 @@ def float_checkpoint(source: ModelSource, scratch: Path | None = None, progress:
         scratch.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".quantlab-gguf-", dir=scratch) as folder:
         try:
-            with _gguf_progress(progress):
+            with _gguf_progress(progress), io_errors_as_os_errors(Path(folder)):
                 convert_gguf(source.path, Path(folder))
         except (ValueError, KeyError) as error:  # transformers/gguf reject the file's contents
             raise QuantlabError(f"cannot read {source.path} as a GGUF causal language model: {error}") from error
@@ -178,19 +178,25 @@ def load_tokenizer(folder: Path) -> Any | None:
 
 
 def save_checkpoint(model: Any, tokenizer: Any | None, folder: Path) -> None:
-    """`save_pretrained` of the model and tokenizer; a full disk surfaces as `OSError(ENOSPC)`.
+    """`save_pretrained` of the model and tokenizer; a full disk surfaces as `OSError(ENOSPC)`."""
+    with io_errors_as_os_errors(folder):
+        model.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
 
-    safetensors reports I/O failures as `SafetensorError("... (os error N)")`; they are re-raised
-    as the `OSError` they are, so the CLI can name the cause.
+
+@contextlib.contextmanager
+def io_errors_as_os_errors(folder: Path) -> Iterator[None]:
+    """Re-raise safetensors' I/O failures (`SafetensorError("... (os error N)")`) as the `OSError` they are.
+
+    So the CLI can name the cause (a full disk, a read-only folder) in one line.
     """
     import re
 
     from safetensors import SafetensorError
 
     try:
-        model.save_pretrained(folder)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
+        yield
     except SafetensorError as error:
         match = re.search(r"os error (\d+)", str(error))
         if match is None:

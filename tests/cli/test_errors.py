@@ -89,6 +89,13 @@ def test_quantize_eval_on_an_encoder_fails_before_writing(cli, bert_dir: Path, t
     assert list(tmp_path.iterdir()) == []
 
 
+def test_eval_needs_a_tokenizer(cli, tmp_path: Path) -> None:
+    from quantlab.testing import tiny_llama, tiny_model_dir
+
+    folder = tiny_model_dir(tiny_llama(), tmp_path / "no-tokenizer")
+    cli.assert_user_error(cli.run("eval", folder), "has no tokenizer, which perplexity needs")
+
+
 def test_eval_text_file_that_does_not_exist(cli, llama_dir: Path, tmp_path: Path) -> None:
     cli.assert_user_error(cli.run("eval", llama_dir, "--text", tmp_path / "none.txt"), "none.txt: no such file")
 
@@ -129,8 +136,10 @@ def tiny_disk(tmp_path: Path):
         subprocess.run(["umount", str(mountpoint)], check=True)
 
 
-def test_a_disk_that_fills_up_leaves_no_partial_output(cli, llama_dir: Path, tiny_disk: Path) -> None:
-    result = cli.run("quantize", llama_dir, "--method", "int8", "--output", tiny_disk / "out")
+@pytest.mark.parametrize("model", ["llama_dir", "gguf_file"])
+def test_a_disk_that_fills_up_leaves_no_partial_output(cli, model: str, tiny_disk: Path, request) -> None:
+    """A GGUF input fills the disk earlier, while its float copy is written beside the output."""
+    result = cli.run("quantize", request.getfixturevalue(model), "--method", "int8", "--output", tiny_disk / "out")
     cli.assert_user_error(result, "no space left on the device", "nothing was written", notes_before=True)
     assert list(tiny_disk.iterdir()) == []
 

@@ -21,7 +21,7 @@ def smollm2() -> Path:
 
 
 def test_readme_command_agrees_with_the_benchmark_harness(cli, smollm2: Path, tmp_path: Path) -> None:
-    """`quantlab quantize --method nf4 --output out --eval`, then the same model measured as benchmarks/quality.py does."""
+    """`quantlab quantize --method nf4 --output out --eval`, then the model measured as benchmarks/quality.py does."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
