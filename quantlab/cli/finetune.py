@@ -228,12 +228,15 @@ def _bitsandbytes_nf4() -> Any:
 def _train(
     model: Any, tokenizer: Any, base: str, name: str, output: Path, args: argparse.Namespace, console: Console
 ) -> FinetuneReport | None:
+    from accelerate.utils import set_seed
+
     from quantlab.training import CausalLMCollator, Trainer, add_lora
     from quantlab.training.checkpoint import trainable_parameters
     from quantlab.training.reporting import read_log
 
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
     alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
+    set_seed(args.seed)  # the adapters' initialization too is part of a reproducible run
     model = add_lora(model, r=args.lora_r, alpha=alpha, dropout=args.lora_dropout, target_modules=targets)
     data = _training_data(tokenizer, args)
     trainer = Trainer(

@@ -201,7 +201,7 @@ class Trainer:
             if config.eval_every and self.state.step == 0:
                 perplexity = self._evaluate(log)
             while self.state.step < config.max_steps:
-                record = self._train_step()
+                record = self.train_step()
                 last_loss = record["loss"]
                 step = self.state.step
                 if step % config.log_every == 0 or step == config.max_steps:
@@ -227,7 +227,12 @@ class Trainer:
             final_dir=final_dir,
         )
 
-    def _train_step(self) -> dict[str, Any]:
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over `grad_accum` micro-batches; returns its log record.
+
+        `train` calls it after setting up the run (resume, seeding, log); benchmarks that
+        alternate several runs call it directly.
+        """
         config, accelerator = self.config, self.accelerator
         self.callbacks.call("on_step_begin", self)
         started = time.perf_counter()
@@ -402,6 +407,7 @@ def make_accelerator(config: TrainingConfig):
     plugin = GradientAccumulationPlugin(num_steps=config.grad_accum, adjust_scheduler=False, sync_with_dataloader=False)
     try:
         accelerator = Accelerator(
+            cpu=not _has_accelerator_device(),  # accelerate sets up gloo DDP under torchrun only when told "cpu"
             mixed_precision=config.mixed_precision,
             gradient_accumulation_plugin=plugin,
             step_scheduler_with_optimizer=False,
@@ -419,6 +425,13 @@ def make_accelerator(config: TrainingConfig):
             f"{accelerator.device.type}; use precision='bf16' or 'fp32'"
         )
     return accelerator
+
+
+def _has_accelerator_device() -> bool:
+    accelerator_api = getattr(torch, "accelerator", None)
+    if accelerator_api is not None and hasattr(accelerator_api, "is_available"):
+        return bool(accelerator_api.is_available())
+    return torch.cuda.is_available()
 
 
 def _trainable_file(index: int) -> str:

@@ -1,0 +1,73 @@
+"""`quantlab finetune` end to end on a tiny checkpoint, and its bad-input errors."""
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from quantlab.cli.main import main
+from quantlab.testing import tiny_llama, tiny_model_dir
+
+TINY = ["--lora-r", "4", "--seq-len", "32", "--eval-windows", "2", "--eval-seq-len", "64", "--lr", "1e-2"]
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path, tokenizer):
+    folder = tiny_model_dir(tiny_llama(0), tmp_path / "tiny")
+    tokenizer.save_pretrained(folder)
+    text = tmp_path / "train.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 80)
+    return folder, text
+
+
+def _last_json(captured: str) -> dict:
+    return json.loads(captured.strip().splitlines()[-1])
+
+
+def test_finetune_trains_merges_and_reports(tiny_checkpoint, tmp_path, capsys):
+    folder, text = tiny_checkpoint
+    output = tmp_path / "run"
+    base = ["finetune", str(folder), "--method", "nf4", "--blocksize", "32", "--output", str(output)]
+    base += ["--data", str(text), *TINY, "--save-every", "3", "--json"]
+    assert main([*base, "--steps", "6", "--merge", "float"]) == 0
+    report = _last_json(capsys.readouterr().out)
+    assert report["steps"] == 6 and report["processes"] == 1
+    assert report["base"].startswith("nf4") and "blocksize=32" in report["base"]
+    assert report["perplexity_after"] < report["perplexity_before"]
+    assert report["merge"]["mode"] == "float" and report["merge"]["max_logit_difference"] <= 1e-4
+    assert (output / "final" / "adapter_config.json").is_file()
+    assert (output / "merged" / "config.json").is_file() and (output / "quantlab_report.json").is_file()
+    assert [p.name for p in sorted((output / "checkpoints").iterdir())] == ["step-00000003", "step-00000006"]
+
+    assert main([*base, "--steps", "7", "--resume", "latest"]) == 0
+    assert _last_json(capsys.readouterr().out)["steps"] == 7
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--method", "nf4", "--bitsandbytes"], "pass one of them"),
+        (["--target-modules", "q_proj,qkv"], "'qkv' matches no Linear layer"),
+        (["--optim", "sgd_9bit"], "invalid choice: 'sgd_9bit'"),
+        (["--precision", "fp16"], "use precision='bf16' or 'fp32'"),
+        (["--resume", "latest"], "holds no complete checkpoint"),
+        (["--method", "no_such_method"], "unknown quantization method 'no_such_method'"),
+        (["--steps", "0"], "--steps must be at least 1"),
+    ],
+)
+def test_bad_input_is_one_clear_line(extra, message, tiny_checkpoint, tmp_path, capsys):
+    folder, text = tiny_checkpoint
+    argv = ["finetune", str(folder), "--steps", "2", "--output", str(tmp_path / "run"), "--data", str(text), *TINY]
+    assert main([*argv, *extra]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error[-1].startswith("quantlab: error:") and message in error[-1]
+
+
+def test_float_base_lora_saves_the_adapter_only(tiny_checkpoint, tmp_path, capsys):
+    folder, text = tiny_checkpoint
+    output = tmp_path / "run"
+    argv = ["finetune", str(folder), "--steps", "2", "--output", str(output), "--data", str(text), *TINY, "--json"]
+    assert main(argv) == 0
+    assert _last_json(capsys.readouterr().out)["base"] == "float32"
+    saved = load_file(str(output / "final" / "adapter_model.safetensors"))
+    assert saved and all("lora_" in name for name in saved)

@@ -1,0 +1,54 @@
+"""Two processes (torchrun, DDP over gloo on CPU) train like one process with the same global batch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from quantlab.testing import tiny_llama, tiny_model_dir
+
+TINY = ["--lora-r", "4", "--lora-dropout", "0", "--seq-len", "32", "--eval-windows", "2", "--eval-seq-len", "64"]
+
+
+def _finetune(folder, text, output, processes: int, batch_size: int) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    command = [*launcher, "-m", "quantlab.cli.main"] if processes > 1 else [sys.executable, "-m", "quantlab.cli.main"]
+    arguments = ["finetune", str(folder), "--method", "nf4", "--blocksize", "32", "--steps", "3", "--lr", "1e-2"]
+    arguments += ["--output", str(output), "--data", str(text), "--batch-size", str(batch_size), *TINY]
+    arguments += ["--save-every", "3", "--json"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*command, *arguments], capture_output=True, text=True, timeout=900, env=environment)
+
+
+@pytest.mark.subprocess
+def test_two_processes_match_one_and_write_one_checkpoint(tmp_path, tokenizer):
+    folder = tiny_model_dir(tiny_llama(0), tmp_path / "tiny")
+    tokenizer.save_pretrained(folder)
+    text = tmp_path / "train.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 80)
+
+    two = _finetune(folder, text, tmp_path / "two", processes=2, batch_size=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = _finetune(folder, text, tmp_path / "one", processes=1, batch_size=4)
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    reports = [json.loads(line) for line in two.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1 and reports[0]["processes"] == 2  # only the main process reports
+    checkpoint = tmp_path / "two" / "checkpoints" / "step-00000003"
+    assert {"random_states_0.pkl", "random_states_1.pkl", "trainable.safetensors"} <= {
+        p.name for p in checkpoint.iterdir()
+    }
+    log = [json.loads(line) for line in (tmp_path / "two" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == [1, 2, 3]  # one log, not one per process
+
+    # Same global batch of 4 examples per step: DDP must give the single-process update.
+    adapters = [load_file(str(tmp_path / run / "final" / "adapter_model.safetensors")) for run in ("two", "one")]
+    assert adapters[0].keys() == adapters[1].keys()
+    for name in adapters[0]:
+        torch.testing.assert_close(adapters[0][name], adapters[1][name], rtol=1e-4, atol=1e-6, msg=name)
+    one_log = [json.loads(line) for line in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in log if "loss" in r] == pytest.approx([r["loss"] for r in one_log if "loss" in r])
