@@ -43,6 +43,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="quantize a float model with onnxruntime's quantize_dynamic (int8) after export, for comparison",
     )
+    onnx.add_argument(
+        "--accuracy-level",
+        type=int,
+        default=0,
+        choices=(0, 1, 2, 3, 4),
+        help="MatMulNBits accuracy level: 0 (default) keeps float activations and matches PyTorch; 4 quantizes "
+        "activations to int8, onnxruntime's fast CPU path for 2- and 8-bit weights",
+    )
     onnx.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
     add_output_options(onnx)
 
@@ -64,7 +72,12 @@ def run(args: argparse.Namespace) -> int:
     loaded = time.perf_counter()
     console.note(f"exporting {source} to {output}")
     result = to_onnx(
-        model, output, with_past=args.with_past, ort_dynamic_int8=args.ort_dynamic_int8, overwrite=args.overwrite
+        model,
+        output,
+        with_past=args.with_past,
+        ort_dynamic_int8=args.ort_dynamic_int8,
+        accuracy_level=args.accuracy_level,
+        overwrite=args.overwrite,
     )
     finished = time.perf_counter()
     data = {

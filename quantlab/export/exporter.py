@@ -35,6 +35,7 @@ from quantlab.nn import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 _WRAPPER_PREFIX = "model."  # the wrappers hold the model as `self.model`
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits: unset, fp32, fp16, bf16, int8 activations
 
 
 @dataclass
@@ -50,6 +51,7 @@ class OnnxExport:
     operators: dict[str, int]
     layer_operators: dict[str, str] = field(default_factory=dict)
     ort_dynamic_int8: bool = False
+    accuracy_level: int = 0
 
     def to_json(self) -> dict:
         return {
@@ -58,6 +60,7 @@ class OnnxExport:
             "kind": self.kind,
             "with_past": self.with_past,
             "ort_dynamic_int8": self.ort_dynamic_int8,
+            "accuracy_level": self.accuracy_level,
             "inputs": self.input_names,
             "outputs": self.output_names,
             "operators": self.operators,
@@ -71,6 +74,7 @@ def to_onnx(
     *,
     with_past: bool = False,
     ort_dynamic_int8: bool = False,
+    accuracy_level: int = 0,
     overwrite: bool = False,
 ) -> OnnxExport:
     """Export `model` (a transformers causal LM or encoder, float or quantized by quantlab) to `path`.
@@ -78,9 +82,15 @@ def to_onnx(
     `with_past`: causal LMs take and return past key values, for generation (see `OnnxCausalLM`).
     `ort_dynamic_int8`: run onnxruntime's `quantize_dynamic` (int8 weights and activations)
     on the float export, for comparison; the model must then have no quantlab layers.
+    `accuracy_level`: MatMulNBits' attribute. 0 (default) computes with float activations, so
+    onnxruntime matches PyTorch; 4 quantizes activations to int8 per block, which onnxruntime
+    1.31 needs for a fast CPU kernel at 2 and 8 bits (at 0 it dequantizes those weights on every
+    call, ~20x slower than fp32 on this machine; 4-bit is fast either way).
     The file is written atomically; weights above ~1.8 GB go to `<path>.data`.
     """
     check_output(path, overwrite)
+    if accuracy_level not in ACCURACY_LEVELS:
+        raise ExportError(f"accuracy_level={accuracy_level!r} is not valid; use one of {ACCURACY_LEVELS}")
     check_exportable(model)
     if ort_dynamic_int8:
         _check_float(model)
@@ -88,7 +98,7 @@ def to_onnx(
         spec = _traced(model, "", build_spec, model, with_past)
         with placeholder.placeholders(model) as layers:
             program = _export(spec)
-    layer_operators = lower_placeholders(program.model, layers)
+    layer_operators = lower_placeholders(program.model, layers, accuracy_level)
     onnx_model = program.model
     _drop_trace_metadata(onnx_model)
     for key, value in {**spec.metadata, "quantlab.version": quantlab.__version__}.items():
@@ -115,6 +125,7 @@ def to_onnx(
         operators=dict(sorted(operators.items())),
         layer_operators=layer_operators,
         ort_dynamic_int8=ort_dynamic_int8,
+        accuracy_level=accuracy_level,
     )
 
 

@@ -11,7 +11,7 @@ from quantlab.export.placeholder import DOMAIN, OP_TYPE
 from quantlab.nn import QuantizedLinear
 
 
-def lower_placeholders(model: ir.Model, layers: dict[str, QuantizedLinear]) -> dict[str, str]:
+def lower_placeholders(model: ir.Model, layers: dict[str, QuantizedLinear], accuracy_level: int = 0) -> dict[str, str]:
     """Lower every placeholder in place; returns the operator used per layer name."""
     graph = model.graph
     operators: dict[str, str] = {}
@@ -23,7 +23,7 @@ def lower_placeholders(model: ir.Model, layers: dict[str, QuantizedLinear]) -> d
         if name not in layers:
             raise ExportError(f"{name}: the exported graph names a quantized layer the model does not have")
         x, y = node.inputs[0], node.outputs[0]
-        ctx = LayerLowering(name=name, x=x, graph=graph, created=created)
+        ctx = LayerLowering(name=name, x=x, graph=graph, created=created, accuracy_level=accuracy_level)
         out = lowering_for(name, layers[name])(ctx, layers[name])
         ir.convenience.replace_nodes_and_values(graph, node, [node], ctx.tape.nodes, [y], [out])
         operators[name] = ctx.operator

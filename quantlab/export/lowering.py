@@ -65,6 +65,7 @@ class LayerLowering:
     x: ir.Value
     graph: ir.Graph
     created: dict[str, ir.Value]
+    accuracy_level: int = 0  # MatMulNBits' attribute: 0 keeps float activations, 4 quantizes them to int8
     tape: ir.tape.Tape = field(default_factory=ir.tape.Tape)
     operator: str = ""  # the operator chosen, for the export summary
 
@@ -132,6 +133,7 @@ class LayerLowering:
             N=weight.out_features,
             bits=weight.bits,
             block_size=weight.block_size,
+            **({"accuracy_level": self.accuracy_level} if self.accuracy_level else {}),
         )
         return self.op("Sub", [y, self.zero_point_correction(weight)]) if corrected else y
 

@@ -1,12 +1,13 @@
 """Every built-in method exports to the onnxruntime operator the lowering table names, stores its
 low-bit weights (not float copies), and onnxruntime's logits match PyTorch's within 1e-3."""
 
+import onnx_ir as ir
 import pytest
 import torch
 
 import quantlab
 from quantlab.convert import quantized_layers
-from quantlab.export import OnnxCausalLM, to_onnx
+from quantlab.export import ExportError, OnnxCausalLM, to_onnx
 
 NBITS, BNB4, FALLBACK = "MatMulNBits", "MatMulBnb4", "fallback"
 
@@ -92,3 +93,19 @@ def test_model_is_left_as_it_was(onnx_path, helpers) -> None:
     assert model.training
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
+
+
+def test_int8_activations_on_request(onnx_path, helpers) -> None:
+    model = quantlab.quantize(helpers.small_llama(), quantlab.Int8SymmetricConfig())
+    result = to_onnx(model, onnx_path, accuracy_level=4)
+    assert result.accuracy_level == 4
+    nodes = [node for node in ir.load(onnx_path).graph if node.op_type == "MatMulNBits"]
+    assert len(nodes) == 7 and all(node.attributes["accuracy_level"].as_int() == 4 for node in nodes)
+    ids, mask = helpers.padded_batch()
+    error = helpers.max_logit_error(model, OnnxCausalLM(onnx_path)(ids, mask), ids, mask)
+    assert 0 < error <= 0.05  # int8 activations: close to PyTorch, no longer within float rounding
+
+
+def test_invalid_accuracy_level_is_refused(onnx_path, helpers) -> None:
+    with pytest.raises(ExportError, match="accuracy_level=5 is not valid"):
+        to_onnx(helpers.small_llama(), onnx_path, accuracy_level=5)
