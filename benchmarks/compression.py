@@ -15,9 +15,11 @@ The structured model's forward time is measured against the dense model's side b
 process, alternating calls, medians, on a harness window (1 x 512, all logits) and on a prefill
 (4 x 128, logits of the last position only, as generation computes them).
 
-Defaults (chosen to be affordable on 2 busy CPU cores; each step is about 4 forward passes of
-512 tokens): batch 4 x 128 tokens, AdamW lr 1e-4 cosine with 10 warmup steps, grad clipping 1.0,
-loss alpha 0.5, temperature 1 (0.5 KL to the teacher + 0.5 cross-entropy), fp32.
+Defaults (chosen to be affordable on 2 CPU cores shared with other jobs; a step costs about 4
+forward passes of its tokens): batch 2 x 128 tokens, AdamW lr 1e-4 cosine with 10 warmup steps,
+gradient clipping 1.0, loss alpha 0.5, temperature 1 (0.5 KL to the teacher + 0.5 cross-entropy),
+fp32, one torch thread (on an oversubscribed machine two threads ran a forward pass 3x slower
+than one: each parallel region waits for its descheduled thread).
 
     python benchmarks/compression.py                          # everything (hours on a busy machine)
     python benchmarks/compression.py --configs 2:4 --steps 50 # a subset
@@ -75,7 +77,8 @@ def main() -> int:
     dense.requires_grad_(False)
     text = read_text(args.text) if args.text else read_text(default_text_path())
     data = bundled_data(tokenizer, seq_len=args.seq_len)
-    results: dict[str, Any] = {"environment": environment(), "settings": vars(args) | {"text": str(args.text)}}
+    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    results: dict[str, Any] = {"environment": environment(), "settings": settings}
     results["timing"] = None
     rows: list[Row] = []
 
@@ -119,14 +122,16 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
     parser.add_argument("--steps", type=int, default=200, help="distillation steps per configuration (0: none)")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per training example")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--windows", type=int, default=WINDOWS, help="perplexity windows of 512 tokens")
     parser.add_argument("--timing-repeats", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: on a shared, oversubscribed machine 2 is slower)"
+    )
     parser.add_argument("--text", type=Path, help="evaluation text (default: WikiText-2 test, else the bundled one)")
     parser.add_argument("--json", type=Path, help="write the figures here (rewritten after every stage)")
     args = parser.parse_args()
