@@ -134,12 +134,25 @@ def _existing_build() -> Path | None:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     weight = ctypes.POINTER(QuantlabCpuWeight)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.ql_gemm.argtypes = [weight, ptr, i64, i64, ptr, i64, ctypes.c_int]
+    integer = ctypes.c_int
+    lib.ql_gemm.argtypes = [weight, ptr, i64, i64, ptr, i64, integer]
     lib.ql_gemm.restype = ctypes.c_int
-    lib.ql_dequantize.argtypes = [weight, i64, i64, ptr, i64, ctypes.c_int]
+    lib.ql_dequantize.argtypes = [weight, i64, i64, ptr, i64, integer]
     lib.ql_dequantize.restype = ctypes.c_int
+    lib.ql_quantize_affine.argtypes = [ptr, i64, i64, i64, i64, integer, integer, integer, ptr, ptr, ptr, integer]
+    lib.ql_quantize_affine.restype = ctypes.c_int
+    lib.ql_quantize_nf4.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, integer]
+    lib.ql_quantize_nf4.restype = ctypes.c_int
+    lib.ql_pack.argtypes = [ptr, i64, i64, integer, ptr]
+    lib.ql_pack.restype = ctypes.c_int
+    lib.ql_count_nonfinite.argtypes = [ptr, i64, integer]
+    lib.ql_count_nonfinite.restype = i64
+    lib.ql_bucketize.argtypes = [ptr, i64, ptr, i64, ptr]
+    lib.ql_bucketize.restype = integer
+    lib.ql_offset_to_signed.argtypes = [ptr, i64]
+    lib.ql_offset_to_signed.restype = integer
     lib.ql_isa.restype = ctypes.c_int
-    lib.ql_force_isa.argtypes = [ctypes.c_int]
+    lib.ql_force_isa.argtypes = [integer]
     lib.ql_abi_version.restype = ctypes.c_int
     if lib.ql_abi_version() != ABI_VERSION:
         raise NativeBuildError(f"library ABI {lib.ql_abi_version()} does not match quantlab's {ABI_VERSION}")

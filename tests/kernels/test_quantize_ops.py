@@ -1,0 +1,106 @@
+"""Native quantize ops against the torch implementations in quantlab.formats, bit for bit."""
+
+import pytest
+import torch
+
+from quantlab.formats import affine, nf4, packing
+from quantlab.kernels.cpu import quantize as native_quantize
+
+SCALE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def torch_path(monkeypatch, function, *args):
+    """`function` with the native library switched off: the torch implementation."""
+    with monkeypatch.context() as patch:
+        patch.setenv("QUANTLAB_NATIVE_KERNELS", "0")
+        return function(*args)
+
+
+def weights(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """Random weights with the cases that break naive code: constant, zero, huge, tiny rows and ties."""
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=generator) * 0.02
+    w[0] = 0.0
+    w[1] = 0.37
+    w[2] *= 1e5  # float16 scales overflow to inf
+    w[3] *= 1e-6  # float16 scales underflow to subnormals
+    w[4] = torch.arange(in_features) % 16 * 0.125  # codes exactly on ties
+    w[5, ::3] = -0.0
+    return w
+
+
+def assert_bits_equal(native: torch.Tensor, reference: torch.Tensor, zero_sign_may_differ: bool = False) -> None:
+    assert native.dtype == reference.dtype and native.shape == reference.shape
+    if zero_sign_may_differ:  # torch's amin returns +0 or -0 by position; the value is the same
+        native, reference = native + 0.0, reference + 0.0
+    assert torch.equal(native.contiguous().view(torch.uint8), reference.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_affine_quantize_matches_torch(monkeypatch, isa, bits, symmetric):
+    for seed, (shape, group_size) in enumerate([((16, 256), 64), ((9, 200), 32), ((7, 577), None), ((8, 300), 256)]):
+        w = weights(*shape, seed)
+        for scale_dtype in SCALE_DTYPES:
+            expected = torch_path(monkeypatch, affine.quantize, w, bits, group_size, symmetric, scale_dtype)
+            codes, scale, zero = native_quantize.affine_quantize(w, bits, group_size, symmetric, scale_dtype)
+            assert_bits_equal(codes, expected.codes)
+            assert_bits_equal(scale, expected.scale)
+            assert (zero is None) == (expected.zero is None)
+            if zero is not None:
+                assert_bits_equal(zero, expected.zero, zero_sign_may_differ=True)
+
+
+@pytest.mark.parametrize("blocksize", [16, 64, 128, 4096])
+def test_nf4_codes_match_torch(monkeypatch, isa, blocksize):
+    for seed, shape in enumerate([(16, 256), (9, 200), (7, 577)]):
+        w = weights(*shape, seed)
+        levels = nf4.levels()
+        w[6, : len(levels) - 1] = (levels[:-1] + levels[1:]) / 2 * w[6].abs().max()  # exactly on midpoints
+        for double_quant in (False, True):
+            expected = torch_path(monkeypatch, nf4.quantize, w, blocksize, double_quant)
+            actual = nf4.quantize(w, blocksize, double_quant)
+            for name in ("codes", "absmax", "absmax_codes", "absmax_scale", "absmax_offset"):
+                if getattr(expected, name) is None:
+                    assert getattr(actual, name) is None
+                else:
+                    assert_bits_equal(getattr(actual, name), getattr(expected, name))
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_matches_torch(monkeypatch, library, bits):
+    for shape in [(3, 64), (2, 5, 24), (4, 13), (1, 1)]:
+        codes = torch.randint(0, 1 << bits, shape, dtype=torch.uint8)
+        assert_bits_equal(native_quantize.pack(codes, bits), torch_path(monkeypatch, packing.pack, codes, bits))
+
+
+def test_formats_dispatch_to_native_and_fall_back(monkeypatch, library):
+    """With the library, the formats functions give the native result; without, the torch one."""
+    w = weights(16, 256, 0)
+    native = affine.quantize(w, 4, 64, False, torch.float16)
+    reference = torch_path(monkeypatch, affine.quantize, w, 4, 64, False, torch.float16)
+    assert torch.equal(native.codes, reference.codes) and torch.equal(native.scale, reference.scale)
+
+
+def test_count_nonfinite(library):
+    w = torch.randn(37, 53)
+    assert native_quantize.count_nonfinite(w) == 0
+    w[3, 4], w[0, 0], w[36, 52] = float("nan"), float("inf"), float("-inf")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert native_quantize.count_nonfinite(w.to(dtype)) == 3
+    assert native_quantize.count_nonfinite(w.t()) == 3
+    assert native_quantize.count_nonfinite(torch.empty(0, 5)) == 0
+
+
+def test_bucketize_matches_torch(library):
+    boundaries = torch.tensor(sorted(nf4.dynamic_map()))  # has repeated zeros
+    values = torch.cat([torch.randn(5000), boundaries, -boundaries, torch.tensor([-2.0, 2.0, 0.0, -0.0])])
+    expected = torch.bucketize(values, boundaries, out_int32=True)
+    assert torch.equal(native_quantize.bucketize(values, boundaries), expected)
+
+
+def test_offset_to_signed(library):
+    q = torch.arange(-127, 128, dtype=torch.int16)
+    offset = (q + 128).to(torch.uint8)
+    assert torch.equal(native_quantize.offset_to_signed(offset.clone()), q.to(torch.int8))
+    assert torch.equal(native_quantize.offset_to_signed(offset.clone()), (offset.to(torch.int16) - 128).to(torch.int8))
