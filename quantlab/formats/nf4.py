@@ -70,11 +70,22 @@ def dynamic_map() -> tuple[float, ...]:
 def quantize(
     weight: torch.Tensor, blocksize: int, double_quant: bool, absmax_blocksize: int = ABSMAX_BLOCKSIZE
 ) -> NF4Weight:
-    """NF4 codes of a `[out, in]` matrix in blocks of `blocksize` along each row."""
-    blocks = grouping.group(weight.float(), blocksize)
-    absmax = blocks.abs().amax(dim=-1)
-    scaled = (blocks / absmax.clamp(min=1e-38).unsqueeze(-1)).clamp_(-1, 1)
-    codes = _nearest(scaled, levels(weight.device)).to(torch.uint8)
+    """NF4 codes of a `[out, in]` matrix in blocks of `blocksize` along each row.
+
+    The codes and absmax come from one native pass per row when quantlab's CPU kernels are
+    available (bit-identical, tests/kernels/test_quantize_ops.py); the torch code is the
+    definition and the fallback.
+    """
+    from quantlab.kernels.cpu.quantize import nf4_quantize
+
+    native = nf4_quantize(weight, blocksize, _midpoints(levels(weight.device)))
+    if native is not None:
+        codes, absmax = native
+    else:
+        blocks = grouping.group(weight.float(), blocksize)
+        absmax = blocks.abs().amax(dim=-1)
+        scaled = (blocks / absmax.clamp(min=1e-38).unsqueeze(-1)).clamp_(-1, 1)
+        codes = _nearest(scaled, levels(weight.device)).to(torch.uint8)
     if not double_quant:
         return NF4Weight(codes=codes, absmax=absmax)
     absmax_codes, absmax_scale, offset = quantize_absmax(absmax, absmax_blocksize)
@@ -104,9 +115,16 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, in_features: int, dtyp
     return grouping.ungroup(values, in_features).to(dtype)
 
 
+def _midpoints(sorted_levels: torch.Tensor) -> torch.Tensor:
+    return (sorted_levels[:-1] + sorted_levels[1:]) / 2
+
+
 def _nearest(scaled: torch.Tensor, sorted_levels: torch.Tensor) -> torch.Tensor:
-    midpoints = (sorted_levels[:-1] + sorted_levels[1:]) / 2
-    return torch.bucketize(scaled, midpoints, out_int32=True)
+    from quantlab.kernels.cpu.quantize import bucketize
+
+    midpoints = _midpoints(sorted_levels)
+    native = bucketize(scaled, midpoints)
+    return native if native is not None else torch.bucketize(scaled, midpoints, out_int32=True)
 
 
 def _blocks(values: torch.Tensor, blocksize: int) -> torch.Tensor:

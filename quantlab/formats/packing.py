@@ -19,8 +19,17 @@ def packed_size(num_codes: int, bits: int) -> int:
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned codes (`0 <= code < 2**bits`) along the last dimension into uint8."""
+    """Pack unsigned codes (`0 <= code < 2**bits`) along the last dimension into uint8.
+
+    Native when quantlab's CPU kernels are available (bit-identical); the torch code is the
+    definition and the fallback.
+    """
     _check_bits(bits)
+    from quantlab.kernels.cpu.quantize import pack as native_pack
+
+    native = native_pack(codes, bits)
+    if native is not None:
+        return native
     *lead, length = codes.shape
     padded = -(-length // 8) * 8
     chunks = codes.to(torch.int64)
