@@ -92,7 +92,7 @@ def test_vocabulary_mismatch_is_a_clear_error(tmp_path):
         check_vocabularies(tiny_llama(), _llama(300))
     config = TrainingConfig(tmp_path, max_steps=1, progress_bar=False, tensorboard=False)
     data = TokenSequences([torch.arange(8)] * 4)
-    with pytest.raises(VocabularyMismatchError, match="share"):
+    with pytest.raises(VocabularyMismatchError, match="vocabularies differ"):
         distillation_trainer(_llama(300), tiny_llama(), config, data)
     tokenizer = types.SimpleNamespace(get_vocab=lambda: {chr(97 + i): i for i in range(26)})
     shuffled = _swapped_tokenizer(tokenizer)
