@@ -12,7 +12,6 @@ deprecated; torch.export keeps those shapes symbolic.
 """
 
 import contextlib
-import logging
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -33,7 +32,6 @@ from quantlab.export.tracking import ModuleTracker, module_of_failed_node, short
 from quantlab.export.wrappers import ExportSpec, build_spec
 from quantlab.nn import QuantizedLinear
 
-logger = logging.getLogger(__name__)
 _WRAPPER_PREFIX = "model."  # the wrappers hold the model as `self.model`
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits: unset, fp32, fp16, bf16, int8 activations
 
@@ -104,16 +102,7 @@ def to_onnx(
     for key, value in {**spec.metadata, "quantlab.version": quantlab.__version__}.items():
         onnx_model.metadata_props[key] = value
     with staged_output(path, overwrite) as staged:
-        if ort_dynamic_int8:
-            float_path = staged.parent / ("float-" + staged.name)
-            save_model(onnx_model, float_path)
-            from quantlab.export.ort_quantize import quantize_dynamic_int8
-
-            quantize_dynamic_int8(float_path, staged)
-            operators = operator_counts(ir.load(staged))
-        else:
-            save_model(onnx_model, staged)
-            operators = operator_counts(onnx_model)
+        operators = _write(onnx_model, staged, ort_dynamic_int8)
     path = Path(path)
     return OnnxExport(
         path=path,
@@ -127,6 +116,19 @@ def to_onnx(
         ort_dynamic_int8=ort_dynamic_int8,
         accuracy_level=accuracy_level,
     )
+
+
+def _write(model: ir.Model, path: Path, ort_dynamic_int8: bool) -> Counter:
+    """Save `model` (or onnxruntime's dynamic int8 quantization of it) to `path`; its operator counts."""
+    if not ort_dynamic_int8:
+        save_model(model, path)
+        return operator_counts(model)
+    from quantlab.export.ort_quantize import quantize_dynamic_int8
+
+    float_path = path.parent / ("float-" + path.name)
+    save_model(model, float_path)
+    quantize_dynamic_int8(float_path, path)
+    return operator_counts(ir.load(path))
 
 
 def check_exportable(model: nn.Module) -> None:
@@ -217,12 +219,14 @@ def _drop_trace_metadata(model: ir.Model) -> None:
 
 @contextlib.contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
-    training = model.training
+    """Trace the inference graph (no dropout), then give every module back its own mode."""
+    modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
         yield
     finally:
-        model.train(training)
+        for module, training in modes.items():
+            module.training = training
 
 
 @contextlib.contextmanager

@@ -8,6 +8,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from quantlab.convert import quantized_layers
+from quantlab.export.lower import lowering_for
+from quantlab.export.lowering import LayerLowering
+from quantlab.nn import QuantizedLinear
 
 
 def small_llama(hidden_size: int = 64, intermediate_size: int = 96, layers: int = 1, seed: int = 0) -> LlamaForCausalLM:
@@ -57,6 +60,18 @@ def layer_initializer_bytes(path, model) -> dict[str, int]:
     return sizes
 
 
+def layer_model(layer: QuantizedLinear) -> tuple[ir.Model, str]:
+    """One quantized layer lowered into a model of its own (`x` -> `y`), and the operator chosen."""
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape(["rows", layer.in_features]))
+    graph = ir.Graph([x], [], nodes=[], opset_imports={"": 20, "com.microsoft": 1})
+    ctx = LayerLowering(name="layer", x=x, graph=graph, created={})
+    y = lowering_for("layer", layer)(ctx, layer)
+    y.dtype, y.shape = ir.DataType.FLOAT, ir.Shape(["rows", layer.out_features])
+    graph.extend(ctx.tape.nodes)
+    graph.outputs.append(y)
+    return ir.Model(graph, ir_version=10), ctx.operator
+
+
 @pytest.fixture
 def helpers() -> SimpleNamespace:
     return SimpleNamespace(
@@ -64,6 +79,7 @@ def helpers() -> SimpleNamespace:
         padded_batch=padded_batch,
         max_logit_error=max_logit_error,
         layer_initializer_bytes=layer_initializer_bytes,
+        layer_model=layer_model,
     )
 
 

@@ -1,65 +1,122 @@
-"""Every built-in method exports to the onnxruntime operator the lowering table names, stores its
-low-bit weights (not float copies), and onnxruntime's logits match PyTorch's within 1e-3."""
+"""Every built-in method lowers to the onnxruntime operator the lowering table names, keeps its
+low-bit weights (not float copies), and onnxruntime computes what PyTorch computes.
 
+Each configuration is checked twice: its layer alone, lowered into a one-layer model (fast,
+no exporter), and inside a whole model exported by `to_onnx`, where one export carries a
+different configuration in every Linear layer (an export takes seconds; a layer, milliseconds).
+"""
+
+import numpy as np
 import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 import torch
 
 import quantlab
 from quantlab.convert import quantized_layers
 from quantlab.export import ExportError, OnnxCausalLM, to_onnx
+from quantlab.testing import tiny_llama
 
 NBITS, BNB4, FALLBACK = "MatMulNBits", "MatMulBnb4", "fallback"
+_NODE = {NBITS: "com.microsoft::MatMulNBits", BNB4: "com.microsoft::MatMulBnb4"}
 
-CASES = [
-    pytest.param(quantlab.Int8SymmetricConfig(), NBITS, {}, id="int8-per-channel"),
-    pytest.param(quantlab.Int8SymmetricConfig(group_size=32, scale_dtype="float16"), NBITS, {}, id="int8-g32-fp16"),
-    pytest.param(quantlab.NF4Config(), BNB4, {}, id="nf4-double-quant"),
-    pytest.param(quantlab.NF4Config(double_quant=False), BNB4, {}, id="nf4"),
-    pytest.param(quantlab.NF4Config(blocksize=512), BNB4, {}, id="nf4-blocks-wider-than-ort"),
-    pytest.param(quantlab.NF4Config(), FALLBACK, {"hidden_size": 72, "intermediate_size": 120}, id="nf4-K72-fallback"),
-    pytest.param(quantlab.CustomBitsConfig(bits=4, group_size=None), NBITS, {}, id="cb4-per-channel-asym"),
-    pytest.param(
-        quantlab.CustomBitsConfig(bits=4, group_size=32),
-        NBITS,
-        {"hidden_size": 72, "intermediate_size": 120},
-        id="cb4-K72-asym",
-    ),
-    pytest.param(quantlab.CustomBitsConfig(bits=3, group_size=None), FALLBACK, {}, id="cb3-per-channel-asym"),
-    pytest.param(
-        quantlab.CustomBitsConfig(bits=8, symmetric=True, scale_dtype="bfloat16"), NBITS, {}, id="cb8-sym-bf16"
-    ),
+
+def _custom_bits_cases() -> list[tuple[str, quantlab.QuantlabConfig, str]]:
+    cases = []
+    for bits in range(2, 9):
+        for symmetric in (True, False):
+            native = bits in (2, 4) or (bits == 8 and symmetric)
+            config = quantlab.CustomBitsConfig(bits=bits, symmetric=symmetric)
+            cases.append((f"cb{bits}-{'sym' if symmetric else 'asym'}", config, NBITS if native else FALLBACK))
+    return cases
+
+
+CUSTOM_BITS = _custom_bits_cases()
+OTHERS = [
+    ("int8-per-channel", quantlab.Int8SymmetricConfig(), NBITS),
+    ("int8-g32-fp16", quantlab.Int8SymmetricConfig(group_size=32, scale_dtype="float16"), NBITS),
+    ("nf4-double-quant", quantlab.NF4Config(), BNB4),
+    ("nf4", quantlab.NF4Config(double_quant=False), BNB4),
+    ("nf4-blocks-wider-than-ort", quantlab.NF4Config(blocksize=512), BNB4),
+    ("cb4-per-channel-asym", quantlab.CustomBitsConfig(bits=4, group_size=None), NBITS),
+    ("cb3-per-channel-asym", quantlab.CustomBitsConfig(bits=3, group_size=None), FALLBACK),
+    ("cb8-sym-bf16", quantlab.CustomBitsConfig(bits=8, symmetric=True, scale_dtype="bfloat16"), NBITS),
 ]
-for bits in range(2, 9):
-    for symmetric in (True, False):
-        native = bits in (2, 4) or (bits == 8 and symmetric)
-        CASES.append(
-            pytest.param(
-                quantlab.CustomBitsConfig(bits=bits, symmetric=symmetric),
-                NBITS if native else FALLBACK,
-                {},
-                id=f"cb{bits}-{'sym' if symmetric else 'asym'}",
-            )
-        )
-
-_OPERATOR_NODES = {NBITS: "com.microsoft::MatMulNBits", BNB4: "com.microsoft::MatMulBnb4"}
+# K=72 and K=120 have no power-of-two factor >= 16: MatMulBnb4 cannot tile them.
+ODD_K = [
+    ("nf4-K72-fallback", quantlab.NF4Config(), FALLBACK),
+    ("cb4-g32-K72", quantlab.CustomBitsConfig(bits=4, group_size=32), NBITS),
+]
 
 
-@pytest.mark.parametrize(("config", "operator", "shape"), CASES)
-def test_method_exports_with_its_own_weights(config, operator, shape, onnx_path, helpers) -> None:
-    model = quantlab.quantize(helpers.small_llama(**shape), config)
-    layers = quantized_layers(model)
+# -- one layer at a time ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("in_features", [64, 96, 72])
+@pytest.mark.parametrize(
+    ("config", "operator"),
+    [pytest.param(c, op, id=name) for name, c, op in CUSTOM_BITS + OTHERS + ODD_K],
+)
+def test_layer_computes_with_its_own_weights(config, operator, in_features, helpers) -> None:
+    torch.manual_seed(in_features)
+    linear = torch.nn.Linear(in_features, 40, bias=in_features != 64)
+    layer = quantlab.quantize(linear, config)
+    model, chosen = helpers.layer_model(layer)
+    if isinstance(config, quantlab.NF4Config):  # MatMulBnb4 needs a block of 16+ that tiles K
+        operator = BNB4 if in_features % 16 == 0 else FALLBACK
+    assert chosen == operator
+
+    # The model carries the stored codes: at most the layer's own bytes plus float32 copies of
+    # scales and bias (a float copy of the weight would be 4 bytes per weight). Initializers that
+    # layers of equal shape share (the block-sum matrix of the zero-point correction) are not counted.
+    initializers = model.graph.initializers.values()
+    stored = sum(value.const_value.nbytes for value in initializers if value.name.startswith("layer."))
+    bias = 0 if linear.bias is None else 4 * 40
+    assert stored <= 1.5 * layer.stored_bytes() + bias + 512
+    assert stored < 4 * in_features * 40
+
+    x = torch.randn(5, in_features)
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString())
+    (y,) = session.run(None, {"x": x.numpy()})
+    with torch.no_grad():
+        expected = layer(x).numpy()
+    assert np.abs(y - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+
+
+# -- whole models, one configuration per layer --------------------------------------------------
+
+
+def _mixed_model(helpers, cases, **shape):
+    """A small Llama whose Linear layers take the configurations of `cases` in turn (lm_head stays float)."""
+    model = helpers.small_llama(**shape)
+    names = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear and name != "lm_head"]
+    expected = {}
+    for name, (_, config, operator) in zip(names, cases, strict=False):
+        quantlab.quantize(model, config, modules=[name])
+        expected[name] = operator
+    return model, expected
+
+
+@pytest.mark.parametrize(
+    ("cases", "shape"),
+    [
+        pytest.param(CUSTOM_BITS, {}, id="custom-bits-2-to-8-sym-asym"),
+        pytest.param(OTHERS, {}, id="int8-nf4-per-channel"),
+        pytest.param(ODD_K * 7, {"layers": 1, "hidden_size": 72, "intermediate_size": 120}, id="K72-K120"),
+    ],
+)
+def test_model_with_every_method_matches_pytorch(cases, shape, onnx_path, helpers) -> None:
+    model, expected = _mixed_model(helpers, cases, **shape)
+    assert len(expected) == min(len(cases), 7 * model.config.num_hidden_layers)
     result = to_onnx(model, onnx_path)
+    assert result.layer_operators == expected
 
-    assert set(result.layer_operators.values()) == {operator}
-    assert set(result.layer_operators) == set(layers)
+    counts = {op: list(expected.values()).count(op) for op in set(expected.values())}
     low_bit_nodes = {op: n for op, n in result.operators.items() if op.startswith("com.microsoft::")}
-    assert low_bit_nodes == ({_OPERATOR_NODES[operator]: len(layers)} if operator in _OPERATOR_NODES else {})
+    assert low_bit_nodes == {_NODE[op]: n for op, n in counts.items() if op in _NODE}
 
-    # The file carries the stored codes: at most the layer's own bytes plus float32 copies of the
-    # scales (a float copy of a 64x64 weight alone would be 16 KiB).
     stored = helpers.layer_initializer_bytes(onnx_path, model)
-    for name, layer in layers.items():
+    for name, layer in quantized_layers(model).items():
         assert stored[name] <= 1.5 * layer.stored_bytes() + 512, name
 
     ids, mask = helpers.padded_batch()
@@ -75,8 +132,9 @@ def test_float_model_exports_standard_onnx(onnx_path, helpers) -> None:
     assert helpers.max_logit_error(model, OnnxCausalLM(onnx_path)(ids, mask), ids, mask) <= 1e-4
 
 
-def test_quantized_lm_head_is_exported_too(onnx_path, helpers) -> None:
-    model = quantlab.quantize(helpers.small_llama(), quantlab.CustomBitsConfig(bits=4, modules_to_not_convert=[]))
+def test_quantized_and_tied_lm_head_export(onnx_path, helpers) -> None:
+    model = tiny_llama(tie_word_embeddings=True)
+    quantlab.quantize(model, quantlab.CustomBitsConfig(bits=4, modules_to_not_convert=[]))
     result = to_onnx(model, onnx_path)
     assert result.layer_operators["lm_head"] == NBITS
     assert result.output_names == ["logits"]
@@ -87,10 +145,10 @@ def test_quantized_lm_head_is_exported_too(onnx_path, helpers) -> None:
 def test_model_is_left_as_it_was(onnx_path, helpers) -> None:
     model = quantlab.quantize(helpers.small_llama(), quantlab.NF4Config())
     model.train()
-    before = {name: type(module) for name, module in model.named_modules()}
+    model.model.layers[0].mlp.eval()
+    before = {name: (type(module), module.training) for name, module in model.named_modules()}
     to_onnx(model, onnx_path)
-    assert {name: type(module) for name, module in model.named_modules()} == before
-    assert model.training
+    assert {name: (type(module), module.training) for name, module in model.named_modules()} == before
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
 
