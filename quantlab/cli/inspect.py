@@ -6,6 +6,7 @@ came from, `||W - W_q|| / ||W||` (Frobenius norms, float64).
 """
 
 import argparse
+import json
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -29,8 +30,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("model", metavar="MODEL", help="a checkpoint folder (quantized or not)")
     parser.add_argument(
         "--reference",
+        nargs="?",
+        const=FROM_REPORT,
         metavar="FLOAT_MODEL",
-        help="the float model the checkpoint was quantized from (folder or .gguf): adds ||W - W_q|| / ||W||",
+        help="the float model the checkpoint was quantized from (folder or .gguf): adds ||W - W_q|| / ||W||; "
+        "without a value, the model named in the checkpoint's quantlab_report.json",
     )
     add_output_options(parser)
 
@@ -62,6 +66,7 @@ class LayerRow:
         return cells
 
 
+FROM_REPORT = "<from quantlab_report.json>"
 HEADERS = ["layer", "method", "width", "group", "out x in", "stored bytes", "bits/weight"]
 
 
@@ -72,10 +77,11 @@ def run(args: argparse.Namespace) -> int:
     rows = [_describe(name, module) for name, module in _linear_layers(model)]
     if not rows:
         raise QuantlabError(f"{source} has no Linear layers to inspect")
+    reference_name = None
     if args.reference is not None:
-        reference_source = resolve_model(args.reference)
-        reference = _load(reference_source, console)
-        _add_errors(rows, model, reference, str(reference_source), console)
+        reference_source = resolve_model(_reference_path(args.reference, source))
+        reference_name = str(reference_source)
+        _add_errors(rows, model, _load(reference_source, console), reference_name, console)
     with_error = args.reference is not None
     table = column_table(HEADERS + (["rel. error"] if with_error else []), [row.cells(with_error) for row in rows])
     total_bytes = sum(row.stored_bytes for row in rows)
@@ -86,9 +92,21 @@ def run(args: argparse.Namespace) -> int:
     )
     console.report(
         f"{source}\n{table}\n{summary}",
-        {"command": "inspect", "model": str(source), "reference": args.reference, "layers": [asdict(r) for r in rows]},
+        {"command": "inspect", "model": str(source), "reference": reference_name, "layers": [asdict(r) for r in rows]},
     )
     return 0
+
+
+def _reference_path(argument: str, source: ModelSource) -> str:
+    """`--reference FLOAT_MODEL` as given, or the model `quantlab quantize` recorded in its report."""
+    if argument != FROM_REPORT:
+        return argument
+    from quantlab.cli.quantize import REPORT_FILE
+
+    report = source.folder / REPORT_FILE
+    if not report.is_file():
+        raise QuantlabError(f"{source} has no {REPORT_FILE} naming its float model; pass --reference FLOAT_MODEL")
+    return json.loads(report.read_text(encoding="utf-8"))["model_path"]
 
 
 def _load(source: ModelSource, console: Console) -> nn.Module:

@@ -68,6 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 @dataclass
 class QuantizeReport:
     model: str
+    model_path: str
     output: str
     method: str
     config: dict[str, Any]
@@ -177,6 +178,7 @@ def quantize_to_checkpoint(
             save_checkpoint(model, tokenizer, staging)
             report = QuantizeReport(
                 model=str(source),
+                model_path=str(source.path.resolve()),
                 output=str(output),
                 method=config.method,
                 config=config.to_dict(),

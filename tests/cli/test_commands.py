@@ -128,6 +128,13 @@ def test_inspect_lists_layers_with_their_relative_error(cli, quantized_llama, ll
     assert layers["lm_head"]["method"] == "float" and layers["lm_head"]["relative_error"] == 0.0
 
 
+def test_inspect_finds_the_reference_in_the_quantize_report(cli, quantized_llama, llama_dir: Path) -> None:
+    result = cli.run("inspect", quantized_llama.output, "--reference", "--json")
+    assert result.returncode == 0, result.stderr
+    assert result.json()["reference"] == str(llama_dir.resolve())
+    assert all(layer["relative_error"] is not None for layer in result.json()["layers"])
+
+
 def test_inspect_reads_width_and_group_of_nf4_and_int8(cli, llama_dir: Path, tmp_path: Path) -> None:
     for method, flags, width, group in [("nf4", [], 4, 64), ("int8", ["--group-size", "channel"], 8, None)]:
         output = tmp_path / method

@@ -111,6 +111,10 @@ def test_inspect_reference_of_another_architecture(cli, quantized_llama, bert_di
     cli.assert_user_error(result, "--reference must be the float model the checkpoint was quantized from")
 
 
+def test_inspect_reference_without_a_report(cli, llama_dir: Path) -> None:
+    cli.assert_user_error(cli.run("inspect", llama_dir, "--reference"), "has no quantlab_report.json naming")
+
+
 def test_optimum_cli_reports_errors_the_same_way(cli, tmp_path: Path) -> None:
     optimum_cli = shutil.which("optimum-cli")
     if optimum_cli is None:
