@@ -23,6 +23,8 @@ lists the encoded tensors (`quantlab_sparse`: format version, shapes, dtypes, la
 and hands it to `from_pretrained(None, config=..., state_dict=...)`, so loading takes the
 usual path (tied weights, dtype, quantized layers on the pre-quantized path); float layers
 get their masks back (`quantlab.prune.masking`), ready for `KeepMasks` during fine-tuning.
+`load_sparse(dir, quantization_config=quantlab.NF4Config())` quantizes while loading, and
+`save_sparse` of the result writes a sparse and quantized checkpoint.
 
 The weight file has a name `from_pretrained` does not look for: a process without quantlab
 fails with "no file named model.safetensors" instead of loading a model with missing weights.

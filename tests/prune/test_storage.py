@@ -135,3 +135,16 @@ def test_existing_output_is_not_overwritten_unless_asked(tmp_path):
     with pytest.raises(quantlab.QuantlabError, match="already exists"):
         save_sparse(model, tmp_path / "sparse")
     save_sparse(model, tmp_path / "sparse", overwrite=True)
+
+
+def test_sparse_checkpoint_quantizes_while_loading_and_saves_sparse_again(tmp_path):
+    model = tiny_llama()
+    prune(model, "unstructured", 0.5)
+    save_sparse(model, tmp_path / "sparse")
+    quantized = load_sparse(tmp_path / "sparse", quantization_config=quantlab.NF4Config(blocksize=32))
+    layer = quantized.model.layers[0].mlp.up_proj
+    assert isinstance(layer, quantlab.QuantizedLinear)
+    assert float((layer.dequantize_weight() == 0).float().mean()) == pytest.approx(0.5)
+    save_sparse(quantized, tmp_path / "sparse-nf4")
+    assert sparse_storage(tmp_path / "sparse-nf4").ratio() < 0.85
+    _assert_same_state(quantized, load_sparse(tmp_path / "sparse-nf4"))
