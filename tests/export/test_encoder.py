@@ -9,17 +9,20 @@ import quantlab
 from quantlab.export import to_onnx
 from quantlab.testing import tiny_bert
 
+CONFIGS = [quantlab.Int8SymmetricConfig(), quantlab.NF4Config(), quantlab.CustomBitsConfig(bits=3)]
 
-@pytest.mark.parametrize(
-    "config",
-    [None, quantlab.Int8SymmetricConfig(), quantlab.NF4Config(), quantlab.CustomBitsConfig(bits=3)],
-    ids=["float", "int8", "nf4", "cb3"],
-)
-def test_bert_outputs_match_pytorch(config, onnx_path) -> None:
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int8-nf4-cb3"])
+def test_bert_outputs_match_pytorch(quantized, onnx_path) -> None:
     model = tiny_bert()
-    if config is not None:
-        quantlab.quantize(model, config)
+    if quantized:  # one method after the other over the Linear layers (biases included)
+        names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+        for index, name in enumerate(names):
+            quantlab.quantize(model, CONFIGS[index % len(CONFIGS)], modules=[name])
     result = to_onnx(model, onnx_path)
+    if quantized:
+        assert sorted(set(result.layer_operators.values())) == ["MatMulBnb4", "MatMulNBits", "fallback"]
+        assert len(result.layer_operators) == 13
     assert result.kind == "encoder"
     assert result.input_names == ["input_ids", "attention_mask", "token_type_ids"]
     assert result.output_names == ["last_hidden_state", "pooler_output"]
