@@ -12,6 +12,12 @@
 onnxruntime 1.31's CPU MatMulNBits runs 2, 4 and 8 bits with blocks of 16 to 256, and float
 zero points at 2 and 4 bits only (checked on this version); quantlab's asymmetric zero is a
 float, so 8-bit asymmetric takes the fallback.
+
+Speed of one 576x1536 layer at one row (decoding), 2 threads, float activations: fp32 MatMul
+0.49 ms; MatMulNBits 4-bit 0.34 ms (default zero point), 12 ms with float zero points (hence
+`LayerLowering.zero_point_correction`); 2-bit 12 ms and 8-bit 9 ms, because onnxruntime
+dequantizes 2- and 8-bit weights on every call unless activations may be int8
+(`to_onnx(accuracy_level=4)`: 0.14 and 0.12 ms, no longer equal to PyTorch).
 """
 
 import torch
