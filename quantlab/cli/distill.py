@@ -241,7 +241,7 @@ class DistillReport:
                     f"{self.perplexity_after:.3f} on {self.evaluation_text}",
                 )
             )
-        return key_value_table(f"distilled {self.teacher} -> {self.student} -> {self.output}", rows)
+        return key_value_table(f"distilled {self.teacher} into {self.student} -> {self.output}", rows)
 
 
 def run(args: argparse.Namespace) -> int:
