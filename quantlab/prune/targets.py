@@ -1,4 +1,4 @@
-"""Which layers pruning touches: every float `nn.Linear` but the output head, unless named.
+"""Which layers pruning touches: every float `nn.Linear` but the output head (and LoRA adapters), unless named.
 
 The output head (`lm_head`, often tied to the input embeddings) is left dense by default: it
 is one matrix whose every row is a token's logit, and pruning it hurts far more than its share
@@ -18,7 +18,11 @@ def prunable_layers(model: nn.Module, modules: list[str] | None = None) -> dict[
         return {name: _checked(model, named, name) for name in modules}
     _refuse_quantized(model)
     skipped = _output_head_names(model, named)
-    return {name: module for name, module in named.items() if isinstance(module, nn.Linear) and name not in skipped}
+    return {
+        name: module
+        for name, module in named.items()
+        if isinstance(module, nn.Linear) and name not in skipped and "lora_" not in name  # adapters stay dense
+    }
 
 
 def _checked(model: nn.Module, named: dict[str, nn.Module], name: str) -> nn.Linear:

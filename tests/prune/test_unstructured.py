@@ -82,3 +82,12 @@ def test_quantized_model_is_refused_with_the_order_to_follow():
     model = quantlab.quantize(tiny_llama(), quantlab.Int8SymmetricConfig())
     with pytest.raises(PruningError, match="prune the float model first, then quantize"):
         prune(model, "unstructured", 0.5)
+
+
+def test_lora_adapters_are_not_pruned_only_their_base_layers():
+    from quantlab.training import add_lora
+
+    model = add_lora(tiny_llama(), r=2)
+    result = prune(model, "unstructured", 0.5)
+    assert len(result.layers) == 14
+    assert all(name.endswith(".base_layer") for name in result.layers)
