@@ -22,7 +22,7 @@ from quantlab.cli import options
 from quantlab.cli.console import Console
 from quantlab.errors import QuantlabError
 
-# Module names under quantlab.cli; later subcommands (finetune, prune, distill, export) add theirs.
+# Module names under quantlab.cli, in the order `quantlab --help` lists them; a new command adds its module here.
 COMMANDS: list[str] = ["quantize", "evaluate", "methods", "inspect", "prune", "distill", "export", "finetune"]
 
 ERROR_PREFIX = "quantlab: error:"
@@ -72,9 +72,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "quantlab") -> int:
         args = parse(argv, prog)
     except SystemExit as exit:  # --help, --version
         return exit.code if isinstance(exit.code, int) else 0
-    except UsageError as error:
-        return _fail(str(error))
-    except QuantlabError as error:
+    except (UsageError, QuantlabError) as error:
         return _fail(str(error))
     return run(args)
 

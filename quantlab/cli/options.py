@@ -25,6 +25,7 @@ from typing import Any
 
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantlabError
+from quantlab.registry import get_method, list_methods
 
 METHOD_MARKER = "takes_method_options"
 _DEST_PREFIX = "method_option."
@@ -45,15 +46,20 @@ class OptionSpec:
 
     @property
     def metavar(self) -> str:
-        words = {"int": "INT", "float": "FLOAT", "str": "TEXT", "list": "A,B,...", "json": "JSON"}
+        words = {"int": "INT", "float": "FLOAT", "str": "TEXT", "bool": "BOOL", "list": "A,B,...", "json": "JSON"}
         if self.kind == "choice":
             return "{" + ",".join(_choice_text(choice) for choice in self.choices) + "}"
         return words.get(self.kind, "VALUE")
 
     @property
+    def is_switch(self) -> bool:
+        """A plain `bool` field becomes `--flag/--no-flag`; `bool | None` takes a value instead."""
+        return self.kind == "bool" and not self.optional
+
+    @property
     def usage(self) -> str:
         """How the flag is written, e.g. `--symmetric/--no-symmetric` or `--bits INT`."""
-        if self.kind == "bool":
+        if self.is_switch:
             return f"{self.flag}/--no-{self.flag.removeprefix('--')}"
         return f"{self.flag} {self.metavar}" + ("|none" if self.optional else "")
 
@@ -191,8 +197,6 @@ def method_from_argv(argv: Sequence[str]) -> str | None:
 
 def add_method_options(parser: argparse.ArgumentParser, method_name: str) -> None:
     """Add one flag per option of the registered method `method_name` to `parser`."""
-    from quantlab.registry import get_method
-
     method = get_method(method_name)
     group = parser.add_argument_group(f"{method.name} options", method.description)
     for spec in option_specs(method.config_class):
@@ -211,7 +215,7 @@ def _add_flag(group: argparse._ArgumentGroup, spec: OptionSpec) -> None:
         shown_default = ",".join(shown_default) or "''"
     text = f"{spec.help or spec.describe_type()} (default: {shown_default})"
     dest = _DEST_PREFIX + spec.name
-    if spec.kind == "bool" and not spec.optional:
+    if spec.is_switch:
         group.add_argument(
             spec.flag, action=argparse.BooleanOptionalAction, dest=dest, default=argparse.SUPPRESS, help=text
         )
@@ -228,8 +232,6 @@ def _add_flag(group: argparse._ArgumentGroup, spec: OptionSpec) -> None:
 
 def config_from_args(args: argparse.Namespace) -> QuantlabConfig:
     """The chosen method's config from the flags given; `ConfigError` names any invalid value."""
-    from quantlab.registry import get_method
-
     method = get_method(args.method)
     given = {
         name.removeprefix(_DEST_PREFIX): value for name, value in vars(args).items() if name.startswith(_DEST_PREFIX)
@@ -242,13 +244,12 @@ def explain_unrecognized(extras: Sequence[str], method_name: str | None) -> str:
     flags = [extra.split("=", 1)[0] for extra in extras if extra.startswith("--")]
     if method_name is None or not flags:
         return f"unrecognized arguments: {' '.join(extras)}"
-    from quantlab.registry import get_method, list_methods
-
     owners = {}
     for name in list_methods():
         for spec in option_specs(get_method(name).config_class):
             owners.setdefault(spec.flag, []).append(name)
-            owners.setdefault("--no-" + spec.flag.removeprefix("--"), []).append(name)
+            if spec.is_switch:
+                owners.setdefault("--no-" + spec.flag.removeprefix("--"), []).append(name)
     own = ", ".join(spec.usage for spec in option_specs(get_method(method_name).config_class))
     unknown = flags[0]
     where = f" ({unknown} is an option of {', '.join(owners[unknown])})" if unknown in owners else ""

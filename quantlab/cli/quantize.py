@@ -176,6 +176,7 @@ def quantize_to_checkpoint(
         quantized_at = time.perf_counter()
         with atomic_directory(output, overwrite=overwrite) as staging:
             save_checkpoint(model, tokenizer, staging)
+            saved_at = time.perf_counter()
             report = QuantizeReport(
                 model=str(source),
                 model_path=str(source.path.resolve()),
@@ -190,7 +191,7 @@ def quantize_to_checkpoint(
                 size_before_bytes=weights_size(source.path),
                 size_after_bytes=weights_size(staging),
                 load_and_quantize_seconds=quantized_at - started,
-                save_seconds=time.perf_counter() - quantized_at,
+                save_seconds=saved_at - quantized_at,
                 peak_memory_bytes=peak_memory_bytes(),
                 memory_before_load_bytes=memory_before_load,
             )

@@ -65,6 +65,7 @@ def test_kinds_and_defaults_come_from_annotations() -> None:
     assert specs["layers"].default == []
     assert specs["table"].help == "a mapping"
     assert specs["enabled"].usage == "--enabled/--no-enabled"
+    assert specs["maybe"].usage == "--maybe BOOL|none"
 
 
 @pytest.mark.parametrize(
@@ -133,7 +134,7 @@ def test_a_field_that_clashes_with_a_command_flag_is_a_clear_error(monkeypatch: 
     class FakeMethod:
         name, config_class, description = "clash", ClashConfig, "clashes"
 
-    monkeypatch.setattr("quantlab.registry.get_method", lambda name: FakeMethod)
+    monkeypatch.setattr(options, "get_method", lambda name: FakeMethod)
     parser = argparse.ArgumentParser()
     parser.add_argument("--output")
     with pytest.raises(options.QuantlabError, match="clashes with the command's own --output"):
