@@ -44,19 +44,23 @@ def native_matmul(weight: NativeWeight, x: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     out = torch.empty(rows, weight.out_features, dtype=torch.float32)
     if rows:
-        status = native.library().ql_gemm(
-            weight.pointer, x.data_ptr(), rows, x.stride(0), out.data_ptr(), out.stride(0), torch.get_num_threads()
+        lib = native.library()
+        threads = torch.get_num_threads()
+        _check(
+            lib.ql_gemm(weight.pointer, x.data_ptr(), rows, x.stride(0), out.data_ptr(), out.shape[1], threads),
+            "matmul",
         )
-        _check(status, "matmul")
     return out
 
 
 def _forward(weight: NativeWeight, x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1, weight.in_features)
+    flat = x if x.dim() == 2 else x.reshape(-1, weight.in_features)
     if flat.dtype != torch.float32 or flat.stride(-1) != 1:
         flat = flat.float().contiguous()
     out = native_matmul(weight, flat)
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
 
 
 class _NativeLinear(torch.autograd.Function):

@@ -66,7 +66,7 @@ class QuantlabCpuWeight(ctypes.Structure):
 
 def cache_dir() -> Path:
     root = os.environ.get("QUANTLAB_CACHE") or Path.home() / ".cache" / "quantlab"
-    return Path(root) / "kernels"
+    return Path(root).expanduser() / "kernels"
 
 
 def compiler() -> str | None:
@@ -179,7 +179,9 @@ def _load() -> ctypes.CDLL | None:
 
 def library() -> ctypes.CDLL | None:
     """The loaded native library, building it on first use; None when disabled or unbuildable."""
-    return _load() if enabled() else None
+    if "QUANTLAB_NATIVE_KERNELS" in os.environ and not enabled():
+        return None
+    return _load()
 
 
 def isa() -> str | None:

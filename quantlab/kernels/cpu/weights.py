@@ -29,11 +29,21 @@ class NativeWeight:
         self.tensors = tensors
         self.out_features = int(struct.n)
         self.in_features = int(struct.k)
+        self.sources: tuple = ()
+
+    def still_describes(self, module: torch.nn.Module) -> bool:
+        """True while the layer holds the same stored tensors, unmodified (checked on every call: cheap)."""
+        buffers = module._buffers
+        for name, tensor, version, pointer in self.sources:
+            current = buffers[name] if name in buffers else getattr(module, name)
+            if current is not tensor or tensor._version != version or tensor.data_ptr() != pointer:
+                return False
+        return True
 
 
 Describer = Callable[[torch.nn.Module], NativeWeight]
 _DESCRIBERS: dict[str, Describer] = {}
-_cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, NativeWeight]]" = weakref.WeakKeyDictionary()
+_cache: "weakref.WeakKeyDictionary[torch.nn.Module, NativeWeight]" = weakref.WeakKeyDictionary()
 
 
 def describes(*formats: str) -> Callable[[Describer], Describer]:
@@ -51,13 +61,12 @@ def supported(format: str) -> bool:
 
 def native_weight(module: torch.nn.Module) -> NativeWeight:
     """The (cached) description of `module`'s stored tensors."""
-    stored = module.stored_tensors()
-    key = (module.format, *((t.data_ptr(), t._version, t.dtype, t.shape) for t in stored.values()))
     cached = _cache.get(module)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    if cached is not None and cached.still_describes(module):
+        return cached
     described = _DESCRIBERS[module.format](module)
-    _cache[module] = (key, described)
+    described.sources = tuple((n, t, t._version, t.data_ptr()) for n, t in module.stored_tensors().items())
+    _cache[module] = described
     return described
 
 
