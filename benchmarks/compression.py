@@ -24,11 +24,13 @@ than one: each parallel region waits for its descheduled thread).
     python benchmarks/compression.py                          # everything (hours on a busy machine)
     python benchmarks/compression.py --configs 2:4 --steps 50 # a subset
     python benchmarks/compression.py --json compression.json  # also write the figures (after every stage)
+    python benchmarks/compression.py --report a.json b.json   # one table from runs of subsets (in parallel)
 """
 
 import argparse
 import copy
 import gc
+import json
 import statistics
 import sys
 import tempfile
@@ -69,6 +71,9 @@ class Row:
 
 def main() -> int:
     args = parse_args()
+    if args.report:
+        print(merged_report(args.report))
+        return 0
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     folder = smollm2_dir()
@@ -134,6 +139,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--text", type=Path, help="evaluation text (default: WikiText-2 test, else the bundled one)")
     parser.add_argument("--json", type=Path, help="write the figures here (rewritten after every stage)")
+    parser.add_argument("--report", type=Path, nargs="+", help="only print one table from these --json files")
     args = parser.parse_args()
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = sorted(set(args.configs) - set(CONFIGS))
@@ -222,6 +228,18 @@ def forward_timing(dense: torch.nn.Module, pruned: torch.nn.Module, repeats: int
         dense_s, pruned_s = statistics.median(seconds["dense"]), statistics.median(seconds["structured"])
         timing[label] = {"dense_s": dense_s, "structured_s": pruned_s, "speedup": dense_s / pruned_s}
     return timing
+
+
+def merged_report(paths: list[Path]) -> str:
+    """The table of several runs (each on a subset of the configurations), rows in the usual order."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    rows = {row["config"]: row for run in runs for row in run.get("rows", [])}
+    merged = dict(runs[0])
+    merged["rows"] = [rows[config] for config in CONFIGS if config in rows]
+    merged["timing"] = next((run["timing"] for run in runs if run.get("timing")), None)
+    settings = runs[0]["settings"]
+    args = argparse.Namespace(steps=settings["steps"], windows=settings["windows"])
+    return report(merged, args)
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> str:
