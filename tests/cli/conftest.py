@@ -117,18 +117,20 @@ class Cli:
     tiny_eval = TINY_EVAL
 
     @staticmethod
-    def run(*args: str | os.PathLike, env: dict[str, str] | None = None) -> Completed:
+    def run(*args: str | os.PathLike, env: dict[str, str] | None = None, timeout: float = 900) -> Completed:
         """`python -m quantlab.cli.main ARGS`."""
-        return Cli.command([sys.executable, "-m", "quantlab.cli.main", *map(str, args)], env=env)
+        return Cli.command([sys.executable, "-m", "quantlab.cli.main", *map(str, args)], env=env, timeout=timeout)
 
     @staticmethod
     def python(code: str, *args: str | os.PathLike) -> Completed:
         return Cli.command([sys.executable, "-c", code, *map(str, args)])
 
     @staticmethod
-    def command(command: list[str | os.PathLike], env: dict[str, str] | None = None) -> Completed:
+    def command(command: list[str | os.PathLike], env: dict[str, str] | None = None, timeout: float = 900) -> Completed:
         environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
-        result = subprocess.run(list(map(str, command)), capture_output=True, text=True, env=environment, timeout=900)
+        result = subprocess.run(
+            list(map(str, command)), capture_output=True, text=True, env=environment, timeout=timeout
+        )
         return Completed(result.returncode, result.stdout, result.stderr)
 
     @staticmethod
