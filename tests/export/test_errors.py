@@ -85,9 +85,12 @@ def test_untraceable_module_is_named(onnx_path) -> None:
     assert not onnx_path.exists()
 
 
-def test_operator_without_onnx_translation_is_named(onnx_path) -> None:
+def test_operator_without_onnx_translation_is_named_and_the_previous_file_kept(onnx_path) -> None:
+    onnx_path.write_bytes(b"previous export")
     with pytest.raises(ExportError, match=r"^model\.layers\.0\.mlp \(_NoOnnxOperator\) cannot be converted.*zeta"):
-        to_onnx(_llama_with(_NoOnnxOperator), onnx_path)
+        to_onnx(_llama_with(_NoOnnxOperator), onnx_path, overwrite=True)
+    assert onnx_path.read_bytes() == b"previous export"
+    assert sorted(p.name for p in onnx_path.parent.iterdir()) == [onnx_path.name]
 
 
 def test_quantized_layer_without_lowering_is_named(onnx_path) -> None:
@@ -137,10 +140,3 @@ def test_existing_output_is_kept_unless_overwrite(onnx_path) -> None:
     to_onnx(tiny_bert(), onnx_path, overwrite=True)
     assert onnx_path.stat().st_size > 1000
     assert sorted(p.name for p in onnx_path.parent.iterdir()) == [onnx_path.name]
-
-
-def test_failed_export_leaves_the_previous_file(onnx_path) -> None:
-    onnx_path.write_bytes(b"previous export")
-    with pytest.raises(ExportError):
-        to_onnx(_llama_with(_NoOnnxOperator), onnx_path, overwrite=True)
-    assert onnx_path.read_bytes() == b"previous export"

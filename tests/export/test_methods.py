@@ -142,20 +142,14 @@ def test_quantized_and_tied_lm_head_export(onnx_path, helpers) -> None:
     assert helpers.max_logit_error(model, OnnxCausalLM(onnx_path)(ids, mask), ids, mask) <= 1e-3
 
 
-def test_model_is_left_as_it_was(onnx_path, helpers) -> None:
-    model = quantlab.quantize(helpers.small_llama(), quantlab.NF4Config())
+def test_int8_activations_on_request_and_the_model_left_as_it_was(onnx_path, helpers) -> None:
+    model = quantlab.quantize(helpers.small_llama(), quantlab.Int8SymmetricConfig())
     model.train()
     model.model.layers[0].mlp.eval()
     before = {name: (type(module), module.training) for name, module in model.named_modules()}
-    to_onnx(model, onnx_path)
-    assert {name: (type(module), module.training) for name, module in model.named_modules()} == before
-    with torch.no_grad():
-        model(torch.tensor([[1, 2, 3]]))
-
-
-def test_int8_activations_on_request(onnx_path, helpers) -> None:
-    model = quantlab.quantize(helpers.small_llama(), quantlab.Int8SymmetricConfig())
     result = to_onnx(model, onnx_path, accuracy_level=4)
+    assert {name: (type(module), module.training) for name, module in model.named_modules()} == before
+    model.eval()
     assert result.accuracy_level == 4
     nodes = [node for node in ir.load(onnx_path).graph if node.op_type == "MatMulNBits"]
     assert len(nodes) == 7 and all(node.attributes["accuracy_level"].as_int() == 4 for node in nodes)
