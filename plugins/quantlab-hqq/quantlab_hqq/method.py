@@ -1,0 +1,106 @@
+"""The `hqq` method: custom-bits storage with half-quadratically optimised zero points (and scales).
+
+Only how the grid is chosen differs from `custom_bits` asymmetric: the stored tensors, the
+packing and the dequantization `(q - zero) * scale` are the same, so `HqqLinear` keeps the
+storage format of custom bits and every kernel and export written for it applies.
+"""
+
+import dataclasses
+
+import torch
+
+from quantlab.config import SCALE_DTYPES
+from quantlab.errors import ConfigError
+from quantlab.formats import grouping, packing
+from quantlab.methods.custom_bits import CustomBitsConfig, CustomBitsLinear
+from quantlab_hqq.optimize import AffineParams, optimize_affine_params, quantize_codes
+
+# Rows are optimised a slice at a time: the optimiser's temporaries (a few float32 copies of the
+# slice, 1 MiB each) stay in cache and memory stays flat whatever the layer size. Groups are
+# independent, so the result does not depend on the slice size.
+MAX_WEIGHTS_PER_CHUNK = 1 << 18
+
+
+@dataclasses.dataclass(repr=False)
+class HqqConfig(CustomBitsConfig):
+    """Calibration-free HQQ grid optimisation (Badri & Shaji 2023), bit-packed like custom_bits.
+
+    `bits` 2..8 and `group_size` (power of two 32..256, or None per channel) as in custom bits,
+    always with zero points. `iterations` half-quadratic steps minimising `sum |w - w_q|^lp_norm`
+    per group; `beta` (in grid steps) and `kappa` set the splitting schedule; `optimize_scale`
+    refits the scale with the zero point at each step.
+    """
+
+    method = "hqq"
+
+    # The grid is asymmetric by construction: the zero point is what HQQ optimises.
+    symmetric: bool = dataclasses.field(default=False, init=False)
+    iterations: int = 20
+    lp_norm: float = 0.7
+    beta: float = 1.0
+    kappa: float = 1.01
+    optimize_scale: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        if isinstance(self.iterations, bool) or not isinstance(self.iterations, int) or self.iterations < 0:
+            raise ConfigError(f"hqq: iterations={self.iterations!r} is not valid; use a whole number >= 0 (0 = RTN)")
+        if not _is_number(self.lp_norm) or not 0 < self.lp_norm <= 1:
+            raise ConfigError(f"hqq: lp_norm={self.lp_norm!r} is not valid; use a number in (0, 1] (HQQ uses 0.7)")
+        if not _is_number(self.beta) or self.beta <= 0:
+            raise ConfigError(f"hqq: beta={self.beta!r} is not valid; use a positive number")
+        if not _is_number(self.kappa) or self.kappa < 1:
+            raise ConfigError(f"hqq: kappa={self.kappa!r} is not valid; use a number >= 1 (HQQ uses 1.01)")
+        if not isinstance(self.optimize_scale, bool):
+            raise ConfigError(f"hqq: optimize_scale={self.optimize_scale!r} is not valid; use true or false")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+class HqqLinear(CustomBitsLinear):
+    """A custom-bits Linear whose scales and zero points come from the HQQ optimiser."""
+
+    config_class = HqqConfig
+
+    @classmethod
+    def quantize_weight(cls, weight: torch.Tensor, config: HqqConfig) -> dict[str, torch.Tensor]:
+        scale_dtype = SCALE_DTYPES[config.scale_dtype]
+        grouped = grouping.group(weight.float(), config.group_size)
+        rows_per_chunk = max(1, MAX_WEIGHTS_PER_CHUNK // max(1, grouped[0].numel()))
+        codes, scales, zeros = [], [], []
+        with torch.no_grad():
+            for rows in grouped.split(rows_per_chunk):
+                params = optimize_affine_params(
+                    rows,
+                    config.bits,
+                    iterations=config.iterations,
+                    lp_norm=config.lp_norm,
+                    beta=config.beta,
+                    kappa=config.kappa,
+                    optimize_scale=config.optimize_scale,
+                )
+                stored = _storable(params, rows, scale_dtype)
+                # Codes are chosen with the scale and zero point as stored, not their float32 originals.
+                rounded = AffineParams(scale=stored.scale.float(), zero=stored.zero.float())
+                codes.append(quantize_codes(rows, rounded, config.bits).to(torch.uint8))
+                scales.append(stored.scale)
+                zeros.append(stored.zero)
+        return {
+            "weight": packing.pack(torch.cat(codes), config.bits),
+            "weight_scale": torch.cat(scales),
+            "weight_zero": torch.cat(zeros),
+        }
+
+
+def _storable(params: AffineParams, rows: torch.Tensor, scale_dtype: torch.dtype) -> AffineParams:
+    """Cast to the storage dtype; a group whose scale underflows (or overflows) there gets scale 1
+    and zero `-min`, as in custom bits, which represents a (near-)constant group exactly."""
+    scale = params.scale.to(scale_dtype)
+    zero = params.zero.to(scale_dtype)
+    broken = (scale == 0) | ~torch.isfinite(scale) | ~torch.isfinite(zero)
+    if broken.any():
+        scale = torch.where(broken, torch.ones_like(scale), scale)
+        zero = torch.where(broken, -rows.amin(dim=-1).to(scale_dtype), zero)
+    return AffineParams(scale=scale, zero=zero)

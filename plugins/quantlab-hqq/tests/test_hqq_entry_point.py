@@ -1,0 +1,99 @@
+"""The installed plugin is found through its entry point, in processes that never import it."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import quantlab
+from quantlab.registry import ENTRY_POINT_GROUP, get_method
+from quantlab.testing import tiny_llama
+from quantlab_hqq import HqqConfig, HqqLinear
+
+
+def run_fresh(script: str, cwd) -> dict:
+    """Run `script` in a new interpreter; it prints one JSON object as its last line."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_entry_point_is_declared():
+    from importlib.metadata import entry_points
+
+    (entry_point,) = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == "hqq"]
+    assert entry_point.value == "quantlab_hqq:register"
+
+
+def test_registered_with_its_source():
+    method = get_method("hqq")
+    assert method.config_class is HqqConfig and method.module_class is HqqLinear
+    assert method.source == "quantlab-hqq"
+    assert "hqq" in quantlab.list_methods()
+
+
+@pytest.mark.subprocess
+def test_listed_in_a_fresh_process_without_importing_the_plugin(tmp_path):
+    found = run_fresh(
+        """
+        import json
+        import quantlab
+        method = quantlab.get_method("hqq")
+        print(json.dumps({"methods": quantlab.list_methods(), "source": method.source,
+                          "config": method.config_class.__name__}))
+        """,
+        tmp_path,
+    )
+    assert "hqq" in found["methods"]
+    assert found["source"] == "quantlab-hqq" and found["config"] == "HqqConfig"
+
+
+@pytest.mark.subprocess
+def test_from_pretrained_by_method_name_in_a_fresh_process(tmp_path):
+    """A config built from the registry (as the CLI does) quantizes on load; the saved folder
+    then reloads in another process that imports neither quantlab nor the plugin."""
+    tiny_llama().save_pretrained(tmp_path / "float")
+    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    quantized = run_fresh(
+        f"""
+        import json, torch, quantlab
+        from transformers import AutoModelForCausalLM
+        config = quantlab.get_method("hqq").config_class.from_options({{"bits": 3, "group_size": 32}})
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "float")!r}, quantization_config=config)
+        model.save_pretrained({str(tmp_path / "hqq")!r})
+        with torch.no_grad():
+            logits = model(torch.load({str(tmp_path / "tokens.pt")!r})).logits
+        torch.save(logits, {str(tmp_path / "logits.pt")!r})
+        print(json.dumps({{"layer": type(model.model.layers[0].mlp.down_proj).__name__}}))
+        """,
+        tmp_path,
+    )
+    assert quantized["layer"] == "HqqLinear"
+    reloaded = run_fresh(
+        f"""
+        import json, sys, torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "hqq")!r})
+        with torch.no_grad():
+            logits = model(torch.load({str(tmp_path / "tokens.pt")!r})).logits
+        same = torch.equal(logits, torch.load({str(tmp_path / "logits.pt")!r}))
+        print(json.dumps({{"same": same, "layer": type(model.model.layers[0].mlp.down_proj).__name__}}))
+        """,
+        tmp_path,
+    )
+    assert reloaded == {"same": True, "layer": "HqqLinear"}
+
+
+def test_same_logits_as_quantizing_in_process(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "float")
+    config = HqqConfig(bits=4, group_size=32)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
+    converted = quantlab.quantize(tiny_llama(), config)
+    tokens = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, converted(tokens).logits)
