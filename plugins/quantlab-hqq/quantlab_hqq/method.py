@@ -35,11 +35,17 @@ class HqqConfig(CustomBitsConfig):
 
     # The grid is asymmetric by construction: the zero point is what HQQ optimises.
     symmetric: bool = dataclasses.field(default=False, init=False)
-    iterations: int = 20
-    lp_norm: float = 0.7
-    beta: float = 1.0
-    kappa: float = 1.01
-    optimize_scale: bool = False
+    iterations: int = dataclasses.field(
+        default=20, metadata={"help": "half-quadratic steps; 0 keeps the start (min-max scale, integer zero point)"}
+    )
+    lp_norm: float = dataclasses.field(default=0.7, metadata={"help": "p of the error norm minimised, in (0, 1]"})
+    beta: float = dataclasses.field(
+        default=1.0, metadata={"help": "coupling in grid steps: residuals above beta^(-1/(2-p)) count as outliers"}
+    )
+    kappa: float = dataclasses.field(default=1.01, metadata={"help": "growth of beta per step, >= 1"})
+    optimize_scale: bool = dataclasses.field(
+        default=False, metadata={"help": "refit the scale with the zero point at each step"}
+    )
 
     def validate(self) -> None:
         super().validate()

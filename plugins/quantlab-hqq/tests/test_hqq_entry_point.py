@@ -97,3 +97,16 @@ def test_same_logits_as_quantizing_in_process(tmp_path):
     tokens = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, converted(tokens).logits)
+
+
+def test_command_line_takes_the_method_and_its_options(tmp_path):
+    from quantlab.cli.main import main
+
+    tiny_llama().save_pretrained(tmp_path / "float")
+    argv = [str(tmp_path / "float"), "--method", "hqq", "--bits", "3", "--group-size", "32", "--iterations", "5"]
+    assert main(["quantize", *argv, "--optimize-scale", "--output", str(tmp_path / "out"), "--quiet"]) == 0
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert saved["quant_method"] == "quantlab_hqq"
+    assert (saved["bits"], saved["group_size"], saved["iterations"], saved["optimize_scale"]) == (3, 32, 5, True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(model.model.layers[1].self_attn.o_proj) is HqqLinear
