@@ -7,15 +7,24 @@
    statistics of RMS/LayerNorm need the precision (bitsandbytes' `Params4bit` excepted);
 3. activation checkpointing (non-reentrant) is turned on and the input embeddings' output
    requires grad, so the checkpointed blocks see an input that needs a gradient even though
-   every weight below them is frozen; the KV cache is turned off.
+   every weight below them is frozen; the KV cache is turned off;
+4. the pages of the float checkpoint that quantizing while loading read, and that the
+   quantized model no longer uses, are given back (`memory.release_checkpoint_pages`): on
+   SmolLM2 loaded in NF4 they are 420 MB of its resident memory.
 
 Unlike PEFT's `prepare_model_for_kbit_training`, embeddings and the output head are not cast
 to fp32 (on a bf16 SmolLM2 that alone would add 113 MB), and checkpointing is turned on for
 any quantized model, not just a fixed list of methods.
 """
 
+import logging
+
 import torch
 from torch import nn
+
+from quantlab.training.memory import MIB, release_checkpoint_pages
+
+logger = logging.getLogger(__name__)
 
 
 def prepare_for_kbit_training(model: nn.Module, activation_checkpointing: bool = True) -> nn.Module:
@@ -29,6 +38,9 @@ def prepare_for_kbit_training(model: nn.Module, activation_checkpointing: bool =
                     parameter.data = parameter.data.float()
     if activation_checkpointing:
         enable_activation_checkpointing(model)
+    released = release_checkpoint_pages(model)
+    if released:
+        logger.debug("released %.0f MiB of checkpoint pages the quantized model no longer uses", released / MIB)
     return model
 
 

@@ -234,6 +234,8 @@ class Trainer:
         alternate several runs call it directly.
         """
         config, accelerator = self.config, self.accelerator
+        for module in self._trained_modules:
+            module.train()  # dropout on, and transformers checkpoints activations only in train mode
         self.callbacks.call("on_step_begin", self)
         started = time.perf_counter()
         micro_batches = [self._next_batch() for _ in range(config.grad_accum)]
