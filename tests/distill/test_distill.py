@@ -125,3 +125,31 @@ def test_resume_with_hidden_matching_continues_bit_identically(tmp_path):
     resumed_projection = resumed.extra_modules["hidden_projection"].state_dict()
     for name, tensor in projection[0].items():
         assert torch.equal(tensor, resumed_projection[name]), name
+
+
+def _small_student() -> torch.nn.Module:
+    """Half the width and depth of the tiny teacher, same vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).train()
+
+
+def test_smaller_student_with_hidden_matching_under_bf16_autocast(tmp_path):
+    distillation = DistillationConfig(alpha=0.5, temperature=2.0, hidden_weight=1.0, hidden_layers=[(1, 2)])
+    trainer = distillation_trainer(
+        _small_student(), _teacher(), _config(tmp_path, max_steps=2, precision="bf16"),
+        TokenSequences(_sequences(16, seed=0)), distillation=distillation,
+    )  # fmt: skip
+    projection = trainer.extra_modules["hidden_projection"]
+    assert projection.projections[0].weight.shape == (64, 32)  # student width -> teacher width
+    before = projection.projections[0].weight.detach().clone()
+    trainer.train()
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(record["loss"])) for record in log)
+    assert log[-1]["hidden_mse"] > 0
+    assert not torch.equal(projection.projections[0].weight.detach(), before)  # the projection trains
