@@ -1,0 +1,91 @@
+"""Building, finding and falling back from the native library; the thread pool across fork."""
+
+import multiprocessing
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import quantlab
+from quantlab import CustomBitsConfig
+from quantlab.kernels.cpu import build, native
+from quantlab.kernels.cpu.linear import native_linear
+from quantlab.kernels.cpu.weights import native_weight
+from quantlab.kernels.reference import dequantize_matmul
+
+
+def layer(in_features: int = 512, out_features: int = 1024):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features)
+    return quantlab.get_method("custom_bits").module_class.from_linear(linear, CustomBitsConfig(bits=4))
+
+
+def test_disabled_by_environment_runs_the_reference(monkeypatch, library):
+    module, x = layer(), torch.randn(3, 512)
+    monkeypatch.setenv("QUANTLAB_NATIVE_KERNELS", "0")
+    assert native.library() is None
+    with torch.no_grad():
+        assert torch.equal(native_linear(module, x), dequantize_matmul(module, x))
+
+
+def test_without_a_compiler_warns_once_and_returns_none(monkeypatch, tmp_path):
+    monkeypatch.delenv("QUANTLAB_CPU_KERNELS", raising=False)
+    monkeypatch.setenv("QUANTLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        assert native._load.__wrapped__() is None
+    with pytest.raises(native.NativeBuildError, match="no C compiler"):
+        native.build()
+
+
+def test_a_failing_compiler_reports_its_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUANTLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "compiler", lambda: "/bin/false")
+    monkeypatch.setattr(native, "_compiler_identity", lambda cc: "false")
+    with pytest.raises(native.NativeBuildError, match="/bin/false"):
+        native.build()
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob(".*tmp*"))
+
+
+def test_the_library_lives_in_the_cache_not_the_package(library, capsys):
+    assert build.main([]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path.is_file() and path.parent == native.cache_dir()
+    package = Path(quantlab.__file__).parent
+    assert package not in path.parents
+    assert not list(package.rglob("*.so"))
+
+
+def _gemm(module, x: torch.Tensor, threads: int) -> torch.Tensor:
+    weight = native_weight(module)
+    out = torch.empty(x.shape[0], weight.out_features)
+    status = native.library().ql_gemm(
+        weight.pointer, x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), 1024, threads
+    )
+    assert status == 0
+    return out
+
+
+def _child_result(queue, module, x) -> None:
+    torch.set_num_threads(1)  # torch's own OpenMP pool is not usable after fork; the native pool must be
+    queue.put(_gemm(module, x, threads=2).tolist())  # plain data: a tensor would travel as a file descriptor
+
+
+def test_native_thread_pool_works_in_a_forked_child(library):
+    module, x = layer(), torch.ones(2, 512)
+    expected = _gemm(module, x, threads=2)  # starts the pool's worker in this process
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        child = context.Process(target=_child_result, args=(queue, module, x))
+        child.start()
+    try:
+        result = queue.get(timeout=120)
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    assert torch.equal(torch.tensor(result), expected)
