@@ -1,7 +1,7 @@
 """Native quantize ops for quantize-on-load: the work of `quantlab.formats` in one pass per row.
 
 Each function returns exactly what the torch implementation in `quantlab.formats` returns
-(bit-identical codes and scales; see `quantlab_cpu.c`), or None when the native library is
+(bit-identical codes and scales; see `csrc/quantize.c`), or None when the native library is
 unavailable or the input is not a CPU tensor, and the caller then runs the torch code. The
 torch version costs 5-30 ns per weight and many small multi-threaded ops, each of which can
 stall on a busy machine; this costs about 1-2 ns per weight in one call per layer.

@@ -1,0 +1,328 @@
+/* The AVX-512 kernels (AVX512F/BW/VL/DQ): decoding codes in registers, 16 weights a step. */
+#include "quantlab_cpu.h"
+
+#ifdef QL_X86
+/* ---- AVX-512 --------------------------------------------------------------------------------- */
+
+
+typedef struct {
+    __m512i shuffle; /* generic mode: bytes of code j into dword j */
+    __m512i shift;
+    __m512i mask;
+} ql_bits512;
+
+static QL_AVX512 ql_bits512 ql_bits512_make(int bits) {
+    uint8_t shuffle[64];
+    int32_t shift[16];
+    for (int j = 0; j < 16; j++) {
+        int bit = j * bits, byte = bit >> 3, lane = j / 4, at = lane * 16 + (j % 4) * 4;
+        shuffle[at] = (uint8_t)byte;
+        shuffle[at + 1] = byte + 1 < 16 ? (uint8_t)(byte + 1) : 0x80;
+        shuffle[at + 2] = shuffle[at + 3] = 0x80;
+        shift[j] = bit & 7;
+    }
+    ql_bits512 constants;
+    constants.shuffle = _mm512_loadu_si512(shuffle);
+    constants.shift = _mm512_loadu_si512(shift);
+    constants.mask = _mm512_set1_epi32((1 << bits) - 1);
+    return constants;
+}
+
+/* Converts 16 stored floats (float32, float16 or bfloat16) exactly; `count` < 16 masks the load. */
+QL_INLINE QL_AVX512 __m512 ql_load16(const void *base, int32_t dtype, int64_t i, int64_t count) {
+    __mmask16 mask = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+    if (dtype == QL_F32) return _mm512_maskz_loadu_ps(mask, (const float *)base + i);
+    __m256i halves = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)base + i);
+    if (dtype == QL_F16) return _mm512_cvtph_ps(halves);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+/* NF4 absmax under double quantization, 16 groups at a time: map[code] * scale[block] + offset. */
+QL_INLINE QL_AVX512 __m512 ql_absmax16(const ql_weight *w, int64_t first, __mmask16 mask) {
+    const int shift = __builtin_ctzll(w->absmax_block);
+    __m512i codes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, w->absmax_codes + first));
+    __m512 mapped = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, codes, w->absmax_map, 4);
+    __m512i within = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(first & (w->absmax_block - 1))),
+                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const float *scales = w->absmax_scale + (first >> shift);
+    __m512 scale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, _mm512_srli_epi32(within, shift), scales, 4);
+    return _mm512_add_ps(_mm512_mul_ps(mapped, scale), _mm512_set1_ps(w->absmax_offset));
+}
+
+static QL_AVX512 void ql_params512(const ql_weight *w, int64_t n, float *scale, float *zero) {
+    int64_t first = n * w->groups;
+    for (int64_t g = 0; g < w->groups; g += 16) {
+        int64_t count = w->groups - g;
+        __mmask16 mask = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+        __m512 s = w->kind == QL_NF4 && w->absmax_codes ? ql_absmax16(w, first + g, mask)
+                                                        : ql_load16(w->scale, w->scale_dtype, first + g, count);
+        _mm512_mask_storeu_ps(scale + g, mask, s);
+        __m512 z = w->kind == QL_NF4 ? _mm512_setzero_ps()
+                   : w->zero         ? ql_load16(w->zero, w->zero_dtype, first + g, count)
+                                     : _mm512_set1_ps(w->zero_const);
+        _mm512_mask_storeu_ps(zero + g, mask, z);
+    }
+}
+
+/* Decode constants of one group: a 16-entry table (codes of <= 4 bits) or zero and scale. */
+typedef struct {
+    __m512 table;
+    __m512 zero;
+    __m512 scale;
+} ql_group512;
+
+QL_INLINE QL_AVX512 ql_group512 ql_group512_make(const ql_weight *w, float scale, float zero, int use_table) {
+    ql_group512 out;
+    out.scale = _mm512_set1_ps(scale);
+    out.zero = _mm512_set1_ps(zero);
+    if (use_table) {
+        __m512 base = w->kind == QL_NF4
+                          ? _mm512_loadu_ps(w->levels)
+                          : _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), out.zero);
+        out.table = _mm512_mul_ps(base, out.scale);
+    } else {
+        out.table = out.scale;
+    }
+    return out;
+}
+
+/* Codes [c, c + 16) of a group as 16 int32, for the byte and generic modes. A load reads 16
+ * bytes, past the chunk: those bytes never reach a code that meets a nonzero input. Only near
+ * the end of the codes buffer (`end`, NULL when the caller knows it is far) the load is masked;
+ * deciding that per block rather than per load keeps a branch out of the inner loop (measured:
+ * 2.7x faster at 3 bits). */
+QL_INLINE QL_AVX512 __m512i ql_codes16(const int mode, const int B, const ql_weight *w, const ql_bits512 *bits,
+                                       const uint8_t *group, int64_t c, const uint8_t *end) {
+    const int64_t width = B ? B : w->bits;
+    const uint8_t *src = group + c * width / 8;
+    __m128i bytes = end == NULL || src + 16 <= end
+                        ? _mm_loadu_si128((const __m128i *)src)
+                        : _mm_maskz_loadu_epi8((__mmask16)((1u << (end - src)) - 1u), src);
+    if (mode == QL_MODE_BYTE) return w->kind == QL_INT8 ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    __m512i spread = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(bytes), bits->shuffle);
+    return _mm512_and_si512(_mm512_srlv_epi32(spread, bits->shift), bits->mask);
+}
+
+QL_INLINE QL_AVX512 __m512 ql_values16(const int use_table, __m512i codes, const ql_group512 *group) {
+    if (use_table) return _mm512_permutexvar_ps(codes, group->table);
+    return _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(codes), group->zero), group->scale);
+}
+
+/* NR output features x R rows of x. In nibble mode a chunk is 32 codes: V = 2 vectors (even
+ * and odd codes). One row alone keeps a separate accumulator per vector, so that FMA latency,
+ * not throughput, does not limit it. B is the bit width when known at compile time. */
+QL_INLINE QL_AVX512 void ql_block512(const int mode, const int use_table, const int B, const int NR, const int R,
+                                     const int checked, const ql_weight *w, const ql_bits512 *bits,
+                                     const ql_layout *layout, const float *xp, int64_t row_length, int64_t n0,
+                                     float *y, int64_t y_stride, const float *params) {
+    const int V = mode == QL_MODE_NIBBLE ? 2 : 1;
+    const int A = R == 1 ? V : 1;
+    const uint8_t *end = checked ? w->codes + w->n * w->groups * w->group_bytes : NULL;
+    const int64_t G = w->groups;
+    __m512 acc[4][4][2];
+    for (int j = 0; j < NR; j++)
+        for (int r = 0; r < R; r++)
+            for (int a = 0; a < A; a++) acc[j][r][a] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *group[4];
+        ql_group512 constants[4];
+        for (int j = 0; j < NR; j++) {
+            group[j] = w->codes + ((n0 + j) * G + g) * w->group_bytes;
+            constants[j] = ql_group512_make(w, params[2 * j * G + g], params[(2 * j + 1) * G + g], use_table);
+        }
+        const float *xg = xp + g * layout->padded_group;
+        for (int64_t c = 0; c < w->group_codes; c += 16 * V) {
+            __m512 value[4][2];
+            for (int j = 0; j < NR; j++) {
+                if (mode == QL_MODE_NIBBLE) {
+                    __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(group[j] + c / 2)));
+                    value[j][0] = _mm512_permutexvar_ps(packed, constants[j].table);
+                    value[j][1] = _mm512_permutexvar_ps(_mm512_srli_epi32(packed, 4), constants[j].table);
+                } else {
+                    __m512i codes = ql_codes16(mode, B, w, bits, group[j], c, end);
+                    value[j][0] = ql_values16(use_table, codes, &constants[j]);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                for (int v = 0; v < V; v++) {
+                    __m512 xv = _mm512_loadu_ps(xg + r * row_length + c + 16 * v);
+                    const int a = A == 1 ? 0 : v;
+                    for (int j = 0; j < NR; j++) acc[j][r][a] = _mm512_fmadd_ps(value[j][v], xv, acc[j][r][a]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < NR; j++) {
+        for (int r = 0; r < R; r++) {
+            __m512 sum = A == 2 ? _mm512_add_ps(acc[j][r][0], acc[j][r][1]) : acc[j][r][0];
+            y[r * y_stride + n0 + j] = _mm512_reduce_add_ps(sum);
+        }
+    }
+}
+
+/* Many rows of an odd width: the 4 features of a block are decoded once into `decoded` (the
+ * layout of x), then every block of 4 rows is a plain float dot product, so the decoding is
+ * paid once per feature instead of once per block of rows. Measured on 2048x8192 at 128 rows:
+ * 3-bit 11 % faster; 4-bit and 8-bit, whose decoding is cheap, 10-20 % slower (the buffer
+ * and 4 rows of x no longer fit in L1), so they decode in registers. */
+QL_INLINE QL_AVX512 void ql_decode4_512(const int mode, const int use_table, const int B, const ql_weight *w,
+                                        const ql_bits512 *bits, const ql_layout *layout, int64_t n0,
+                                        const float *params, float *decoded, int64_t row_length) {
+    const uint8_t *end = w->codes + w->n * w->groups * w->group_bytes; /* rare path: keep the check */
+    const int64_t G = w->groups;
+    for (int j = 0; j < 4; j++) {
+        float *row = decoded + j * row_length;
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *group = w->codes + ((n0 + j) * G + g) * w->group_bytes;
+            ql_group512 constants = ql_group512_make(w, params[2 * j * G + g], params[(2 * j + 1) * G + g], use_table);
+            float *out = row + g * layout->padded_group;
+            int64_t c = 0;
+            if (mode == QL_MODE_NIBBLE) {
+                for (; c < w->group_codes; c += 32) {
+                    __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(group + c / 2)));
+                    _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(packed, constants.table));
+                    _mm512_storeu_ps(out + c + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(packed, 4), constants.table));
+                }
+            } else {
+                for (; c < w->group_codes; c += 16)
+                    _mm512_storeu_ps(out + c, ql_values16(use_table, ql_codes16(mode, B, w, bits, group, c, end), &constants));
+            }
+            for (; c < layout->padded_group; c += 16) _mm512_storeu_ps(out + c, _mm512_setzero_ps());
+        }
+    }
+}
+
+QL_INLINE QL_AVX512 void ql_dot4_512(const int R, const float *decoded, const float *xp, int64_t row_length, int64_t n0,
+                                     float *y, int64_t y_stride) {
+    __m512 acc[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < R; r++) acc[j][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < row_length; k += 16) {
+        __m512 value[4];
+        for (int j = 0; j < 4; j++) value[j] = _mm512_loadu_ps(decoded + j * row_length + k);
+        for (int r = 0; r < R; r++) {
+            __m512 xv = _mm512_loadu_ps(xp + r * row_length + k);
+            for (int j = 0; j < 4; j++) acc[j][r] = _mm512_fmadd_ps(value[j], xv, acc[j][r]);
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < R; r++) y[r * y_stride + n0 + j] = _mm512_reduce_add_ps(acc[j][r]);
+}
+
+/* Features in blocks of 4, and for each, rows in blocks of 4, 2, 1: a block's codes are read
+ * from memory once and stay in cache while every block of rows uses them. */
+
+/* One block of 4 features, every row. */
+QL_INLINE QL_AVX512 void ql_rows512(const int mode, const int use_table, const int B, const int checked,
+                                    const ql_weight *w, const ql_bits512 *bits, const ql_layout *layout,
+                                    const float *xp, int64_t row_length, int64_t m, int64_t n, float *y,
+                                    int64_t y_stride, const float *params) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4)
+        ql_block512(mode, use_table, B, 4, 4, checked, w, bits, layout, xp + r * row_length, row_length, n,
+                    y + r * y_stride, y_stride, params);
+    for (; r + 2 <= m; r += 2)
+        ql_block512(mode, use_table, B, 4, 2, checked, w, bits, layout, xp + r * row_length, row_length, n,
+                    y + r * y_stride, y_stride, params);
+    for (; r < m; r++)
+        ql_block512(mode, use_table, B, 4, 1, checked, w, bits, layout, xp + r * row_length, row_length, n,
+                    y + r * y_stride, y_stride, params);
+}
+
+/* Features in blocks of 4, and for each, rows in blocks of 4, 2, 1: a block's codes are read
+ * from memory once and stay in cache while every block of rows uses them. */
+QL_INLINE QL_AVX512 void ql_gemm512_mode(const int mode, const int use_table, const int B, const ql_weight *w,
+                                         const ql_bits512 *bits, const ql_layout *layout, const float *xp, int64_t m,
+                                         int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params,
+                                         float *decoded) {
+    int64_t row_length = w->groups * layout->padded_group, G = w->groups;
+    const uint8_t *end = w->codes + w->n * G * w->group_bytes;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+        for (int j = 0; j < 4; j++) ql_params512(w, n + j, params + 2 * j * G, params + (2 * j + 1) * G);
+        if (mode == QL_MODE_BITS && m >= QL_DECODE_ROWS) {
+            ql_decode4_512(mode, use_table, B, w, bits, layout, n, params, decoded, row_length);
+            int64_t r = 0;
+            for (; r + 4 <= m; r += 4)
+                ql_dot4_512(4, decoded, xp + r * row_length, row_length, n, y + r * y_stride, y_stride);
+            for (; r < m; r++) ql_dot4_512(1, decoded, xp + r * row_length, row_length, n, y + r * y_stride, y_stride);
+        } else if (mode != QL_MODE_NIBBLE && w->codes + (n + 4) * G * w->group_bytes + 16 > end) {
+            ql_rows512(mode, use_table, B, 1, w, bits, layout, xp, row_length, m, n, y, y_stride, params);
+        } else {
+            ql_rows512(mode, use_table, B, 0, w, bits, layout, xp, row_length, m, n, y, y_stride, params);
+        }
+    }
+    for (; n < n1; n++) {
+        ql_params512(w, n, params, params + G);
+        for (int64_t r = 0; r < m; r++)
+            ql_block512(mode, use_table, B, 1, 1, mode != QL_MODE_NIBBLE, w, bits, layout, xp + r * row_length,
+                        row_length, n, y + r * y_stride, y_stride, params);
+    }
+}
+
+int ql_mode512(const ql_weight *w) {
+    if (w->bits == 4 && w->kind != QL_INT8 && w->group_codes % 32 == 0) return QL_MODE_NIBBLE;
+    if (w->bits == 8) return QL_MODE_BYTE;
+    return QL_MODE_BITS;
+}
+
+QL_AVX512 void ql_gemm512(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0,
+                                 int64_t n1, float *y, int64_t y_stride, float *params, float *decoded) {
+    ql_bits512 bits = ql_bits512_make(w->bits);
+    switch (ql_mode512(w) == QL_MODE_BITS ? w->bits : -ql_mode512(w)) {
+    case -QL_MODE_NIBBLE:
+        ql_gemm512_mode(QL_MODE_NIBBLE, 1, 4, w, &bits, layout, xp, m, n0, n1, y, y_stride, params, decoded);
+        break;
+    case -QL_MODE_BYTE:
+        ql_gemm512_mode(QL_MODE_BYTE, 0, 8, w, &bits, layout, xp, m, n0, n1, y, y_stride, params, decoded);
+        break;
+    case 2:
+        ql_gemm512_mode(QL_MODE_BITS, 1, 2, w, &bits, layout, xp, m, n0, n1, y, y_stride, params, decoded);
+        break;
+    case 3:
+        ql_gemm512_mode(QL_MODE_BITS, 1, 3, w, &bits, layout, xp, m, n0, n1, y, y_stride, params, decoded);
+        break;
+    case 4:
+        ql_gemm512_mode(QL_MODE_BITS, 1, 4, w, &bits, layout, xp, m, n0, n1, y, y_stride, params, decoded);
+        break;
+    default:
+        ql_gemm512_mode(QL_MODE_BITS, 0, 0, w, &bits, layout, xp, m, n0, n1, y, y_stride, params, decoded);
+    }
+}
+
+QL_INLINE QL_AVX512 void ql_dequantize512_mode(const int mode, const int use_table, const ql_weight *w,
+                                               const ql_bits512 *bits, int64_t n0, int64_t n1, float *out,
+                                               int64_t out_stride, float *params) {
+    const uint8_t *end = w->codes + w->n * w->groups * w->group_bytes;
+    for (int64_t n = n0; n < n1; n++) {
+        float *row = out + (n - n0) * out_stride;
+        ql_params512(w, n, params, params + w->groups);
+        for (int64_t g = 0; g < w->groups; g++) {
+            int64_t index = n * w->groups + g, first = g * w->group_size;
+            int64_t valid = w->group_size < w->k - first ? w->group_size : w->k - first;
+            const uint8_t *group = w->codes + index * w->group_bytes;
+            ql_group512 constants = ql_group512_make(w, params[g], params[w->groups + g], use_table);
+            for (int64_t c = 0; c < valid; c += 16) {
+                __m512 value = ql_values16(use_table, ql_codes16(mode, 0, w, bits, group, c, end), &constants);
+                int64_t left = valid - c;
+                if (left >= 16)
+                    _mm512_storeu_ps(row + first + c, value);
+                else
+                    _mm512_mask_storeu_ps(row + first + c, (__mmask16)((1u << left) - 1u), value);
+            }
+        }
+    }
+}
+
+QL_AVX512 void ql_dequantize512(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride,
+                                       float *params) {
+    ql_bits512 bits = ql_bits512_make(w->bits);
+    if (w->bits == 8)
+        ql_dequantize512_mode(QL_MODE_BYTE, 0, w, &bits, n0, n1, out, out_stride, params);
+    else if (w->bits <= 4)
+        ql_dequantize512_mode(QL_MODE_BITS, 1, w, &bits, n0, n1, out, out_stride, params);
+    else
+        ql_dequantize512_mode(QL_MODE_BITS, 0, w, &bits, n0, n1, out, out_stride, params);
+}
+
+#endif

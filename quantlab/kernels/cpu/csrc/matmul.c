@@ -1,0 +1,175 @@
+/*
+ * quantlab CPU kernels: fused dequantize + matrix multiply on quantlab's stored formats.
+ *
+ * y[m, n] = sum_k x[m, k] * w[n, k], where w is decoded from the codes as stored in the
+ * checkpoint (no repacked copy): int8 codes, 2..8-bit packed codes with a scale (and zero
+ * point) per group, and NF4 codes with a plain or double-quantized absmax per block.
+ *
+ * At a few rows the work is reading the weights, so the codes are decoded in registers and
+ * never written out as floats. Each decoded weight equals the reference dequantization bit
+ * for bit (same operations in the same order: (q - zero) * scale, levels[q] * absmax), so
+ * only the order of the float sums differs from dequantize-then-matmul.
+ *
+ * Plain C with x86 intrinsics in functions compiled for their instruction set
+ * (`target` attributes) and chosen at run time, so one build runs on every x86-64 CPU;
+ * other architectures get the portable C path. Threads come from a small pool of its own
+ * (pool.c) rather than OpenMP, so a busy machine slows a call down to one thread's speed
+ * instead of stalling it.
+ *
+ * Build (native.py does it): every .c file of this folder with -O3 -fPIC -pthread
+ * -fvisibility=hidden -ffp-contract=off (which keeps a*b+c as two roundings, as torch
+ * computes them), linked into one shared library.
+ */
+#include "quantlab_cpu.h"
+
+#include <stdatomic.h>
+
+/* ---- dispatch ---------------------------------------------------------------------------------- */
+
+static int ql_forced_isa = -1;
+
+static int ql_detect_isa(void) {
+#ifdef QL_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq"))
+        return QL_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return QL_ISA_AVX2;
+#endif
+    return QL_ISA_SCALAR;
+}
+
+/* The instruction set the kernels use: the best this CPU has, or a lower one forced for tests. */
+QL_API int ql_isa(void) {
+    int best = ql_detect_isa();
+    return ql_forced_isa >= 0 && ql_forced_isa < best ? ql_forced_isa : best;
+}
+
+QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
+
+QL_API int ql_abi_version(void) { return QL_ABI_VERSION; }
+
+static int ql_check(const ql_weight *w) {
+    if (w->bits < 2 || w->bits > 8 || w->groups < 1 || w->group_size < 1) return QL_BAD_FORMAT;
+    if (w->kind == QL_INT8 && w->bits != 8) return QL_BAD_FORMAT;
+    if (w->kind == QL_NF4 && w->bits != 4) return QL_BAD_FORMAT;
+    if (w->kind != QL_INT8 && (w->group_codes % 8 || w->group_bytes != w->group_codes * w->bits / 8)) return QL_BAD_FORMAT;
+    if (w->kind == QL_INT8 && w->group_bytes != w->group_codes) return QL_BAD_FORMAT;
+    if (w->absmax_codes && (w->absmax_block < 16 || (w->absmax_block & (w->absmax_block - 1)))) return QL_BAD_FORMAT;
+    if (w->group_codes < w->group_size || w->groups * w->group_size < w->k) return QL_BAD_FORMAT;
+    return QL_OK;
+}
+
+static ql_layout ql_layout_for(const ql_weight *w, int isa) {
+#ifdef QL_X86
+    if (isa == QL_ISA_AVX512) return ql_make_layout(w, ql_mode512(w) == QL_MODE_NIBBLE ? 32 : 16, ql_mode512(w) == QL_MODE_NIBBLE);
+    if (isa == QL_ISA_AVX2) return ql_make_layout(w, 8, 0);
+#endif
+    (void)isa;
+    return ql_make_layout(w, 1, 0);
+}
+
+static int64_t ql_scratch_params(const ql_weight *w) { return ql_round_up(8 * w->groups, 16); }
+
+/* Per-thread scratch: scale and zero of every group of 4 features, then one decoded group
+ * (portable path) or 4 decoded rows in the layout of x (`decoded_length` floats, AVX-512). */
+static float *ql_scratch(const ql_weight *w, int64_t decoded_length) {
+    int64_t floats = ql_scratch_params(w) + (decoded_length > w->group_codes ? decoded_length : w->group_codes);
+    float *scratch = NULL;
+    return posix_memalign((void **)&scratch, 64, (size_t)ql_round_up(floats, 16) * sizeof(float)) ? NULL : scratch;
+}
+
+typedef struct {
+    const ql_weight *w;
+    int isa;
+    ql_layout layout;
+    const float *xp;
+    int64_t m;
+    float *out;
+    int64_t out_stride;
+    int64_t first;    /* dequantize: first feature */
+    int64_t last;
+    int64_t per_chunk;
+    _Atomic int failed;
+} ql_job;
+
+static void ql_gemm_chunk(void *arg, int64_t chunk) {
+    ql_job *job = (ql_job *)arg;
+    const ql_weight *w = job->w;
+    int64_t n0 = chunk * job->per_chunk, n1 = n0 + job->per_chunk;
+    if (n1 > w->n) n1 = w->n;
+    int64_t row_length = w->groups * job->layout.padded_group;
+    int64_t decoded_length = 0;
+#ifdef QL_X86
+    if (job->isa == QL_ISA_AVX512 && ql_mode512(w) == QL_MODE_BITS && job->m >= QL_DECODE_ROWS)
+        decoded_length = 4 * row_length;
+#endif
+    float *scratch = ql_scratch(w, decoded_length);
+    if (!scratch) {
+        atomic_store(&job->failed, 1);
+        return;
+    }
+#ifdef QL_X86
+    if (job->isa == QL_ISA_AVX512)
+        ql_gemm512(w, &job->layout, job->xp, job->m, n0, n1, job->out, job->out_stride, scratch,
+                   scratch + ql_scratch_params(w));
+    else if (job->isa == QL_ISA_AVX2)
+        ql_gemm256(w, &job->layout, job->xp, job->m, n0, n1, job->out, job->out_stride, scratch);
+    else
+#endif
+        ql_gemm_scalar(w, &job->layout, job->xp, job->m, n0, n1, job->out, job->out_stride, scratch);
+    free(scratch);
+}
+
+static void ql_dequantize_chunk(void *arg, int64_t chunk) {
+    ql_job *job = (ql_job *)arg;
+    const ql_weight *w = job->w;
+    int64_t n0 = job->first + chunk * job->per_chunk, n1 = n0 + job->per_chunk;
+    if (n1 > job->last) n1 = job->last;
+    float *out = job->out + (n0 - job->first) * job->out_stride;
+    float *scratch = ql_scratch(w, 0);
+    if (!scratch) {
+        atomic_store(&job->failed, 1);
+        return;
+    }
+#ifdef QL_X86
+    if (job->isa == QL_ISA_AVX512)
+        ql_dequantize512(w, n0, n1, out, job->out_stride, scratch);
+    else if (job->isa == QL_ISA_AVX2)
+        ql_dequantize256(w, n0, n1, out, job->out_stride, scratch);
+    else
+#endif
+        ql_dequantize_scalar(w, n0, n1, out, job->out_stride, scratch);
+    free(scratch);
+}
+
+/* y[m, n] (row stride y_stride) = x[m, k] (row stride x_stride) times the weight, transposed. */
+QL_API int ql_gemm(const ql_weight *w, const float *x, int64_t m, int64_t x_stride, float *y, int64_t y_stride, int threads) {
+    int status = ql_check(w);
+    if (status != QL_OK) return status;
+    ql_job job = {.w = w, .isa = ql_isa(), .m = m, .out = y, .out_stride = y_stride};
+    job.layout = ql_layout_for(w, job.isa);
+    int64_t row_length = w->groups * job.layout.padded_group;
+    float *xp = NULL;
+    if (posix_memalign((void **)&xp, 64, (size_t)ql_round_up(m * row_length * (int64_t)sizeof(float) + 64, 64)))
+        return QL_NO_MEMORY;
+    ql_prepare_x(w, &job.layout, x, m, x_stride, xp);
+    job.xp = xp;
+    threads = ql_threads(threads, w->n * w->groups * w->group_bytes * (m < 4 ? 1 : m / 4));
+    job.per_chunk = threads > 1 ? ql_chunk_features(w->n, threads) : w->n;
+    ql_run(ql_gemm_chunk, &job, (w->n + job.per_chunk - 1) / job.per_chunk, threads);
+    free(xp);
+    return atomic_load(&job.failed) ? QL_NO_MEMORY : QL_OK;
+}
+
+/* Rows [n0, n1) of the float weight into out (row stride out_stride). */
+QL_API int ql_dequantize(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, int threads) {
+    int status = ql_check(w);
+    if (status != QL_OK) return status;
+    if (n0 < 0 || n1 > w->n || n0 >= n1) return n0 == n1 ? QL_OK : QL_BAD_FORMAT;
+    ql_job job = {.w = w, .isa = ql_isa(), .out = out, .out_stride = out_stride, .first = n0, .last = n1};
+    threads = ql_threads(threads, (n1 - n0) * w->groups * w->group_bytes);
+    job.per_chunk = threads > 1 ? ql_chunk_features(n1 - n0, threads) : n1 - n0;
+    ql_run(ql_dequantize_chunk, &job, (n1 - n0 + job.per_chunk - 1) / job.per_chunk, threads);
+    return atomic_load(&job.failed) ? QL_NO_MEMORY : QL_OK;
+}

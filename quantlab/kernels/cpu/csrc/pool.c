@@ -1,0 +1,172 @@
+#include "quantlab_cpu.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <time.h>
+
+/* ---- threads ----------------------------------------------------------------------------------
+ * A job is cut into chunks that threads claim from one atomic ticket (generation << 32 | next
+ * chunk). The calling thread works too and afterwards waits only for chunks a worker has
+ * claimed, never for a worker to wake up: on a loaded machine a late worker finds nothing
+ * left, and the call runs at one thread's speed instead of stalling for a scheduler time
+ * slice (which an OpenMP join does). Idle workers spin for a short while, so the next layer's
+ * call finds them awake, then sleep on a condition variable.
+ */
+
+#define QL_MAX_WORKERS 63
+
+static struct {
+    pthread_mutex_t lock;     /* guards sleeping and starting workers */
+    pthread_cond_t wake;
+    pthread_mutex_t running;  /* one job at a time; a second caller works alone */
+    _Atomic uint64_t ticket;
+    _Atomic int64_t done;
+    _Atomic int64_t chunks;
+    _Atomic int helpers;      /* workers allowed to join the current job */
+    _Atomic(ql_task) task;
+    _Atomic(void *) arg;
+    _Atomic int sleepers;
+    int workers;
+} ql_pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .running = PTHREAD_MUTEX_INITIALIZER};
+
+static int64_t ql_spin_ns = 50000;
+
+static int64_t ql_now_ns(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
+}
+
+static inline void ql_pause(void) {
+#ifdef QL_X86
+    __builtin_ia32_pause();
+#endif
+}
+
+static inline uint64_t ql_generation(void) { return atomic_load(&ql_pool.ticket) >> 32; }
+
+/* Claim the next chunk of job `generation`; 0 once the job has none left (or has ended). */
+static int ql_claim(uint64_t generation, int64_t *chunk) {
+    uint64_t ticket = atomic_load(&ql_pool.ticket);
+    for (;;) {
+        if (ticket >> 32 != generation) return 0;
+        int64_t next = (int64_t)(ticket & 0xffffffffu);
+        if (next >= atomic_load(&ql_pool.chunks)) return 0;
+        if (atomic_compare_exchange_weak(&ql_pool.ticket, &ticket, ticket + 1)) {
+            *chunk = next;
+            return 1;
+        }
+    }
+}
+
+/* A successful claim proves the job is unfinished, so task and arg read before it are its own. */
+static void ql_work(uint64_t generation) {
+    ql_task task = atomic_load(&ql_pool.task);
+    void *arg = atomic_load(&ql_pool.arg);
+    int64_t chunk;
+    while (ql_claim(generation, &chunk)) {
+        task(arg, chunk);
+        atomic_fetch_add(&ql_pool.done, 1);
+    }
+}
+
+static void *ql_worker(void *index_pointer) {
+    int index = (int)(intptr_t)index_pointer;
+    uint64_t seen = 0;
+    for (;;) {
+        uint64_t generation = ql_generation();
+        if (generation != seen) {
+            seen = generation;
+            if (index < atomic_load(&ql_pool.helpers)) ql_work(generation);
+            continue;
+        }
+        int64_t deadline = ql_now_ns() + ql_spin_ns;
+        for (int spins = 0; ql_generation() == seen; spins++) {
+            ql_pause();
+            if ((spins & 63) == 0 && ql_now_ns() > deadline) break;
+        }
+        if (ql_generation() != seen) continue;
+        pthread_mutex_lock(&ql_pool.lock);
+        atomic_fetch_add(&ql_pool.sleepers, 1);
+        while (ql_generation() == seen) pthread_cond_wait(&ql_pool.wake, &ql_pool.lock);
+        atomic_fetch_sub(&ql_pool.sleepers, 1);
+        pthread_mutex_unlock(&ql_pool.lock);
+    }
+    return NULL;
+}
+
+static void ql_after_fork_in_child(void) {
+    /* The workers do not exist in a forked child: start over (they are restarted on demand). */
+    pthread_mutex_init(&ql_pool.lock, NULL);
+    pthread_cond_init(&ql_pool.wake, NULL);
+    pthread_mutex_init(&ql_pool.running, NULL);
+    atomic_store(&ql_pool.sleepers, 0);
+    ql_pool.workers = 0;
+}
+
+static void ql_start_workers(int wanted) {
+    static int registered = 0;
+    if (wanted > QL_MAX_WORKERS) wanted = QL_MAX_WORKERS;
+    if (ql_pool.workers >= wanted) return;
+    pthread_mutex_lock(&ql_pool.lock);
+    if (!registered) {
+        pthread_atfork(NULL, NULL, ql_after_fork_in_child);
+        const char *spin = getenv("QUANTLAB_SPIN_US");
+        if (spin) ql_spin_ns = (int64_t)atol(spin) * 1000;
+        registered = 1;
+    }
+    while (ql_pool.workers < wanted) {
+        pthread_t thread;
+        pthread_attr_t attributes;
+        pthread_attr_init(&attributes);
+        pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attributes, ql_worker, (void *)(intptr_t)ql_pool.workers);
+        pthread_attr_destroy(&attributes);
+        if (failed) break;
+        ql_pool.workers++;
+    }
+    pthread_mutex_unlock(&ql_pool.lock);
+}
+
+/* Run task(arg, c) for c in [0, chunks) on up to `threads` threads, the caller included. */
+void ql_run(ql_task task, void *arg, int64_t chunks, int threads) {
+    if (threads <= 1 || chunks <= 1 || pthread_mutex_trylock(&ql_pool.running)) {
+        for (int64_t c = 0; c < chunks; c++) task(arg, c);
+        return;
+    }
+    ql_start_workers(threads - 1);
+    atomic_store(&ql_pool.task, task);
+    atomic_store(&ql_pool.arg, arg);
+    atomic_store(&ql_pool.chunks, chunks);
+    atomic_store(&ql_pool.helpers, threads - 1);
+    atomic_store(&ql_pool.done, 0);
+    uint64_t generation = ql_generation() + 1;
+    atomic_store(&ql_pool.ticket, generation << 32);
+    if (atomic_load(&ql_pool.sleepers) > 0) {
+        pthread_mutex_lock(&ql_pool.lock);
+        pthread_cond_broadcast(&ql_pool.wake);
+        pthread_mutex_unlock(&ql_pool.lock);
+    }
+    ql_work(generation);
+    for (int spins = 0; atomic_load(&ql_pool.done) < chunks; spins++) {
+        if (spins < 4096)
+            ql_pause();
+        else
+            sched_yield(); /* a worker was preempted inside its chunk: let it run */
+    }
+    pthread_mutex_unlock(&ql_pool.running);
+}
+
+/* Chunks of whole blocks of 4 features, about 4 per thread so that threads balance. */
+int64_t ql_chunk_features(int64_t n, int threads) {
+    int64_t per = (n + 4 * threads - 1) / (4 * threads);
+    per = (per + 3) / 4 * 4;
+    return per < 4 ? 4 : per;
+}
+
+int ql_threads(int requested, int64_t work) {
+    /* Below ~64 KiB of codes a second thread costs more than it saves. */
+    if (requested < 1 || work < (1 << 16)) return 1;
+    return requested;
+}

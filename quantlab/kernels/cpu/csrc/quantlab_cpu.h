@@ -1,0 +1,177 @@
+/*
+ * Shared declarations of quantlab's CPU kernels (see matmul.c for what they compute).
+ *
+ * Every translation unit is plain C11; x86 code lives in functions compiled for their
+ * instruction set with `target` attributes and is called only after run-time detection, so
+ * one build runs on every x86-64 CPU. Only the functions marked QL_API are exported.
+ */
+#ifndef QUANTLAB_CPU_H
+#define QUANTLAB_CPU_H
+
+#define _POSIX_C_SOURCE 200809L
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define QL_X86 1
+#include <immintrin.h>
+#define QL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+#define QL_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+#define QL_API __attribute__((visibility("default")))
+#define QL_INLINE static inline __attribute__((always_inline))
+#define QL_ABI_VERSION 1
+#define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
+
+enum { QL_AFFINE = 0, QL_INT8 = 1, QL_NF4 = 2 };
+enum { QL_F32 = 0, QL_F16 = 1, QL_BF16 = 2 };
+enum { QL_ISA_SCALAR = 0, QL_ISA_AVX2 = 1, QL_ISA_AVX512 = 2 };
+enum { QL_OK = 0, QL_BAD_FORMAT = 1, QL_NO_MEMORY = 2 };
+
+/* One quantized weight matrix as stored (mirrors `QuantlabCpuWeight` in native.py). */
+typedef struct {
+    const uint8_t *codes;     /* [n, groups, group_bytes] */
+    int64_t n;                /* out_features */
+    int64_t k;                /* in_features */
+    int64_t groups;
+    int64_t group_size;       /* input features per group (the last group may be padded) */
+    int64_t group_codes;      /* codes stored per group: group_size rounded up to whole bytes */
+    int64_t group_bytes;
+    int32_t bits;             /* 2..8 */
+    int32_t kind;             /* QL_AFFINE: (q - zero) * scale; QL_INT8: signed q * scale; QL_NF4 */
+    const void *scale;        /* [n, groups]: scale, or NF4 absmax without double quantization */
+    const void *zero;         /* [n, groups] or NULL (then zero_const) */
+    int32_t scale_dtype;
+    int32_t zero_dtype;
+    float zero_const;
+    float absmax_offset;      /* NF4 double quantization: absmax = map[code] * scale[block] + offset */
+    const uint8_t *absmax_codes;
+    const float *absmax_scale;
+    int64_t absmax_block;
+    float levels[16];         /* NF4 levels */
+    float absmax_map[256];
+} ql_weight;
+
+/* ---- decode constants of one group, computed exactly as the reference does ---------------- */
+
+static inline float ql_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            bits = sign;
+        } else { /* subnormal half: normalise into a float32 exponent */
+            int shifts = 0;
+            while (!(mantissa & 0x400u)) {
+                mantissa <<= 1;
+                shifts++;
+            }
+            bits = sign | ((uint32_t)(127 - 14 - shifts) << 23) | ((mantissa & 0x3ffu) << 13);
+        }
+    } else if (exponent == 31) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    }
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+static inline float ql_load_float(const void *base, int32_t dtype, int64_t i) {
+    if (dtype == QL_F16) return ql_half_to_float(((const uint16_t *)base)[i]);
+    if (dtype == QL_BF16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+        float value;
+        memcpy(&value, &bits, 4);
+        return value;
+    }
+    return ((const float *)base)[i];
+}
+
+typedef struct {
+    float zero;  /* subtracted from the code (affine); 0 for int8 and NF4 */
+    float scale; /* multiplies the centred code or the NF4 level */
+} ql_group;
+
+static inline ql_group ql_group_at(const ql_weight *w, int64_t index) {
+    ql_group group;
+    if (w->kind == QL_NF4) {
+        group.zero = 0.0f;
+        if (w->absmax_codes) {
+            float value = w->absmax_map[w->absmax_codes[index]] * w->absmax_scale[index >> __builtin_ctzll(w->absmax_block)];
+            group.scale = value + w->absmax_offset;
+        } else {
+            group.scale = ql_load_float(w->scale, w->scale_dtype, index);
+        }
+    } else {
+        group.scale = ql_load_float(w->scale, w->scale_dtype, index);
+        group.zero = w->zero ? ql_load_float(w->zero, w->zero_dtype, index) : w->zero_const;
+    }
+    return group;
+}
+
+/* Value of code q before scaling; q is already sign-extended for int8. */
+static inline float ql_base(const ql_weight *w, int32_t q, float zero) {
+    return w->kind == QL_NF4 ? w->levels[q] : (float)q - zero;
+}
+
+static inline int32_t ql_code_at(const ql_weight *w, const uint8_t *group, int64_t j) {
+    if (w->bits == 8) return w->kind == QL_INT8 ? (int32_t)(int8_t)group[j] : (int32_t)group[j];
+    int64_t bit = j * w->bits, byte = bit >> 3;
+    uint32_t word = group[byte];
+    if (byte + 1 < w->group_bytes) word |= (uint32_t)group[byte + 1] << 8;
+    return (int32_t)((word >> (bit & 7)) & ((1u << w->bits) - 1u));
+}
+
+static inline int64_t ql_round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+/* ---- activation layout ---------------------------------------------------------------------
+ * x is copied once per call into groups padded with zeros to whole chunks of codes, so a
+ * kernel never checks bounds on x and padding codes meet zeros. In the "nibble" layout
+ * each 32-code chunk holds the 16 even inputs, then the 16 odd ones: the low and high
+ * nibbles of 16 packed bytes line up with them without any shuffle of the codes.
+ */
+typedef struct {
+    int64_t chunk;        /* codes per inner step */
+    int64_t padded_group; /* group_codes rounded up to the chunk */
+    int nibble;
+} ql_layout;
+
+static inline ql_layout ql_make_layout(const ql_weight *w, int64_t chunk, int nibble) {
+    ql_layout layout = {chunk, ql_round_up(w->group_codes, chunk), nibble};
+    return layout;
+}
+
+/* portable.c */
+void ql_params_scalar(const ql_weight *w, int64_t n, float *scale, float *zero);
+void ql_prepare_x(const ql_weight *w, const ql_layout *layout, const float *x, int64_t m, int64_t x_stride, float *xp);
+void ql_gemm_scalar(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0, int64_t n1,
+                    float *y, int64_t y_stride, float *buffer);
+void ql_dequantize_scalar(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, float *buffer);
+
+#ifdef QL_X86
+/* avx512.c */
+enum { QL_MODE_NIBBLE = 0, QL_MODE_BYTE = 1, QL_MODE_BITS = 2 };
+int ql_mode512(const ql_weight *w);
+void ql_gemm512(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0, int64_t n1,
+                float *y, int64_t y_stride, float *params, float *decoded);
+void ql_dequantize512(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, float *params);
+/* avx2.c */
+void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0, int64_t n1,
+                float *y, int64_t y_stride, float *params);
+void ql_dequantize256(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, float *params);
+#endif
+
+/* pool.c */
+typedef void (*ql_task)(void *arg, int64_t chunk);
+void ql_run(ql_task task, void *arg, int64_t chunks, int threads);
+int ql_threads(int requested, int64_t work);
+int64_t ql_chunk_features(int64_t n, int threads);
+
+/* matmul.c */
+QL_API int ql_isa(void);
+
+#endif
