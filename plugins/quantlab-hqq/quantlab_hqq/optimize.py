@@ -105,8 +105,9 @@ def inlier_part(residual: torch.Tensor, beta: float, lp_norm: float) -> torch.Te
     """
     inliers = residual.clone()
     outliers = residual.abs() > beta ** (-1 / (2 - lp_norm))
-    values = residual[outliers]
-    inliers[outliers] = values.abs().pow_(lp_norm - 1).div_(beta).mul_(values.sign())
+    if outliers.any():
+        values = residual[outliers]
+        inliers[outliers] = values.abs().pow_(lp_norm - 1).div_(beta).mul_(values.sign())
     return inliers
 
 
@@ -129,9 +130,9 @@ def optimize_affine_params(
     params = initial_params(weights, bits)
     scaled = weights / params.scale.unsqueeze(-1)
     for _ in range(iterations):
-        zero = params.zero.unsqueeze(-1)
-        codes = (scaled + zero).round_().clamp_(0, qmax)
-        inliers = inlier_part(scaled.sub(codes).add_(zero), beta, lp_norm)
+        shifted = scaled + params.zero.unsqueeze(-1)
+        codes = shifted.round().clamp_(0, qmax)
+        inliers = inlier_part(shifted.sub_(codes), beta, lp_norm)
         if optimize_scale:
             params = _refit_scale_and_zero(codes, inliers, params)
             scaled = weights / params.scale.unsqueeze(-1)
