@@ -8,11 +8,12 @@ from quantlab.methods.custom_bits import CustomBitsConfig
 from quantlab.methods.int8 import Int8SymmetricConfig
 from quantlab.methods.nf4 import NF4Config
 from quantlab.nn import QuantizedLinear
-from quantlab.registry import Method, get_method, list_methods, register_method
+from quantlab.registry import Method, get_method, list_methods, register_method, reserve_plugin_methods
 
 __version__ = "0.1.0"
 
 register_builtin_methods()
+reserve_plugin_methods()
 
 __all__ = [
     "ConfigError",

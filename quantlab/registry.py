@@ -3,8 +3,9 @@
 Registering a method also registers its config and quantizer with transformers, so
 `from_pretrained(..., quantization_config=config)` and reloading a saved checkpoint work.
 Outside packages add methods through the entry-point group `quantlab.methods`: each entry
-point names a callable that calls `register_method` (or a module that does so on import).
-They are discovered on the first look-up, not when `quantlab` is imported.
+point, named after the method it registers, names a callable that calls `register_method`
+(or a module that does so on import). They are imported on the first look-up or the first
+load of a checkpoint that uses them, not when `quantlab` is imported.
 """
 
 import re
@@ -91,6 +92,17 @@ def list_methods() -> list[str]:
 
 def method_of(config: QuantlabConfig) -> Method:
     return get_method(config.method)
+
+
+def reserve_plugin_methods() -> None:
+    """Let transformers read checkpoints of installed plugins before the plugins are imported.
+
+    Costs one scan of the installed packages' entry points; no plugin code runs.
+    """
+    from quantlab.integrations.transformers import reserve_plugin_names
+
+    if not _plugins_discovered:
+        reserve_plugin_names([entry_point.name for entry_point in entry_points(group=ENTRY_POINT_GROUP)])
 
 
 def discover_plugins() -> None:

@@ -19,18 +19,51 @@ from transformers.quantizers.auto import (
     register_quantizer,
 )
 from transformers.quantizers.quantizers_utils import get_module_from_name
+from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from quantlab.config import QuantlabConfig
-from quantlab.errors import QuantlabError
+from quantlab.config import QuantlabConfig, transformers_name
+from quantlab.errors import QuantlabError, UnknownMethodError
 from quantlab.nn import QuantizedLinear
 
 
 def register_with_transformers(config_class: type[QuantlabConfig], quantizer_class: type[HfQuantizer]) -> None:
     name = config_class(modules_to_not_convert=None).quant_method
+    if AUTO_QUANTIZATION_CONFIG_MAPPING.get(name) is PendingPluginConfig:
+        del AUTO_QUANTIZATION_CONFIG_MAPPING[name]
     if AUTO_QUANTIZATION_CONFIG_MAPPING.get(name) is not config_class:
         register_quantization_config(name)(config_class)
     if AUTO_QUANTIZER_MAPPING.get(name) is not quantizer_class:
         register_quantizer(name)(quantizer_class)
+
+
+class PendingPluginConfig(QuantizationConfigMixin):
+    """Holds a plugin method's place in transformers' table until a checkpoint needs it.
+
+    transformers only reads checkpoints whose `quant_method` it has registered; plugins are
+    imported lazily, so each installed plugin's name gets this stand-in when quantlab is
+    imported. Reading such a checkpoint's config loads the plugins (which replace the
+    stand-in with the real config and quantizer) and hands over to the real config class.
+    """
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any) -> Any:
+        from quantlab.registry import discover_plugins
+
+        discover_plugins()
+        name = config_dict.get("quant_method")
+        target = AUTO_QUANTIZATION_CONFIG_MAPPING.get(name)
+        if target is None or target is cls:
+            raise UnknownMethodError(
+                f"this checkpoint was quantized with {name!r}, whose plugin is installed but did not register it "
+                "(see the warning above); reinstall the plugin or upgrade it to match quantlab"
+            )
+        return target.from_dict(config_dict, return_unused_kwargs=return_unused_kwargs, **kwargs)
+
+
+def reserve_plugin_names(method_names: list[str]) -> None:
+    """Put a `PendingPluginConfig` under the transformers name of each method not registered yet."""
+    for method in method_names:
+        AUTO_QUANTIZATION_CONFIG_MAPPING.setdefault(transformers_name(method), PendingPluginConfig)
 
 
 def make_quantizer_class(module_class: type[QuantizedLinear]) -> type["QuantlabHfQuantizer"]:

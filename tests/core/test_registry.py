@@ -81,3 +81,33 @@ def test_import_does_not_load_plugins_until_asked():
         [sys.executable, "-c", script], capture_output=True, text=True, env={"QUANTLAB_AUTOLOAD": "0"}
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_checkpoint_of_a_plugin_that_fails_to_register_raises_a_clear_error(monkeypatch, tmp_path):
+    """Installed plugins hold their name in transformers' table; if the plugin then fails to
+    register, loading its checkpoint names the problem instead of loading codes as weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantlab.errors import UnknownMethodError
+    from quantlab.integrations.transformers import PendingPluginConfig
+    from quantlab.testing import tiny_llama
+
+    class BrokenEntryPoint:
+        name, value = "broken", "nowhere:register"
+
+        def load(self):
+            raise ImportError("no module named nowhere")
+
+    monkeypatch.setattr(registry, "_plugins_discovered", False)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [BrokenEntryPoint()])
+    monkeypatch.delitem(AUTO_QUANTIZATION_CONFIG_MAPPING, "quantlab_broken", raising=False)
+    registry.reserve_plugin_methods()
+    assert AUTO_QUANTIZATION_CONFIG_MAPPING["quantlab_broken"] is PendingPluginConfig
+
+    tiny_llama().save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.quantization_config = {"quant_method": "quantlab_broken", "bits": 4}
+    config.save_pretrained(tmp_path)
+    with pytest.warns(RuntimeWarning, match="plugin 'broken'"), pytest.raises(UnknownMethodError, match="plugin"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    del AUTO_QUANTIZATION_CONFIG_MAPPING["quantlab_broken"]
