@@ -4,7 +4,9 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from quantlab.testing.tokenizer import byte_tokenizer
 
 
 def tiny_llama(seed: int = 0, tie_word_embeddings: bool = False) -> LlamaForCausalLM:
@@ -41,4 +43,17 @@ def tiny_model_dir(model: PreTrainedModel, directory: str | os.PathLike) -> Path
     """Save `model` as a float safetensors checkpoint and return its folder."""
     directory = Path(directory)
     model.save_pretrained(directory)
+    return directory
+
+
+def tiny_llama_checkpoint(
+    directory: str | os.PathLike,
+    seed: int = 0,
+    model: PreTrainedModel | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Path:
+    """A checkpoint folder the commands can read: `model` (default: `tiny_llama(seed)`) and `tokenizer`
+    (default: `byte_tokenizer()`) saved into `directory`."""
+    directory = tiny_model_dir(model if model is not None else tiny_llama(seed), directory)
+    (tokenizer if tokenizer is not None else byte_tokenizer()).save_pretrained(directory)
     return directory

@@ -9,22 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tokenizers import pre_tokenizers
 
-from quantlab.testing import tiny_bert, tiny_llama, tiny_model_dir
+from quantlab.testing import byte_tokenizer, tiny_bert, tiny_llama, tiny_llama_checkpoint, tiny_model_dir
 
 # Windows small enough for the tiny Llama (128 positions) and the bundled text.
 TINY_EVAL = ["--seq-len", "64", "--windows", "2"]
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer with exactly 256 tokens, the tiny models' vocabulary size."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={char: i for i, char in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
 def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
@@ -81,9 +71,8 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tiny_model_dir(tiny_llama(), tmp_path_factory.mktemp("models") / "tiny-llama")
-    byte_tokenizer().save_pretrained(directory)
-    return directory
+    directory = tmp_path_factory.mktemp("models") / "tiny-llama"
+    return tiny_llama_checkpoint(directory, tokenizer=byte_tokenizer(eos_and_pad=False))
 
 
 @pytest.fixture(scope="session")

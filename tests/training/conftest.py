@@ -6,25 +6,12 @@ suite imports test modules with `--import-mode=importlib`, where test modules ca
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from quantlab.convert import quantize
 from quantlab.registry import get_method, list_methods
-from quantlab.testing import tiny_llama
+from quantlab.testing import byte_tokenizer, tiny_llama
 from quantlab.training import TokenSequences, TrainingConfig, add_lora, prepare_for_kbit_training
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per byte (ids 0..255, the tiny models' vocabulary); id 0 doubles as EOS and padding."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = Tokenizer(models.BPE(vocab={char: i for i, char in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
-    tokenizer.eos_token = alphabet[0]
-    tokenizer.pad_token = alphabet[0]
-    return tokenizer
 
 
 def default_configs() -> list:
@@ -73,6 +60,7 @@ def quick_config(output_dir, **overrides) -> TrainingConfig:
 
 @pytest.fixture
 def tokenizer() -> PreTrainedTokenizerFast:
+    """One token per byte (ids 0..255, the tiny models' vocabulary); id 0 doubles as EOS and padding."""
     return byte_tokenizer()
 
 
