@@ -13,6 +13,21 @@ from quantlab import registry
 from quantlab.methods.int8 import Int8Linear
 
 
+class BrokenEntryPoint:
+    """An installed plugin whose entry point fails to import."""
+
+    name, value = "broken", "nowhere:register"
+
+    def load(self):
+        raise ImportError("no module named nowhere")
+
+
+def install_broken_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the registry see `BrokenEntryPoint` as the only plugin, not yet discovered."""
+    monkeypatch.setattr(registry, "_plugins_discovered", False)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [BrokenEntryPoint()])
+
+
 def test_builtin_methods_are_listed():
     assert {"int8", "nf4", "custom_bits"} <= set(quantlab.list_methods())
 
@@ -54,14 +69,7 @@ def test_method_names_must_be_lowercase():
 
 
 def test_a_broken_plugin_warns_instead_of_failing(monkeypatch):
-    class BrokenEntryPoint:
-        name, value = "broken", "nowhere:register"
-
-        def load(self):
-            raise ImportError("no module named nowhere")
-
-    monkeypatch.setattr(registry, "_plugins_discovered", False)
-    monkeypatch.setattr(registry, "entry_points", lambda group: [BrokenEntryPoint()])
+    install_broken_plugin(monkeypatch)
     with pytest.warns(RuntimeWarning, match="plugin 'broken'.*failed to load"):
         registry.discover_plugins()
     assert "int8" in quantlab.list_methods()
@@ -92,14 +100,7 @@ def test_a_checkpoint_of_a_plugin_that_fails_to_register_raises_a_clear_error(mo
     from quantlab.integrations.transformers import PendingPluginConfig
     from quantlab.testing import tiny_llama
 
-    class BrokenEntryPoint:
-        name, value = "broken", "nowhere:register"
-
-        def load(self):
-            raise ImportError("no module named nowhere")
-
-    monkeypatch.setattr(registry, "_plugins_discovered", False)
-    monkeypatch.setattr(registry, "entry_points", lambda group: [BrokenEntryPoint()])
+    install_broken_plugin(monkeypatch)
     monkeypatch.delitem(AUTO_QUANTIZATION_CONFIG_MAPPING, "quantlab_broken", raising=False)
     registry.reserve_plugin_methods()
     assert AUTO_QUANTIZATION_CONFIG_MAPPING["quantlab_broken"] is PendingPluginConfig
