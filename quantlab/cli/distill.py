@@ -12,7 +12,6 @@ This module also holds the training options `quantlab prune --finetune-steps` sh
 import argparse
 import contextlib
 import dataclasses
-import json
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from quantlab.cli.console import Console, add_output_options, disk_size, key_value_table, seconds
-from quantlab.cli.evaluation import TextSpec, add_text_options, measure_perplexity, read_text
+from quantlab.cli.evaluation import TextSpec, add_eval_arguments, measure_perplexity, read_text
 from quantlab.cli.models import (
     float_checkpoint,
     load_model,
@@ -32,10 +31,8 @@ from quantlab.cli.models import (
     save_checkpoint,
     weights_size,
 )
+from quantlab.cli.output import add_output_dir_arguments, check_output, write_report
 from quantlab.errors import QuantlabError
-
-REPORT_FILE = "quantlab_report.json"
-
 
 # -- options shared with `quantlab prune` -------------------------------------------------------------
 
@@ -167,24 +164,6 @@ def save_model(model: Any, tokenizer: Any, output: Path, overwrite: bool) -> Non
         save_checkpoint(model, tokenizer, staging)
 
 
-def write_report(output: Path, report: dict[str, Any]) -> None:
-    """The command's report as JSON beside the checkpoint it describes."""
-    from quantlab.utils.atomic import atomic_file
-
-    with atomic_file(output / REPORT_FILE) as staging:
-        staging.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-
-
-def check_output(output: Path, overwrite: bool, *inputs: Path) -> None:
-    from quantlab.utils.atomic import OutputExistsError
-
-    if output.exists() and not overwrite:
-        raise OutputExistsError(f"output {output} already exists; pass --overwrite to replace it, or pick another")
-    for path in inputs:
-        if output.resolve() == path.resolve():
-            raise QuantlabError(f"--output {output} is one of the input models; write somewhere else")
-
-
 # -- the command --------------------------------------------------------------------------------------
 
 
@@ -198,13 +177,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--teacher", required=True, metavar="T", help="teacher model folder or .gguf file")
     parser.add_argument("--student", required=True, metavar="S", help="student model folder (float, sparse, quantized)")
     parser.add_argument("--steps", type=int, required=True, metavar="N", help="optimizer steps")
-    parser.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write the student to")
-    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    add_output_dir_arguments(parser, help="folder to write the student to")
     parser.add_argument("--lora-r", type=int, metavar="R", help="train LoRA adapters of rank R (quantized students)")
     add_distillation_arguments(parser)
     add_training_arguments(parser, learning_rate=1e-4)
-    parser.add_argument("--eval", action="store_true", help="measure the student's perplexity before and after")
-    add_text_options(parser)
+    add_eval_arguments(parser, help="measure the student's perplexity before and after")
     add_output_options(parser)
 
 

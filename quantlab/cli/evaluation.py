@@ -22,6 +22,12 @@ def add_text_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--windows", type=int, default=16, metavar="N", help="windows scored (default: 16)")
 
 
+def add_eval_arguments(parser: argparse.ArgumentParser, help: str) -> None:
+    """`--eval` (perplexity before and after the command's change; `help` says of what) and its text options."""
+    parser.add_argument("--eval", action="store_true", help=help)
+    add_text_options(parser)
+
+
 @dataclass(frozen=True)
 class TextSpec:
     text: str

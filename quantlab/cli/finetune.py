@@ -14,13 +14,13 @@ the first process prints and writes.
 
 import argparse
 import dataclasses
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from quantlab.cli.console import Console, add_output_options, key_value_table, seconds
 from quantlab.cli.models import (
+    add_model_argument,
     float_checkpoint,
     is_causal_lm,
     load_model,
@@ -31,9 +31,8 @@ from quantlab.cli.models import (
     resolve_model,
 )
 from quantlab.cli.options import add_method_argument, config_from_args
+from quantlab.cli.output import write_report
 from quantlab.errors import QuantlabError
-
-REPORT_FILE = "quantlab_report.json"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -47,9 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "config: add --method NAME to --help to list them. Without --method (and --bitsandbytes) the base "
         "stays in float.",
     )
-    parser.add_argument(
-        "model", nargs="?", metavar="MODEL", help="model folder or .gguf file (default: embedded SmolLM2-135M)"
-    )
+    add_model_argument(parser, help="model folder or .gguf file (default: embedded SmolLM2-135M)")
     add_method_argument(parser, required=False)
     parser.add_argument("--bitsandbytes", action="store_true", help="quantize the base with bitsandbytes NF4 instead")
     parser.add_argument("--steps", type=int, required=True, metavar="N", help="optimizer steps")
@@ -273,7 +270,7 @@ def _train(
     )
     if args.merge:
         report.merge = _merge(trainer.accelerator.unwrap_model(trainer.model), tokenizer, output, args, console)
-    _write_report(output, dataclasses.asdict(report))
+    write_report(output, dataclasses.asdict(report))
     return report
 
 
@@ -343,10 +340,3 @@ def _merge(model: Any, tokenizer: Any, output: Path, args: argparse.Namespace, c
     with atomic_directory(path, overwrite=True) as staging:
         save_checkpoint(merged, tokenizer, staging)
     return {**report.to_dict(), "path": str(path)}
-
-
-def _write_report(output: Path, report: dict[str, Any]) -> None:
-    from quantlab.utils.atomic import atomic_file
-
-    with atomic_file(output / REPORT_FILE) as staging:
-        staging.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")

@@ -101,7 +101,7 @@ def _reference_path(argument: str, source: ModelSource) -> str:
     """`--reference FLOAT_MODEL` as given, or the model `quantlab quantize` recorded in its report."""
     if argument != FROM_REPORT:
         return argument
-    from quantlab.cli.quantize import REPORT_FILE
+    from quantlab.cli.output import REPORT_FILE
 
     report = source.folder / REPORT_FILE
     if not report.is_file():

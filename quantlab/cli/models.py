@@ -7,6 +7,7 @@ every command then reads a plain folder (and quantizes it while loading). Every 
 runs before anything heavy is loaded, and fails with a `QuantlabError` that says what to pass.
 """
 
+import argparse
 import contextlib
 import os
 import tempfile
@@ -20,6 +21,7 @@ from quantlab.errors import QuantlabError
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (embedded default)"
+MODEL_HELP = "a Hugging Face model folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)"
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,11 @@ class ModelSource:
 
     def __str__(self) -> str:
         return self.name or str(self.path)
+
+
+def add_model_argument(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
+    """The optional MODEL positional that `resolve_model` reads (absent: the embedded default)."""
+    parser.add_argument("model", nargs="?", metavar="MODEL", help=help)
 
 
 def resolve_model(argument: str | None) -> ModelSource:

@@ -23,7 +23,6 @@ from quantlab.cli.console import Console, add_output_options, disk_size, key_val
 from quantlab.cli.distill import (
     add_distillation_arguments,
     add_training_arguments,
-    check_output,
     check_training_arguments,
     distillation_config,
     freeze_embeddings,
@@ -33,10 +32,17 @@ from quantlab.cli.distill import (
     save_model,
     training_config,
     training_data,
-    write_report,
 )
-from quantlab.cli.evaluation import TextSpec, add_text_options, measure_perplexity, read_text
-from quantlab.cli.models import ModelSource, float_checkpoint, load_tokenizer, resolve_model, weights_size
+from quantlab.cli.evaluation import TextSpec, add_eval_arguments, measure_perplexity, read_text
+from quantlab.cli.models import (
+    ModelSource,
+    add_model_argument,
+    float_checkpoint,
+    load_tokenizer,
+    resolve_model,
+    weights_size,
+)
+from quantlab.cli.output import add_output_dir_arguments, check_output, write_report
 from quantlab.errors import QuantlabError
 
 
@@ -48,12 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "values), or remove MLP neurons and attention heads (structured: smaller matrices), optionally "
         "fine-tune or distill to recover, and save a checkpoint.",
     )
-    parser.add_argument(
-        "model",
-        nargs="?",
-        metavar="MODEL",
-        help="a Hugging Face model folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-    )
+    add_model_argument(parser)
     parser.add_argument(
         "--pattern", required=True, metavar="P", help="unstructured, structured, or N:M such as 2:4 and 4:8"
     )
@@ -76,16 +77,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="structured: training examples scoring neurons by activation (default: 8; 0: weight norms)",
     )
-    parser.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write the checkpoint to")
-    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    add_output_dir_arguments(parser)
     parser.add_argument("--finetune-steps", type=int, default=0, metavar="N", help="recovery training steps")
     parser.add_argument(
         "--distill-from", metavar="TEACHER", help="recover by distillation from this model (needs --finetune-steps)"
     )
     add_distillation_arguments(parser)
     add_training_arguments(parser, learning_rate=5e-5)
-    parser.add_argument("--eval", action="store_true", help="measure perplexity before and after")
-    add_text_options(parser)
+    add_eval_arguments(parser, help="measure perplexity before and after")
     add_output_options(parser)
 
 

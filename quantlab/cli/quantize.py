@@ -22,9 +22,10 @@ from quantlab.cli.console import (
     mebibytes,
     seconds,
 )
-from quantlab.cli.evaluation import TextSpec, add_text_options, checkpoint_perplexity, read_text
+from quantlab.cli.evaluation import TextSpec, add_eval_arguments, checkpoint_perplexity, read_text
 from quantlab.cli.models import (
     ModelSource,
+    add_model_argument,
     float_checkpoint,
     is_causal_lm,
     load_model,
@@ -37,10 +38,9 @@ from quantlab.cli.models import (
     weights_size,
 )
 from quantlab.cli.options import add_method_argument, config_from_args
+from quantlab.cli.output import REPORT_FILE, add_output_dir_arguments, check_output
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantlabError
-
-REPORT_FILE = "quantlab_report.json"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -51,17 +51,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "from_pretrained reloads. Method options come from the method's config: add --method NAME to --help "
         "to list them.",
     )
-    parser.add_argument(
-        "model",
-        nargs="?",
-        metavar="MODEL",
-        help="a Hugging Face model folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-    )
+    add_model_argument(parser)
     add_method_argument(parser)
-    parser.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write the checkpoint to")
-    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
-    parser.add_argument("--eval", action="store_true", help="measure perplexity before and after quantization")
-    add_text_options(parser)
+    add_output_dir_arguments(parser)
+    add_eval_arguments(parser, help="measure perplexity before and after quantization")
     add_output_options(parser)
 
 
@@ -141,10 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_output(output: Path, source: ModelSource, overwrite: bool) -> None:
-    from quantlab.utils.atomic import OutputExistsError
-
-    if output.exists() and not overwrite:
-        raise OutputExistsError(f"output {output} already exists; pass --overwrite to replace it, or pick another")
+    check_output(output, overwrite)
     if output.resolve() == source.path.resolve():
         raise QuantlabError(f"--output {output} is the model being quantized; write the checkpoint somewhere else")
 
