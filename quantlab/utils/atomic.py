@@ -1,10 +1,12 @@
 """Write outputs so that they are never half-written.
 
 Everything goes to a temporary sibling first and is renamed into place at the end; an
-exception (or a full disk) leaves the previous output, if any, untouched.
+exception (or a full disk) leaves the previous output, if any, untouched. The renamed output
+gets the permissions a plain `mkdir` or `open` would give it (`tempfile` makes private ones).
 """
 
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -12,6 +14,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from quantlab.errors import QuantlabError
+
+
+@functools.cache
+def _umask() -> int:
+    """The process umask, read once (reading it means setting it, which is not thread-safe)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _publish(staging: Path, mode: int) -> None:
+    """Give a staged output the permissions `mode` minus the umask, as a plain create would."""
+    staging.chmod(mode & ~_umask())
 
 
 class OutputExistsError(QuantlabError, FileExistsError):
@@ -28,6 +43,7 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = False) -> Iter
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield staging
+        _publish(staging, 0o777)
         if target.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, retired / target.name)
@@ -50,6 +66,7 @@ def atomic_file(target: str | os.PathLike) -> Iterator[Path]:
     staging = Path(name)
     try:
         yield staging
+        _publish(staging, 0o666)
         os.replace(staging, target)
     finally:
         staging.unlink(missing_ok=True)
