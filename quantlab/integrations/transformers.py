@@ -24,6 +24,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from quantlab.config import QuantlabConfig, transformers_name
 from quantlab.errors import QuantlabError, UnknownMethodError
 from quantlab.nn import QuantizedLinear
+from quantlab.utils.pages import release_mapped_tensor
 
 
 def register_with_transformers(config_class: type[QuantlabConfig], quantizer_class: type[HfQuantizer]) -> None:
@@ -146,6 +147,7 @@ class QuantizeOnLoad(ConversionOps):
                 stored = module.quantize_checked(weight, module.config, layer_name)
             except QuantlabError as error:
                 self.hf_quantizer.errors.append(error)
+        release_mapped_tensor(weight)  # its checkpoint pages would otherwise stay resident until the end
         if stored is None:
             spec = module.storage_spec(module.in_features, module.out_features, module.config)
             stored = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}

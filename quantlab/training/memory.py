@@ -14,13 +14,13 @@ import mmap
 import os
 import resource
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from quantlab.utils.pages import CHECKPOINT_SUFFIX, drop_pages, file_mappings
+
 MIB = 1 << 20
-_MADV_DONTNEED = 4
 
 
 def peak_memory_bytes(device: torch.device | None = None) -> int:
@@ -57,7 +57,7 @@ def _malloc_trim() -> None:
         ctypes.CDLL(library).malloc_trim(0)
 
 
-def release_checkpoint_pages(model: nn.Module, suffix: str = ".safetensors") -> int:
+def release_checkpoint_pages(model: nn.Module, suffix: str = CHECKPOINT_SUFFIX) -> int:
     """Drop the pages of `model`'s memory-mapped checkpoint that none of its tensors use any more.
 
     transformers reads a safetensors checkpoint through one memory map per load. When the
@@ -73,12 +73,12 @@ def release_checkpoint_pages(model: nn.Module, suffix: str = ".safetensors") -> 
         return 0
     live = _tensor_ranges(model)
     released = 0
-    for start, end in _file_mappings(suffix):
+    for start, end in file_mappings(suffix):
         inside = [(a, b) for a, b in live if a < end and b > start]
         if not inside:
             continue  # another model's map: its tensors are not ours to judge
         for gap_start, gap_end in _gaps(start, end, inside):
-            released += _drop_pages(gap_start, gap_end)
+            released += drop_pages(gap_start, gap_end)
     return released
 
 
@@ -89,20 +89,6 @@ def _tensor_ranges(model: nn.Module) -> list[tuple[int, int]]:
         if storage.nbytes() and tensor.device.type == "cpu":
             ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
     return sorted(ranges)
-
-
-def _file_mappings(suffix: str) -> list[tuple[int, int]]:
-    mappings = []
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return mappings
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].endswith(suffix):
-            start, end = (int(value, 16) for value in fields[0].split("-"))
-            mappings.append((start, end))
-    return mappings
 
 
 def _gaps(start: int, end: int, live: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -117,11 +103,3 @@ def _gaps(start: int, end: int, live: list[tuple[int, int]]) -> list[tuple[int, 
     if end > cursor:
         gaps.append((cursor, end))
     return gaps
-
-
-def _drop_pages(start: int, end: int) -> int:
-    library = ctypes.util.find_library("c")
-    if not library:
-        return 0
-    status = ctypes.CDLL(library).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
-    return end - start if status == 0 else 0

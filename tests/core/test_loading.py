@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,35 @@ def test_without_quantlab_a_checkpoint_refuses_to_load(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "quantlab_int8" in result.stderr, "the warning names the missing method"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux")
+def test_quantize_on_load_gives_back_the_checkpoint_pages_it_read(tmp_path):
+    """Each float weight's pages of the memory-mapped checkpoint are returned once it is quantized,
+    so loading never holds the whole float checkpoint resident (and the model stays correct)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    checkpoint = tmp_path / "model.safetensors"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantlab.NF4Config())
+    resident = _resident_bytes_of_mapping(checkpoint)
+    assert resident < 0.25 * checkpoint.stat().st_size, (resident, checkpoint.stat().st_size)
+    reference = quantlab.quantize(LlamaForCausalLM.from_pretrained(tmp_path), quantlab.NF4Config())
+    tokens = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, reference(tokens).logits)
+
+
+def _resident_bytes_of_mapping(path) -> int:
+    resident, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+            inside = line.endswith(str(path))
+        elif inside and fields[0] == "Rss:":
+            resident += int(fields[1]) * 1024
+    return resident
