@@ -1,6 +1,7 @@
-"""Building, finding and falling back from the native library; the thread pool across fork."""
+"""Building, finding and falling back from the native library; its threads (torch's team, its own pool, fork)."""
 
 import multiprocessing
+import sys
 import warnings
 from pathlib import Path
 
@@ -89,3 +90,35 @@ def test_native_thread_pool_works_in_a_forked_child(library):
             child.kill()
     assert child.exitcode == 0
     assert torch.equal(torch.tensor(result), expected)
+
+
+@pytest.fixture
+def own_pool(library):
+    """Run the test on the library's own thread pool, then give the kernels back to torch's team."""
+    lib = native.library()
+    lib.ql_use_openmp(None)
+    yield lib
+    lib.ql_use_openmp(native.torch_gomp_parallel())
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or "parallel backend: OpenMP" not in torch.__config__.parallel_info(),
+    reason="torch's Linux wheels run on libgomp; elsewhere the kernels keep their own pool",
+)
+def test_kernels_join_torchs_openmp_team_on_linux(library):
+    assert native.thread_pool() == "torch"
+
+
+def test_the_environment_keeps_the_kernels_on_their_own_pool(library, own_pool, monkeypatch):
+    monkeypatch.setenv("QUANTLAB_THREAD_POOL", "own")
+    native._choose_threads(own_pool)
+    assert native.thread_pool() == "own"
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_both_thread_pools_compute_the_same_result(library, own_pool, rows):
+    module, x = layer(), torch.randn(rows, 512)
+    alone = _gemm(module, x, threads=1)
+    assert torch.equal(_gemm(module, x, threads=2), alone)  # own pool: each output written by one thread
+    own_pool.ql_use_openmp(native.torch_gomp_parallel())
+    assert torch.equal(_gemm(module, x, threads=2), alone)

@@ -11,6 +11,10 @@ never loads a stale build. `python -m quantlab.kernels.cpu.build` builds it ahea
 
 Without a C compiler, or with `QUANTLAB_NATIVE_KERNELS=0`, `library()` returns None and
 the layers run on the reference kernel: slower, never wrong.
+
+Threads: when torch runs on libgomp (its Linux wheels do), the kernels run on torch's own
+OpenMP team instead of a second pool that would compete with it for the cores (pool.c);
+`QUANTLAB_THREAD_POOL=own` keeps them on the library's own pool.
 """
 
 import ctypes
@@ -29,7 +33,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("csrc")
-ABI_VERSION = 1
+ABI_VERSION = 2
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 # -ffp-contract=off: a*b+c stays two roundings, as torch computes it (decoded weights are bit-exact).
 _COMPILE = ["-O3", "-std=c11", "-fPIC", "-pthread", "-fvisibility=hidden", "-ffp-contract=off", "-fno-math-errno"]
@@ -167,6 +171,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ql_isa.restype = ctypes.c_int
     lib.ql_force_isa.argtypes = [integer]
     lib.ql_abi_version.restype = ctypes.c_int
+    lib.ql_use_openmp.argtypes = [ptr]
+    lib.ql_uses_openmp.restype = integer
     if lib.ql_abi_version() != ABI_VERSION:
         raise NativeBuildError(f"library ABI {lib.ql_abi_version()} does not match quantlab's {ABI_VERSION}")
     return lib
@@ -176,11 +182,34 @@ def enabled() -> bool:
     return os.environ.get("QUANTLAB_NATIVE_KERNELS", "1").lower() not in ("0", "false", "no", "off")
 
 
+def torch_gomp_parallel() -> int | None:
+    """Address of `GOMP_parallel` in the libgomp torch runs its ops on, or None if it runs on another."""
+    import torch
+
+    if not sys.platform.startswith("linux") or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    with open("/proc/self/maps") as maps:
+        loaded = {line.split()[-1] for line in maps if "/libgomp" in line}
+    if len(loaded) != 1:  # none, or two runtimes in one process: do not guess which one torch uses
+        return None
+    try:
+        function = ctypes.CDLL(loaded.pop()).GOMP_parallel
+    except (OSError, AttributeError):
+        return None
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def _choose_threads(lib: ctypes.CDLL) -> ctypes.CDLL:
+    own_pool = os.environ.get("QUANTLAB_THREAD_POOL", "torch").lower() == "own"
+    lib.ql_use_openmp(None if own_pool else torch_gomp_parallel())
+    return lib
+
+
 @functools.cache
 def _load() -> ctypes.CDLL | None:
     try:
         path = _existing_build() or build()
-        return _bind(ctypes.CDLL(str(path)))
+        return _choose_threads(_bind(ctypes.CDLL(str(path))))
     except (NativeBuildError, OSError) as error:
         warnings.warn(
             f"quantlab's native CPU kernels are unavailable, quantized layers use the slower reference kernel: {error}",
@@ -195,6 +224,12 @@ def library() -> ctypes.CDLL | None:
     if "QUANTLAB_NATIVE_KERNELS" in os.environ and not enabled():
         return None
     return _load()
+
+
+def thread_pool() -> str | None:
+    """Whose threads the kernels run on: `torch` (its OpenMP team), `own` (the library's pool), or None."""
+    lib = library()
+    return None if lib is None else ("torch" if lib.ql_uses_openmp() else "own")
 
 
 def isa() -> str | None:
