@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 Kernel = Callable[["QuantizedLinear", torch.Tensor], torch.Tensor]
 ANY = "*"
 _KERNELS: dict[tuple[str, str], Kernel] = {}
+_SELECTED: dict[tuple[str, str], Kernel] = {}  # lookups already made; every forward pass makes one
 
 
 def register_kernel(format: str, device_type: str = ANY) -> Callable[[Kernel], Kernel]:
@@ -23,15 +24,20 @@ def register_kernel(format: str, device_type: str = ANY) -> Callable[[Kernel], K
 
     def decorator(kernel: Kernel) -> Kernel:
         _KERNELS[(format, device_type)] = kernel
+        _SELECTED.clear()
         return kernel
 
     return decorator
 
 
 def select_kernel(format: str, device_type: str) -> Kernel:
+    kernel = _SELECTED.get((format, device_type))
+    if kernel is not None:
+        return kernel
     for key in ((format, device_type), (format, ANY), (ANY, device_type), (ANY, ANY)):
         kernel = _KERNELS.get(key)
         if kernel is not None:
+            _SELECTED[(format, device_type)] = kernel
             return kernel
     raise LookupError(f"no kernel for format {format!r} on {device_type!r}")
 

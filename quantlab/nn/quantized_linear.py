@@ -19,6 +19,7 @@ from torch import nn
 
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
+from quantlab.kernels import select_kernel
 
 StorageSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -126,8 +127,6 @@ class QuantizedLinear(nn.Module):
         return linear.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from quantlab.kernels import select_kernel
-
         return select_kernel(self.format, x.device.type)(self, x)
 
     def extra_repr(self) -> str:

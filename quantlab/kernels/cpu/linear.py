@@ -12,6 +12,8 @@ again (nothing weight-sized is saved between passes), as the reference kernel do
 native library cannot be built, every call goes to the reference kernel.
 """
 
+import ctypes
+
 import torch
 
 from quantlab.kernels import register_kernel
@@ -39,25 +41,23 @@ def native_dequantize(weight: NativeWeight) -> torch.Tensor:
     return out
 
 
-def native_matmul(weight: NativeWeight, x: torch.Tensor) -> torch.Tensor:
+def native_matmul(weight: NativeWeight, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """`x @ W.T` for a 2-D float32 `x` whose rows are contiguous."""
     rows = x.shape[0]
-    out = torch.empty(rows, weight.out_features, dtype=torch.float32)
+    out = torch.empty(rows, weight.out_features)
     if rows:
-        lib = native.library()
+        lib = lib or native.library()
         threads = torch.get_num_threads()
-        _check(
-            lib.ql_gemm(weight.pointer, x.data_ptr(), rows, x.stride(0), out.data_ptr(), out.shape[1], threads),
-            "matmul",
-        )
+        status = lib.ql_gemm(weight.pointer, x.data_ptr(), rows, x.stride(0), out.data_ptr(), out.shape[1], threads)
+        _check(status, "matmul")
     return out
 
 
-def _forward(weight: NativeWeight, x: torch.Tensor) -> torch.Tensor:
+def _forward(weight: NativeWeight, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     flat = x if x.dim() == 2 else x.reshape(-1, weight.in_features)
     if flat.dtype != torch.float32 or flat.stride(-1) != 1:
         flat = flat.float().contiguous()
-    out = native_matmul(weight, flat)
+    out = native_matmul(weight, flat, lib)
     if x.dtype != torch.float32:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
@@ -77,11 +77,12 @@ class _NativeLinear(torch.autograd.Function):
 
 def native_linear(module, x: torch.Tensor) -> torch.Tensor:
     """The layer's output through the native kernels, or the reference kernel if they are unavailable."""
-    if native.library() is None or x.device.type != "cpu" or not x.is_floating_point():
+    lib = native.library()
+    if lib is None or not x.is_cpu or not x.is_floating_point():
         return dequantize_matmul(module, x)
     weight = native_weight(module)
     needs_grad = torch.is_grad_enabled() and x.requires_grad
-    out = _NativeLinear.apply(x, weight) if needs_grad else _forward(weight, x)
+    out = _NativeLinear.apply(x, weight) if needs_grad else _forward(weight, x, lib)
     if module.bias is not None:
         out = out + module.bias.to(out.dtype)
     return out
