@@ -1,23 +1,30 @@
 """What a command prints: the report on stdout (a table, or one JSON line), everything else on stderr.
 
 Progress bars show only when a person watches: not with `--quiet` or `--json`, and not when
-stderr is a file or a pipe. `--quiet` and `--json` also silence transformers' logging below errors.
+stderr is a file or a pipe. `--quiet` and `--json` also silence transformers' and bitsandbytes'
+logging below errors and libraries' deprecation warnings (warnings about results still show).
 """
 
 import argparse
 import json
+import logging
 import math
 import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+# Libraries that log warnings of their own on import (bitsandbytes: its optional hub kernels).
+QUIETED_LOGGERS = ("bitsandbytes",)
 
 
 def add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars, notes or library logging")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bars, notes, library logs or deprecation warnings"
+    )
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,10 @@ class Console:
             hf_logging.disable_progress_bar()
         if self.silent:
             hf_logging.set_verbosity_error()
+            for name in QUIETED_LOGGERS:
+                logging.getLogger(name).setLevel(logging.ERROR)
+            for category in (FutureWarning, DeprecationWarning):  # libraries' notes to their developers
+                warnings.filterwarnings("ignore", category=category)
 
     def note(self, message: str) -> None:
         """A line for the person at the terminal (stderr), left out with --quiet or --json."""

@@ -1,6 +1,9 @@
 """`quantlab finetune` end to end on a tiny checkpoint, and its bad-input errors."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from safetensors.torch import load_file
@@ -71,3 +74,16 @@ def test_float_base_lora_saves_the_adapter_only(tiny_checkpoint, tmp_path, capsy
     assert _last_json(capsys.readouterr().out)["base"] == "float32"
     saved = load_file(str(output / "final" / "adapter_model.safetensors"))
     assert saved and all("lora_" in name for name in saved)
+
+
+def test_quiet_bitsandbytes_run_leaves_out_library_chatter(tiny_checkpoint, tmp_path):
+    """bitsandbytes logs on import when its optional hub kernels are missing, PEFT and transformers
+    warn of deprecations: --quiet leaves those out (warnings about results, if any, still show)."""
+    folder, text = tiny_checkpoint
+    argv = ["finetune", folder, "--bitsandbytes", "--steps", "1", "--output", tmp_path / "run", "--data", text]
+    command = [sys.executable, "-m", "quantlab.cli.main", *map(str, [*argv, *TINY, "--quiet"])]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "kernels-community" not in result.stderr and "Deprecat" not in result.stderr, result.stderr
+    assert "FutureWarning" not in result.stderr, result.stderr
