@@ -11,7 +11,7 @@ import torch
 import quantlab
 from quantlab import CustomBitsConfig
 from quantlab.kernels.cpu import build, native
-from quantlab.kernels.cpu.linear import native_linear
+from quantlab.kernels.cpu.linear import native_dequantize, native_linear
 from quantlab.kernels.cpu.weights import native_weight
 from quantlab.kernels.reference import dequantize_matmul
 
@@ -93,12 +93,11 @@ def test_native_thread_pool_works_in_a_forked_child(library):
 
 
 @pytest.fixture
-def own_pool(library):
-    """Run the test on the library's own thread pool, then give the kernels back to torch's team."""
+def threads_restored(library):
+    """The loaded library; afterwards its kernels go back to torch's team (where `_load` put them)."""
     lib = native.library()
-    lib.ql_use_openmp(None)
     yield lib
-    lib.ql_use_openmp(native.torch_gomp_parallel())
+    native._choose_threads(lib)
 
 
 @pytest.mark.skipif(
@@ -109,16 +108,21 @@ def test_kernels_join_torchs_openmp_team_on_linux(library):
     assert native.thread_pool() == "torch"
 
 
-def test_the_environment_keeps_the_kernels_on_their_own_pool(library, own_pool, monkeypatch):
+@pytest.mark.skipif(native.torch_gomp_parallel() is None, reason="torch does not run on libgomp here")
+def test_the_environment_keeps_the_kernels_on_their_own_pool(threads_restored, monkeypatch):
+    threads_restored.ql_use_openmp(native.torch_gomp_parallel())
+    assert native.thread_pool() == "torch"
     monkeypatch.setenv("QUANTLAB_THREAD_POOL", "own")
-    native._choose_threads(own_pool)
+    native._choose_threads(threads_restored)
     assert native.thread_pool() == "own"
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_both_thread_pools_compute_the_same_result(library, own_pool, rows):
+@pytest.mark.parametrize("rows", [1, 15, 16, 64])  # one-row calls stay on the own pool below 16 rows
+def test_both_thread_pools_compute_the_same_result(threads_restored, rows):
     module, x = layer(), torch.randn(rows, 512)
     alone = _gemm(module, x, threads=1)
-    assert torch.equal(_gemm(module, x, threads=2), alone)  # own pool: each output written by one thread
-    own_pool.ql_use_openmp(native.torch_gomp_parallel())
-    assert torch.equal(_gemm(module, x, threads=2), alone)
+    decoded = native_dequantize(native_weight(module))
+    for gomp_parallel in (None, native.torch_gomp_parallel()):
+        threads_restored.ql_use_openmp(gomp_parallel)
+        assert torch.equal(_gemm(module, x, threads=2), alone)  # each output is written by one thread
+        assert torch.equal(native_dequantize(native_weight(module)), decoded)
