@@ -1,6 +1,16 @@
 """Shared pytest set-up: keep transformers quiet and the machine's two cores for the tests."""
 
+import importlib.util
 import os
+
+import pytest
+
+if importlib.util.find_spec("torch") is None:
+    pytest.exit(
+        "this Python has no torch: run the tests in quantlab's environment, `bash .ci/run` "
+        "(it creates .venv and installs everything), or `.venv/bin/python -m pytest tests` once it exists",
+        returncode=4,
+    )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
