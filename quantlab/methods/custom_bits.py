@@ -11,9 +11,9 @@ import torch
 
 from quantlab.config import SCALE_DTYPES, QuantlabConfig, check_choice, check_group_size
 from quantlab.errors import ConfigError
-from quantlab.formats import affine, grouping, packing
+from quantlab.formats import affine, packing
+from quantlab.formats.layout import StorageLayout
 from quantlab.nn import QuantizedLinear
-from quantlab.nn.quantized_linear import StorageSpec
 
 MIN_BITS, MAX_BITS = 2, 8
 
@@ -48,17 +48,16 @@ class CustomBitsLinear(QuantizedLinear):
         return f"uint{self.config.bits}" + ("_sym" if self.config.symmetric else "_asym")
 
     @classmethod
-    def storage_spec(cls, in_features: int, out_features: int, config: CustomBitsConfig) -> StorageSpec:
-        groups = grouping.num_groups(in_features, config.group_size)
-        size = grouping.effective_group_size(in_features, config.group_size)
-        scale_dtype = SCALE_DTYPES[config.scale_dtype]
-        spec: StorageSpec = {
-            "weight": ((out_features, groups, packing.packed_size(size, config.bits)), torch.uint8),
-            "weight_scale": ((out_features, groups), scale_dtype),
-        }
-        if not config.symmetric:
-            spec["weight_zero"] = ((out_features, groups), scale_dtype)
-        return spec
+    def layout_for(cls, in_features: int, out_features: int, config: CustomBitsConfig) -> StorageLayout:
+        return StorageLayout(
+            "affine",
+            config.bits,
+            config.group_size,
+            in_features,
+            out_features,
+            symmetric=config.symmetric,
+            scale_dtype=SCALE_DTYPES[config.scale_dtype],
+        )
 
     @classmethod
     def quantize_weight(cls, weight: torch.Tensor, config: CustomBitsConfig) -> dict[str, torch.Tensor]:
@@ -71,9 +70,4 @@ class CustomBitsLinear(QuantizedLinear):
 
     def codes(self) -> torch.Tensor:
         """Unpacked codes `[out, groups, group_size]`."""
-        size = grouping.effective_group_size(self.in_features, self.config.group_size)
-        return packing.unpack(self.weight, self.config.bits, size)
-
-    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        zero = getattr(self, "weight_zero", None)
-        return affine.dequantize(self.codes(), self.weight_scale, zero, self.config.bits, self.in_features, dtype)
+        return self.layout.codes(self.weight)

@@ -9,11 +9,9 @@ import dataclasses
 import torch
 
 from quantlab.config import SCALE_DTYPES, QuantlabConfig, check_choice, check_group_size
-from quantlab.formats import affine, grouping
+from quantlab.formats import affine
+from quantlab.formats.layout import INT8_OFFSET, StorageLayout
 from quantlab.nn import QuantizedLinear
-from quantlab.nn.quantized_linear import StorageSpec
-
-_SIGNED_OFFSET = 128
 
 
 @dataclasses.dataclass(repr=False)
@@ -38,20 +36,13 @@ class Int8Linear(QuantizedLinear):
         return "int8"
 
     @classmethod
-    def storage_spec(cls, in_features: int, out_features: int, config: Int8SymmetricConfig) -> StorageSpec:
-        groups = grouping.num_groups(in_features, config.group_size)
-        size = grouping.effective_group_size(in_features, config.group_size)
-        return {
-            "weight": ((out_features, groups, size), torch.int8),
-            "weight_scale": ((out_features, groups), SCALE_DTYPES[config.scale_dtype]),
-        }
+    def layout_for(cls, in_features: int, out_features: int, config: Int8SymmetricConfig) -> StorageLayout:
+        return StorageLayout(
+            "int8", 8, config.group_size, in_features, out_features, scale_dtype=SCALE_DTYPES[config.scale_dtype]
+        )
 
     @classmethod
     def quantize_weight(cls, weight: torch.Tensor, config: Int8SymmetricConfig) -> dict[str, torch.Tensor]:
         quantized = affine.quantize(weight, 8, config.group_size, True, SCALE_DTYPES[config.scale_dtype])
-        codes = (quantized.codes.to(torch.int16) - _SIGNED_OFFSET).to(torch.int8)
+        codes = (quantized.codes.to(torch.int16) - INT8_OFFSET).to(torch.int8)
         return {"weight": codes, "weight_scale": quantized.scale}
-
-    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        values = self.weight.float() * self.weight_scale.float().unsqueeze(-1)
-        return grouping.ungroup(values, self.in_features).to(dtype)

@@ -9,9 +9,9 @@ import dataclasses
 import torch
 
 from quantlab.config import QuantlabConfig, check_group_size
-from quantlab.formats import grouping, nf4, packing
+from quantlab.formats import nf4, packing
+from quantlab.formats.layout import StorageLayout
 from quantlab.nn import QuantizedLinear
-from quantlab.nn.quantized_linear import StorageSpec
 
 _BITS = 4
 
@@ -37,19 +37,10 @@ class NF4Linear(QuantizedLinear):
         return "nf4"
 
     @classmethod
-    def storage_spec(cls, in_features: int, out_features: int, config: NF4Config) -> StorageSpec:
-        blocks = grouping.num_groups(in_features, config.blocksize)
-        spec: StorageSpec = {
-            "weight": ((out_features, blocks, packing.packed_size(config.blocksize, _BITS)), torch.uint8)
-        }
-        if config.double_quant:
-            absmax_blocks = -(-out_features * blocks // nf4.ABSMAX_BLOCKSIZE)
-            spec["weight_absmax_codes"] = ((out_features, blocks), torch.uint8)
-            spec["weight_absmax_scale"] = ((absmax_blocks,), torch.float32)
-            spec["weight_absmax_offset"] = ((1,), torch.float32)
-        else:
-            spec["weight_absmax"] = ((out_features, blocks), torch.float32)
-        return spec
+    def layout_for(cls, in_features: int, out_features: int, config: NF4Config) -> StorageLayout:
+        return StorageLayout(
+            "nf4", _BITS, config.blocksize, in_features, out_features, double_quant=config.double_quant
+        )
 
     @classmethod
     def quantize_weight(cls, weight: torch.Tensor, config: NF4Config) -> dict[str, torch.Tensor]:
@@ -65,15 +56,8 @@ class NF4Linear(QuantizedLinear):
 
     def codes(self) -> torch.Tensor:
         """Unpacked 4-bit codes `[out, blocks, blocksize]` (indices into `nf4.NF4_LEVELS`)."""
-        return packing.unpack(self.weight, _BITS, self.config.blocksize)
+        return self.layout.codes(self.weight)
 
     def absmax(self) -> torch.Tensor:
         """Per-block absmax `[out, blocks]` in float32, expanded from 8 bits under double quantization."""
-        if not self.config.double_quant:
-            return self.weight_absmax.float()
-        return nf4.dequantize_absmax(
-            self.weight_absmax_codes, self.weight_absmax_scale, self.weight_absmax_offset, nf4.ABSMAX_BLOCKSIZE
-        )
-
-    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return nf4.dequantize(self.codes(), self.absmax(), self.in_features, dtype)
+        return self.layout.params(self.stored_tensors()).scale

@@ -1,9 +1,11 @@
 """`QuantizedLinear`: the base every method's quantized Linear layer derives from.
 
-A method's layer declares what it stores (`storage_spec`), how a float weight becomes those
-tensors (`quantize_weight`, used both by `quantlab.quantize` and tensor by tensor while
-transformers loads a checkpoint) and how they become a float weight again
-(`dequantize_weight`). Everything stored is a buffer, so nothing quantized is ever trainable,
+A method's layer declares one storage layout (`layout_for`: codec, bits, group size, the
+tensors it stores; see `quantlab.formats.layout`), which kernels, ONNX lowerings, sparse
+storage, load checks and the solvers all read. How a float weight becomes those tensors is
+the config's solver (round-to-nearest by default: `quantize_weight`; data-free and
+calibrated solvers in `quantlab.solvers`), used both by `quantlab.quantize` and tensor by
+tensor while transformers loads a checkpoint. Everything stored is a buffer, so nothing quantized is ever trainable,
 and the codes are stored as `weight` with three dimensions `[out, groups, bytes]`: a
 process that loads the checkpoint without quantlab sees a shape mismatch and stops, instead
 of running integer codes as float weights.
@@ -19,6 +21,7 @@ from torch import nn
 
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
+from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.kernels import select_kernel
 
 StorageSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -54,18 +57,43 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def storage_spec(cls, in_features: int, out_features: int, config: QuantlabConfig) -> StorageSpec:
-        """Name → (shape, dtype) of every tensor the layer stores; `weight` holds the codes."""
+    def layout_for(cls, in_features: int, out_features: int, config: QuantlabConfig) -> StorageLayout:
+        """The storage layout of an `[out, in]` weight under `config`."""
         raise NotImplementedError
 
     @classmethod
     def quantize_weight(cls, weight: torch.Tensor, config: QuantlabConfig) -> dict[str, torch.Tensor]:
-        """Float `[out, in]` weight → the tensors of `storage_spec`."""
-        raise NotImplementedError
+        """Float `[out, in]` weight → the stored tensors, by round-to-nearest on the layout's grid."""
+        layout = cls.layout_for(weight.shape[1], weight.shape[0], config)
+        from quantlab.formats import grouping
+
+        grouped = grouping.group(weight.float(), layout.group_size)
+        params = layout.fit(grouped)
+        return layout.store(layout.quantize_grouped(grouped, params), params)
+
+    # -- derived from the layout ----------------------------------------------------------
+
+    @property
+    def layout(self) -> StorageLayout:
+        """This layer's layout (computed once: the config and shape never change after construction)."""
+        layout = self.__dict__.get("_layout")
+        if layout is None:
+            layout = self._layout = self.layout_for(self.in_features, self.out_features, self.config)
+        return layout
+
+    @classmethod
+    def storage_spec(cls, in_features: int, out_features: int, config: QuantlabConfig) -> StorageSpec:
+        """Name → (shape, dtype) of every tensor the layer stores; `weight` holds the codes."""
+        tensors = cls.layout_for(in_features, out_features, config).tensors
+        return {name: (spec.shape, spec.dtype) for name, spec in tensors.items()}
 
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float `[out, in]` weight the stored tensors represent."""
-        raise NotImplementedError
+        return self.layout.dequantize(self.stored_tensors(), dtype)
+
+    def codes_and_params(self) -> tuple[torch.Tensor, GroupParams]:
+        """Unsigned codes `[out, groups, length]` and float32 grids, as the layout reads them."""
+        return self.layout.load(self.stored_tensors())
 
     # -- shared behaviour -----------------------------------------------------------------
 

@@ -1,0 +1,147 @@
+"""GPTQ (Frantar et al. 2022, arXiv 2210.17323): codes chosen column by column, each column's
+rounding error spread over the columns not yet quantized through the inverse Hessian of the
+layer's inputs, so the layer's output error, not the weight error, is what is minimised.
+
+As in the reference implementation: the Hessian `H = X^T X / n` is dampened by `damp` times
+its mean diagonal; its inverse is taken through Cholesky factors; columns are processed in
+blocks of `block_size` with the updates of later columns batched per block (lazy batch
+updates). With `act_order` columns go in order of decreasing `H_jj` (the most active input
+channels first). Group grids are then fitted up front on the float weight ("static groups"),
+so an act-order checkpoint stores its codes in the normal column order and layout; without
+act order each group's grid is fitted when the solver reaches it, on the weight as updated
+so far. NF4 under double quantization compresses all absmax of a layer together, so its
+grids are always static. Codes are the nearest grid points of each format: the nearest NF4
+level, the nearest integer for int8 and the affine widths.
+
+A dead input channel (`H_jj = 0`: never active in calibration) gets `H_jj = 1`: its column
+takes no error from others and is rounded as it stands (its weights still matter on other
+data). A Hessian that stays singular after dampening is retried with ten times the
+dampening (up to four times), then refused with an error.
+"""
+
+from typing import Any
+
+import torch
+
+from quantlab.errors import ConfigError, QuantizationError
+from quantlab.formats import grouping
+from quantlab.formats.layout import GroupParams, StorageLayout
+from quantlab.solvers.base import InputStats, Solution, Solver
+
+DEFAULTS = {"damp": 0.01, "act_order": True, "block_size": 128, "static_groups": None}  # None: static with act order
+_DAMP_RETRIES = 4
+
+
+class GptqSolver(Solver):
+    name = "gptq"
+    needs_calibration = True
+    description = "GPTQ: inverse-Hessian error feedback on calibration inputs (act order, static groups)"
+
+    def solve(
+        self, weight: torch.Tensor, layout: StorageLayout, stats: InputStats | None, options: dict[str, Any]
+    ) -> Solution:
+        if stats is None:
+            raise QuantizationError("the gptq solver needs calibration inputs; pass calibration data")
+        damp, act_order, block_size, static = _options(options)
+        static = static or act_order or layout.double_quant
+        W = weight.detach().float().clone()
+        H = stats.hessian.double()
+        dead = H.diagonal() == 0
+        H = H.clone()
+        H[dead, dead] = 1.0
+        order = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(layout.in_features)
+        grids = _Grids(layout, W, order, static)
+        inverse = _inverse_cholesky(H[order][:, order], damp).float()
+        W = W[:, order]
+        codes = torch.empty(W.shape, dtype=torch.uint8)
+        for start in range(0, layout.in_features, block_size):
+            end = min(start + block_size, layout.in_features)
+            block = W[:, start:end].clone()
+            errors = torch.empty_like(block)
+            block_inverse = inverse[start:end, start:end]
+            for i in range(end - start):
+                scale, zero = grids.at(start + i, block[:, i:], W[:, end:])
+                q = layout.encode(block[:, i], scale, zero)
+                codes[:, start + i] = q
+                error = (block[:, i] - layout.decode(q, scale, zero)) / block_inverse[i, i]
+                block[:, i:] -= error.unsqueeze(1) * block_inverse[i, i:].unsqueeze(0)
+                errors[:, i] = error
+            W[:, end:] -= errors @ inverse[start:end, end:]
+        unpermuted = torch.empty_like(codes)
+        unpermuted[:, order] = codes
+        return Solution(grouping.group(unpermuted, layout.group_size), grids.collected())
+
+
+class _Grids:
+    """Each column's grid: static (all fitted up front on the float weight) or fitted per group
+    when its first column is reached, on the weight as updated so far (columns in order)."""
+
+    def __init__(self, layout: StorageLayout, W: torch.Tensor, order: torch.Tensor, static: bool) -> None:
+        self.layout = layout
+        self.group_of = (order // layout.group_length).tolist()
+        self.static = layout.fit(grouping.group(W, layout.group_size)) if static else None
+        self.fitted: list[GroupParams] = []
+
+    def at(
+        self, column: int, in_block: torch.Tensor, after_block: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scale and zero `[out]` of the column at position `column`, whose current weights onwards
+        are `in_block` (the rest of its block) then `after_block` (the later columns)."""
+        if self.static is not None:
+            group = self.group_of[column]
+            zero = None if self.static.zero is None else self.static.zero[:, group]
+            return self.static.scale[:, group], zero
+        length = self.layout.group_length
+        if column % length == 0:
+            count = min(length, self.layout.in_features - column)
+            values = torch.cat([in_block, after_block[:, : max(0, count - in_block.shape[1])]], dim=1)[:, :count]
+            self.fitted.append(self.layout.fit(grouping.group(values, length)))
+        latest = self.fitted[-1]
+        return latest.scale[:, 0], None if latest.zero is None else latest.zero[:, 0]
+
+    def collected(self) -> GroupParams:
+        if self.static is not None:
+            return self.static
+        scale = torch.cat([params.scale for params in self.fitted], dim=1)
+        zero = None if self.fitted[0].zero is None else torch.cat([params.zero for params in self.fitted], dim=1)
+        return self.layout.grid(scale, zero)
+
+
+def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of `(H + damp * mean(diag H) * I)^-1`, more dampening if singular."""
+    mean_diagonal = H.diagonal().mean()
+    for attempt in range(_DAMP_RETRIES + 1):
+        dampened = H.clone()
+        dampened.diagonal().add_(damp * (10**attempt) * mean_diagonal)
+        factor, info = torch.linalg.cholesky_ex(dampened)
+        if info == 0:
+            inverse = torch.cholesky_inverse(factor)
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if info == 0:
+                return upper
+    raise QuantizationError(
+        f"gptq: the calibration Hessian stays singular with dampening up to {damp * 10**_DAMP_RETRIES:g}; "
+        f"use more (or more varied) calibration samples, or the mse solver for this model"
+    )
+
+
+def _options(options: dict[str, Any]) -> tuple[float, bool, int, bool | None]:
+    unknown = set(options) - set(DEFAULTS)
+    if unknown:
+        raise ConfigError(f"gptq solver: unknown option(s) {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
+    merged = {**DEFAULTS, **options}
+    damp, act_order, block_size, static = (merged[k] for k in ("damp", "act_order", "block_size", "static_groups"))
+    if isinstance(damp, bool) or not isinstance(damp, int | float) or not 0 < damp < 1:
+        raise ConfigError(f"gptq solver: damp={damp!r} must be a number in (0, 1); GPTQ uses 0.01")
+    if not isinstance(act_order, bool):
+        raise ConfigError(f"gptq solver: act_order={act_order!r} must be true or false")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ConfigError(f"gptq solver: block_size={block_size!r} must be a whole number >= 1")
+    if static is not None and not isinstance(static, bool):
+        raise ConfigError(f"gptq solver: static_groups={static!r} must be true, false or null")
+    if act_order and static is False:
+        raise ConfigError("gptq solver: act_order needs static_groups (so the checkpoint keeps its layout)")
+    return float(damp), act_order, block_size, bool(static)
+
+
+SOLVER = GptqSolver()
