@@ -30,6 +30,11 @@ class QuantlabConfig(QuantizationConfigMixin):
 
     `modules_to_not_convert`: module names (or name suffixes) kept in float. `None` keeps
     transformers' own choice: the output head and tied embeddings.
+
+    `solver` chooses how codes are found (`quantlab.solvers`): `rtn` and `mse` need no data
+    and run while `from_pretrained` streams the weights in; `gptq` (and `awq`) calibrate
+    block by block on `calibration_samples` windows of `calibration_seq_len` tokens from
+    `calibration_text` (default: the bundled WikiText-2 after the evaluation windows).
     """
 
     method: ClassVar[str] = ""
@@ -38,12 +43,52 @@ class QuantlabConfig(QuantizationConfigMixin):
     # Set from `method` in `__post_init__`; the mixin declares it as a required field.
     quant_method: str = dataclasses.field(default="", init=False, repr=False)
     modules_to_not_convert: list[str] | None = None
+    solver: str = dataclasses.field(
+        default="rtn", metadata={"help": "how codes are chosen: rtn, mse (data-free), gptq (calibrated), plugins"}
+    )
+    solver_options: dict[str, Any] | None = dataclasses.field(
+        default=None, metadata={"help": 'the solver\'s options as JSON, e.g. {"damp": 0.01, "act_order": true}'}
+    )
+    awq: bool = dataclasses.field(
+        default=False, metadata={"help": "activation-aware channel scaling before the solver (calibrated)"}
+    )
+    calibration_text: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "text or JSONL file to calibrate on (default: bundled WikiText-2 after the eval windows)"},
+    )
+    calibration_samples: int = dataclasses.field(default=128, metadata={"help": "calibration windows"})
+    calibration_seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per calibration window"})
 
     def __post_init__(self) -> None:
         self.quant_method = transformers_name(self.method)
         if self.modules_to_not_convert is not None and not isinstance(self.modules_to_not_convert, list):
             self.modules_to_not_convert = list(self.modules_to_not_convert)
+        self._validate_shared()
         self.validate()
+
+    def _validate_shared(self) -> None:
+        from quantlab.solvers import get_solver
+
+        if not isinstance(self.solver, str):
+            raise ConfigError(f"{self.method}: solver={self.solver!r} is not valid; use a solver name such as 'gptq'")
+        get_solver(self.solver)
+        if self.solver_options is not None and not isinstance(self.solver_options, dict):
+            raise ConfigError(f"{self.method}: solver_options={self.solver_options!r} is not valid; use a JSON object")
+        if not isinstance(self.awq, bool):
+            raise ConfigError(f"{self.method}: awq={self.awq!r} is not valid; use true or false")
+        for name, low in (("calibration_samples", 1), ("calibration_seq_len", 16)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{self.method}: {name}={value!r} is not valid; use a whole number >= {low}")
+        if self.calibration_text is not None and not isinstance(self.calibration_text, str):
+            raise ConfigError(f"{self.method}: calibration_text={self.calibration_text!r} must be a file path")
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True when quantizing needs calibration data (a calibrated solver, or AWQ)."""
+        from quantlab.solvers import get_solver
+
+        return self.awq or get_solver(self.solver).needs_calibration
 
     def validate(self) -> None:
         """Raise `ConfigError` for invalid values; subclasses extend it."""

@@ -14,7 +14,7 @@ The forward pass asks the kernel table for the fastest kernel of this layer's st
 format on the input's device; the reference kernel is dequantize-then-matmul.
 """
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.kernels import select_kernel
 
 StorageSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+if TYPE_CHECKING:
+    from quantlab.solvers import InputStats
 
 
 class QuantizedLinear(nn.Module):
@@ -98,8 +101,14 @@ class QuantizedLinear(nn.Module):
     # -- shared behaviour -----------------------------------------------------------------
 
     @classmethod
-    def quantize_checked(cls, weight: torch.Tensor, config: QuantlabConfig, layer: str) -> dict[str, torch.Tensor]:
-        """`quantize_weight` after checking the weight, with the layer named in any error."""
+    def quantize_checked(
+        cls, weight: torch.Tensor, config: QuantlabConfig, layer: str, stats: "InputStats | None" = None
+    ) -> dict[str, torch.Tensor]:
+        """The stored tensors of `weight` by the config's solver, after checking the weight and the result.
+
+        Round-to-nearest is the method's own `quantize_weight` (native and fast on CPU); other
+        solvers work on the layout's grid; `stats` are the layer's calibration inputs.
+        """
         if weight.dim() != 2:
             raise QuantizationError(f"{layer}: expected a 2-D Linear weight, got shape {tuple(weight.shape)}")
         bad = (~torch.isfinite(weight)).sum().item()
@@ -108,13 +117,36 @@ class QuantizedLinear(nn.Module):
                 f"{layer}: weight has {bad} NaN/Inf value(s) and cannot be quantized; repair the checkpoint, "
                 f"or keep this layer in float with modules_to_not_convert=[{layer!r}]"
             )
-        stored = cls.quantize_weight(weight.detach(), config)
+        if config.solver == "rtn" and stats is None:
+            stored = cls.quantize_weight(weight.detach(), config)
+        else:
+            stored = cls._solve(weight.detach(), config, layer, stats)
         expected = cls.storage_spec(weight.shape[1], weight.shape[0], config)
         if stored.keys() != expected.keys():
             raise TypeError(
                 f"{cls.__name__}.quantize_weight returned {sorted(stored)}, storage_spec says {sorted(expected)}"
             )
+        _check_finite(stored, layer, weight)
         return stored
+
+    @classmethod
+    def _solve(
+        cls, weight: torch.Tensor, config: QuantlabConfig, layer: str, stats: "InputStats | None"
+    ) -> dict[str, torch.Tensor]:
+        from quantlab.solvers import get_solver
+
+        solver = get_solver(config.solver)
+        layout = cls.layout_for(weight.shape[1], weight.shape[0], config)
+        reason = solver.unsupported(layout)
+        if reason:
+            raise QuantizationError(f"{layer}: the {solver.name} solver cannot produce this layer's format: {reason}")
+        if solver.needs_calibration and stats is None:
+            raise QuantizationError(
+                f"{layer}: the {solver.name} solver needs calibration data; quantize with "
+                f"quantlab.quantize(model, config, calibration=...) or from_pretrained(path, quantization_config=...)"
+            )
+        solution = solver.solve(weight, layout, stats, dict(config.solver_options or {}))
+        return layout.store(solution.codes, solution.params)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: QuantlabConfig, layer: str = "") -> "QuantizedLinear":
@@ -187,3 +219,14 @@ class QuantizedLinear(nn.Module):
                 f"quantlab.quantize(model, config) instead of loading its state dict into a quantized one"
             )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _check_finite(stored: dict[str, torch.Tensor], layer: str, weight: torch.Tensor) -> None:
+    """A finite weight must never give a non-finite scale: say which dtype overflowed instead."""
+    for name, tensor in stored.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            largest = weight.detach().abs().max().item()
+            raise QuantizationError(
+                f"{layer}: {name} overflows {str(tensor.dtype).removeprefix('torch.')} (largest weight {largest:.3g}); "
+                f"use scale_dtype='float32', or keep this layer in float with modules_to_not_convert=[{layer!r}]"
+            )

@@ -43,7 +43,9 @@ def test_flags_follow_the_config_fields_of_every_builtin() -> None:
         assert sorted(specs_of(config_class)) == sorted(config_class.option_names())
     flags = [spec.flag for spec in options.option_specs(CustomBitsConfig)]
     # The method's own options first, the shared ones after.
-    assert flags == ["--bits", "--group-size", "--symmetric", "--scale-dtype", "--modules-to-not-convert"]
+    shared = ["--modules-to-not-convert", "--solver", "--solver-options", "--awq"]
+    shared += ["--calibration-text", "--calibration-samples", "--calibration-seq-len"]
+    assert flags == ["--bits", "--group-size", "--symmetric", "--scale-dtype", *shared]
 
 
 def test_kinds_and_defaults_come_from_annotations() -> None:
@@ -60,6 +62,12 @@ def test_kinds_and_defaults_come_from_annotations() -> None:
         "speed": ("choice", False),
         "table": ("json", False),
         "modules_to_not_convert": ("list", True),
+        "solver": ("str", False),
+        "solver_options": ("json", True),
+        "awq": ("bool", False),
+        "calibration_text": ("str", True),
+        "calibration_samples": ("int", False),
+        "calibration_seq_len": ("int", False),
     }
     assert specs["count"].default == 3
     assert specs["layers"].default == []
