@@ -1,6 +1,8 @@
 """Quantizing and dequantizing any loaded `nn.Module`, transformers model or not."""
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,12 +14,23 @@ from quantlab.errors import QuantizationError
 from quantlab.nn import QuantizedLinear
 
 
-def quantize(model: nn.Module, config: QuantlabConfig, modules: list[str] | None = None) -> nn.Module:
+def quantize(
+    model: nn.Module,
+    config: QuantlabConfig,
+    modules: list[str] | None = None,
+    calibration: torch.Tensor | list[str] | None = None,
+    tokenizer: Any = None,
+    progress: bool = True,
+) -> nn.Module:
     """Replace the Linear layers of `model` by the method's quantized layer, in place.
 
     `modules`: names of the layers to quantize (default: every Linear layer, less
     `config.modules_to_not_convert`, or transformers' default of the output head and tied
     embeddings). A transformers model comes back ready for `save_pretrained`.
+
+    A calibrated config (`solver="gptq"`, `awq=True`) quantizes block by block on
+    `calibration`: token ids `[samples, seq_len]`, a list of texts (with `tokenizer`), or None
+    for `config.calibration_text` (default: the bundled WikiText-2 after the evaluation windows).
     """
     from quantlab.registry import method_of
 
@@ -31,7 +44,10 @@ def quantize(model: nn.Module, config: QuantlabConfig, modules: list[str] | None
     else:
         skip = _default_skips(model, config)
         selected = lambda name: should_convert_module(name, skip)  # noqa: E731
-    converted = replace_linear_layers(model, config, method.module_class, selected, quantize=True)
+    converted = []
+    if config.needs_calibration:
+        converted = calibrate(model, config, method.module_class, selected, calibration, tokenizer, progress)
+    converted += replace_linear_layers(model, data_free_config(config), method.module_class, selected, quantize=True)
     if not converted:
         raise QuantizationError(
             f"{type(model).__name__} has no nn.Linear layer left to quantize with {config.method!r}; "
@@ -39,6 +55,43 @@ def quantize(model: nn.Module, config: QuantlabConfig, modules: list[str] | None
         )
     _attach_hf_quantizer(model, config, method.quantizer_class)
     return model
+
+
+def calibrate(
+    model: nn.Module,
+    config: QuantlabConfig,
+    module_class: type[QuantizedLinear],
+    selected: Callable[[str], bool],
+    calibration: torch.Tensor | list[str] | None,
+    tokenizer: Any,
+    progress: bool = True,
+) -> list[str]:
+    """Quantize the selected Linear layers inside the model's blocks with the calibrated solver."""
+    from quantlab.calibration import calibration_windows, quantize_blocks
+    from quantlab.calibration.data import windows_from_texts
+
+    if isinstance(calibration, torch.Tensor):
+        windows = calibration.long()
+    elif tokenizer is None:
+        raise QuantizationError(
+            f"the {config.solver} solver{' with awq' if config.awq else ''} calibrates on text: pass token ids "
+            f"(calibration=tensor) or a tokenizer (tokenizer=...)"
+        )
+    elif calibration is not None:
+        windows = windows_from_texts(tokenizer, calibration, config.calibration_samples, config.calibration_seq_len)
+    else:
+        windows = calibration_windows(
+            tokenizer, config.calibration_samples, config.calibration_seq_len, config.calibration_text
+        )
+    return quantize_blocks(model, config, module_class, windows, selected, progress)
+
+
+def data_free_config(config: QuantlabConfig) -> QuantlabConfig:
+    """The config for layers outside the calibrated blocks (an untied output head, a pooler): the
+    data-free mse solver on the same storage format, as calibration gives no statistics there."""
+    if not config.needs_calibration:
+        return config
+    return dataclasses.replace(config, solver="mse", solver_options=None, awq=False)
 
 
 def dequantize(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:

@@ -91,12 +91,19 @@ class QuantlabHfQuantizer(HfQuantizer):
         module, tensor_name = get_module_from_name(model, param_name)
         return isinstance(module, self.module_class) and tensor_name == "weight"
 
+    @property
+    def calibrates_after_loading(self) -> bool:
+        """A calibrated solver loads the float weights, then quantizes block by block on calibration text."""
+        return not self.pre_quantized and self.quantization_config.needs_calibration
+
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> None:
         from quantlab.convert import replace_linear_layers, should_convert_module
 
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, self.quantization_config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
         )
+        if self.calibrates_after_loading:
+            return
         skip = self.modules_to_not_convert
         replace_linear_layers(
             model, self.quantization_config, self.module_class, lambda name: should_convert_module(name, skip), False
@@ -105,7 +112,18 @@ class QuantlabHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         if self.errors:
             raise self.errors[0]
+        if self.calibrates_after_loading:
+            self._calibrate(model)
         return model
+
+    def _calibrate(self, model: torch.nn.Module) -> None:
+        from quantlab.convert import calibrate, data_free_config, replace_linear_layers, should_convert_module
+
+        config = self.quantization_config
+        skip = self.modules_to_not_convert
+        selected = lambda name: should_convert_module(name, skip)  # noqa: E731
+        calibrate(model, config, self.module_class, selected, None, _tokenizer_of(model))
+        replace_linear_layers(model, data_free_config(config), self.module_class, selected, quantize=True)
 
     def _dequantize(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
         from quantlab.convert import dequantize_layers
@@ -152,3 +170,17 @@ class QuantizeOnLoad(ConversionOps):
             spec = module.storage_spec(module.in_features, module.out_features, module.config)
             stored = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
         return {f"{layer_name}.{name}": tensor for name, tensor in stored.items()}
+
+
+def _tokenizer_of(model: torch.nn.Module) -> Any:
+    """The tokenizer saved beside the checkpoint being loaded: calibration text must be tokenized."""
+    from transformers import AutoTokenizer
+
+    path = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise QuantlabError(
+            f"calibrating needs the model's tokenizer, and none loads from {path!r} ({error}); save the tokenizer "
+            f"beside the checkpoint, or load in float and call quantlab.quantize(model, config, calibration=ids)"
+        ) from error

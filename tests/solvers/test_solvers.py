@@ -51,7 +51,7 @@ def test_builtin_solvers_are_registered():
 
 
 def test_unknown_solver_lists_the_known_ones():
-    with pytest.raises(ConfigError, match="known solvers: .*gptq"):
+    with pytest.raises(ConfigError, match=r"known solvers: .*gptq"):
         get_solver("optq")
 
 
@@ -60,7 +60,9 @@ def test_data_free_mse_lowers_the_weight_error(problem, layout):
     weight, _, _ = problem
     rtn = get_solver("rtn").solve(weight, layout, None, {})
     mse = get_solver("mse").solve(weight, layout, None, {})
-    assert _weight_error(layout, mse, weight) < _weight_error(layout, rtn, weight) * (0.999 if layout.bits > 4 else 0.97)
+    assert _weight_error(layout, mse, weight) < _weight_error(layout, rtn, weight) * (
+        0.999 if layout.bits > 4 else 0.97
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lt: f"{lt.codec}{lt.bits}g{lt.group_size}")

@@ -1,0 +1,85 @@
+"""The repeated blocks of a model and the inputs of the first one, for block-by-block calibration.
+
+A transformer is an input stage (embeddings), a list of identical blocks, and an output stage.
+Calibration runs the input stage once per batch of windows, catches what the first block
+receives (hidden states and keyword arguments: attention mask, rotary embeddings, ...), and
+from then on only runs one block at a time on those inputs.
+"""
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantlab.errors import QuantizationError
+
+
+@dataclasses.dataclass
+class BlockInputs:
+    """One batch of windows as a block sees it."""
+
+    hidden: torch.Tensor
+    kwargs: dict[str, Any]
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The `nn.ModuleList` of repeated blocks holding the most Linear layers, and its name."""
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(block) for block in module}) != 1:
+            continue
+        linears = sum(isinstance(m, nn.Linear) for m in module.modules())
+        if linears and (best is None or linears > best[0]):
+            best = (linears, name, module)
+    if best is None:
+        raise QuantizationError(
+            f"{type(model).__name__} has no list of repeated blocks with Linear layers: calibrated solvers "
+            f"quantize block by block; use a data-free solver (rtn, mse) for this model"
+        )
+    return best[1], best[2]
+
+
+class _Caught(Exception):
+    pass
+
+
+@torch.no_grad()
+def first_block_inputs(
+    model: nn.Module, first_block: nn.Module, windows: torch.Tensor, batch_size: int
+) -> list[BlockInputs]:
+    """Run the model's input stage on each batch of windows and keep what `first_block` receives."""
+    caught: list[BlockInputs] = []
+
+    def catch(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        rest = {key: value for key, value in kwargs.items() if key != "hidden_states"}
+        caught.append(BlockInputs(hidden.detach(), rest))
+        raise _Caught
+
+    handle = first_block.register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for batch in windows.split(batch_size):
+            try:
+                model(input_ids=batch.to(_device_of(model)), use_cache=False)
+            except _Caught:
+                continue
+    finally:
+        handle.remove()
+    if len(caught) != -(-len(windows) // batch_size):
+        raise QuantizationError(f"{type(model).__name__}: its first block was not called for every batch")
+    return caught
+
+
+@torch.no_grad()
+def run_block(block: nn.Module, inputs: BlockInputs) -> torch.Tensor:
+    """The block's output hidden states for one batch."""
+    output = block(inputs.hidden, **inputs.kwargs)
+    return output[0] if isinstance(output, tuple | list) else output
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")

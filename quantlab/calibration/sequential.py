@@ -1,0 +1,147 @@
+"""Block-by-block calibrated quantization (the GPTQ schedule).
+
+Only one block's inputs are held at a time: the inputs of block i+1 are the outputs of block
+i computed with block i already quantized, so each block's solver sees, and corrects for,
+the error of every block before it. Per block:
+
+1. optional activation-aware scaling (AWQ) of its Linear layers, folded into the block;
+2. one pass over the calibration batches that accumulates each Linear layer's input
+   statistics (layers reading the same input, q/k/v or gate/up, share one);
+3. each selected Linear layer is solved and replaced by the method's quantized layer;
+4. a second pass computes the block's outputs with the quantized weights.
+
+Peak memory is the float model, plus the calibration activations (two copies of
+`samples x seq_len x hidden` floats), plus the statistics of one block (`in x in` floats per
+distinct input).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quantlab.calibration.blocks import BlockInputs, find_blocks, first_block_inputs, run_block
+from quantlab.config import QuantlabConfig
+from quantlab.nn import QuantizedLinear
+from quantlab.solvers import InputStats
+
+BATCH_SIZE = 8
+
+
+@torch.no_grad()
+def quantize_blocks(
+    model: nn.Module,
+    config: QuantlabConfig,
+    module_class: type[QuantizedLinear],
+    windows: torch.Tensor,
+    selected: Callable[[str], bool],
+    progress: bool = True,
+) -> list[str]:
+    """Quantize the selected Linear layers inside the model's blocks in place; returns their names."""
+    prefix, blocks = find_blocks(model)
+    batches = first_block_inputs(model, blocks[0], windows, BATCH_SIZE)
+    converted: list[str] = []
+    bar = tqdm(blocks, desc=f"calibrating ({config.solver}{' + awq' if config.awq else ''})", disable=not progress)
+    for index, block in enumerate(bar):
+        names = _selected_linears(block, f"{prefix}.{index}", selected)
+        if not names:
+            batches = [BlockInputs(run_block(block, batch), batch.kwargs) for batch in batches]
+            continue
+        if config.awq:
+            from quantlab.calibration.awq import scale_block
+
+            scale_block(block, batches, names, _fake_quantizer(config, module_class))
+        stats = collect_input_stats(block, names, batches)
+        quantized = {}
+        for relative, full_name in names.items():
+            linear = block.get_submodule(relative)
+            quantized[relative] = _quantized_layer(module_class, linear, config, full_name, stats[relative])
+            linear.weight.copy_(quantized[relative].dequantize_weight(linear.weight.dtype))
+        batches = [BlockInputs(run_block(block, batch), batch.kwargs) for batch in batches]
+        for relative, layer in quantized.items():
+            _set_submodule(block, relative, layer)
+        converted += names.values()
+    return converted
+
+
+def collect_input_stats(block: nn.Module, names: dict[str, str], batches: list[BlockInputs]) -> dict[str, InputStats]:
+    """Input statistics of each named Linear layer of `block` over all batches (shared by shared inputs)."""
+    stats: dict[str, InputStats] = {}
+    shares: dict[str, str] = {}
+    seen: dict[int, tuple[str, torch.Tensor]] = {}  # the tensors are kept so their ids are not reused
+
+    def hook_for(relative: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            inputs = args[0]
+            first, _ = seen.setdefault(id(inputs), (relative, inputs))
+            if first != relative:
+                shares[relative] = first
+                return
+            stats.setdefault(relative, InputStats(inputs.shape[-1])).add(inputs)
+
+        return hook
+
+    handles = [block.get_submodule(relative).register_forward_hook(hook_for(relative)) for relative in names]
+    try:
+        for batch in batches:
+            seen.clear()
+            run_block(block, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+        seen.clear()
+    return {relative: stats[shares.get(relative, relative)] for relative in names}
+
+
+def _selected_linears(block: nn.Module, prefix: str, selected: Callable[[str], bool]) -> dict[str, str]:
+    """Relative name → full name of the block's float Linear layers to quantize."""
+    return {
+        relative: f"{prefix}.{relative}"
+        for relative, module in block.named_modules()
+        if type(module) is nn.Linear and selected(f"{prefix}.{relative}")
+    }
+
+
+def _quantized_layer(
+    module_class: type[QuantizedLinear], linear: nn.Linear, config: QuantlabConfig, name: str, stats: InputStats
+) -> QuantizedLinear:
+    weight = linear.weight
+    layer = module_class(
+        linear.in_features,
+        linear.out_features,
+        linear.bias is not None,
+        config,
+        dtype=weight.dtype,
+        device=weight.device,
+    )
+    layer.load_stored(module_class.quantize_checked(weight, config, name, stats))
+    if linear.bias is not None:
+        layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+    return layer
+
+
+def _fake_quantizer(
+    config: QuantlabConfig, module_class: type[QuantizedLinear]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Weight → its round-to-nearest dequantized copy on the method's grid (what AWQ's search scores)."""
+
+    def fake_quantize(weight: torch.Tensor) -> torch.Tensor:
+        layout = module_class.layout_for(weight.shape[1], weight.shape[0], config)
+        from quantlab.formats import grouping
+
+        grouped = grouping.group(weight.float(), layout.group_size)
+        params = layout.fit(grouped)
+        codes = layout.quantize_grouped(grouped, params)
+        zero = None if params.zero is None else params.zero.unsqueeze(-1)
+        values = layout.decode(codes, params.scale.unsqueeze(-1), zero)
+        return grouping.ungroup(values, weight.shape[1]).to(weight.dtype)
+
+    return fake_quantize
+
+
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, module)

@@ -1,0 +1,80 @@
+"""Calibration windows never overlap the evaluation windows."""
+
+import json
+
+import pytest
+import torch
+
+from quantlab.calibration import EVAL_TOKENS, CalibrationDataError, calibration_windows
+from quantlab.calibration.data import windows_from_texts
+from quantlab.eval.data import bundled_text, bundled_text_path
+from quantlab.testing.tokenizer import byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def bundled_ids(tokenizer):
+    return tokenizer(bundled_text(), return_attention_mask=False)["input_ids"]
+
+
+def test_default_windows_start_after_the_evaluation_windows(tokenizer, bundled_ids):
+    windows = calibration_windows(tokenizer, samples=4, seq_len=64)
+    assert windows.shape == (4, 64)
+    assert windows.flatten().tolist() == bundled_ids[EVAL_TOKENS : EVAL_TOKENS + 256]
+
+
+def test_a_file_that_starts_with_the_evaluation_text_skips_it(tokenizer, bundled_ids, tmp_path):
+    copy = tmp_path / "wiki.txt"
+    copy.write_text(bundled_text() + "\nmore text\n", encoding="utf-8")
+    windows = calibration_windows(tokenizer, samples=2, seq_len=32, source=copy)
+    assert windows.flatten().tolist() == bundled_ids[EVAL_TOKENS : EVAL_TOKENS + 64]
+
+
+def test_other_text_is_used_from_its_start(tokenizer, tmp_path):
+    path = tmp_path / "own.txt"
+    path.write_text("abcdefgh" * 100, encoding="utf-8")
+    windows = calibration_windows(tokenizer, samples=2, seq_len=16, source=path)
+    expected = tokenizer("abcdefgh" * 100, return_attention_mask=False)["input_ids"][:32]
+    assert windows.flatten().tolist() == expected
+
+
+def test_jsonl_documents_end_in_eos(tokenizer, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}) for t in ["first document", "second one"] * 10), encoding="utf-8")
+    windows = calibration_windows(tokenizer, samples=2, seq_len=20, source=path)
+    assert tokenizer.eos_token_id in windows.flatten().tolist()
+
+
+def test_too_little_text_says_how_much_is_needed(tokenizer, tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("too short", encoding="utf-8")
+    with pytest.raises(CalibrationDataError, match=r"needs 8 x 512 = 4,096 tokens but .* gives 9"):
+        calibration_windows(tokenizer, samples=8, seq_len=512, source=path)
+
+
+def test_missing_file_is_named(tokenizer, tmp_path):
+    with pytest.raises(CalibrationDataError, match="does not exist"):
+        calibration_windows(tokenizer, samples=1, seq_len=16, source=tmp_path / "nope.txt")
+
+
+def test_bundled_text_cannot_give_more_than_it_has(tokenizer, bundled_ids):
+    samples = (len(bundled_ids) - EVAL_TOKENS) // 1024 + 1
+    with pytest.raises(CalibrationDataError, match="the bundled text"):
+        calibration_windows(tokenizer, samples=samples, seq_len=1024)
+
+
+def test_windows_from_texts(tokenizer):
+    windows = windows_from_texts(tokenizer, ["hello world"] * 10, samples=3, seq_len=8)
+    assert windows.shape == (3, 8) and windows.dtype == torch.long
+    with pytest.raises(CalibrationDataError, match="texts give"):
+        windows_from_texts(tokenizer, ["hi"], samples=3, seq_len=8)
+
+
+def test_bundled_text_is_where_the_evaluation_reads(bundled_ids):
+    """The evaluation windows are the first EVAL_TOKENS tokens: what calibration skips."""
+    assert bundled_text_path().is_file()
+    assert len(bundled_ids) > EVAL_TOKENS * 2
