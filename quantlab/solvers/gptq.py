@@ -27,8 +27,11 @@ from quantlab.errors import ConfigError, QuantizationError
 from quantlab.formats import grouping
 from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.solvers.base import InputStats, Solution, Solver
+from quantlab.solvers.mse import search_grid
 
-DEFAULTS = {"damp": 0.01, "act_order": True, "block_size": 128, "static_groups": None}  # None: static with act order
+# static_groups None: static with act order. grid "mse": each group's grid from the input-weighted
+# clipping search of the mse solver (GPTQ's reference code has the same option); "minmax": min-max.
+DEFAULTS = {"damp": 0.01, "act_order": True, "block_size": 128, "static_groups": None, "grid": "mse"}
 _DAMP_RETRIES = 4
 
 
@@ -42,7 +45,7 @@ class GptqSolver(Solver):
     ) -> Solution:
         if stats is None:
             raise QuantizationError("the gptq solver needs calibration inputs; pass calibration data")
-        damp, act_order, block_size, static = _options(options)
+        damp, act_order, block_size, static, grid = _options(options)
         static = static or act_order or layout.double_quant
         W = weight.detach().float().clone()
         H = stats.hessian.double()
@@ -50,7 +53,7 @@ class GptqSolver(Solver):
         H = H.clone()
         H[dead, dead] = 1.0
         order = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(layout.in_features)
-        grids = _Grids(layout, W, order, static)
+        grids = _Grids(layout, W, order, static, stats.channel_weights() if grid == "mse" else None)
         inverse = _inverse_cholesky(H[order][:, order], damp).float()
         W = W[:, order]
         codes = torch.empty(W.shape, dtype=torch.uint8)
@@ -76,11 +79,23 @@ class _Grids:
     """Each column's grid: static (all fitted up front on the float weight) or fitted per group
     when its first column is reached, on the weight as updated so far (columns in order)."""
 
-    def __init__(self, layout: StorageLayout, W: torch.Tensor, order: torch.Tensor, static: bool) -> None:
+    def __init__(
+        self, layout: StorageLayout, W: torch.Tensor, order: torch.Tensor, static: bool, importance: torch.Tensor | None
+    ) -> None:
         self.layout = layout
         self.group_of = (order // layout.group_length).tolist()
-        self.static = layout.fit(grouping.group(W, layout.group_size)) if static else None
+        self.importance = importance  # E[x_j^2] per input channel for the mse grid search, None for min-max
+        self.static = self._fit(grouping.group(W, layout.group_size), 0) if static else None
         self.fitted: list[GroupParams] = []
+
+    def _fit(self, grouped: torch.Tensor, first_column: int) -> GroupParams:
+        if self.importance is None:
+            return self.layout.fit(grouped)
+        columns = grouped.shape[1] * grouped.shape[2]
+        weights = torch.zeros(columns)
+        real = self.importance[first_column : first_column + columns]
+        weights[: real.numel()] = real
+        return search_grid(grouped, self.layout, weights.view(1, grouped.shape[1], grouped.shape[2]))
 
     def at(
         self, column: int, in_block: torch.Tensor, after_block: torch.Tensor
@@ -95,7 +110,7 @@ class _Grids:
         if column % length == 0:
             count = min(length, self.layout.in_features - column)
             values = torch.cat([in_block, after_block[:, : max(0, count - in_block.shape[1])]], dim=1)[:, :count]
-            self.fitted.append(self.layout.fit(grouping.group(values, length)))
+            self.fitted.append(self._fit(grouping.group(values, length), column))
         latest = self.fitted[-1]
         return latest.scale[:, 0], None if latest.zero is None else latest.zero[:, 0]
 
@@ -141,7 +156,9 @@ def _options(options: dict[str, Any]) -> tuple[float, bool, int, bool | None]:
         raise ConfigError(f"gptq solver: static_groups={static!r} must be true, false or null")
     if act_order and static is False:
         raise ConfigError("gptq solver: act_order needs static_groups (so the checkpoint keeps its layout)")
-    return float(damp), act_order, block_size, bool(static)
+    if merged["grid"] not in ("mse", "minmax"):
+        raise ConfigError(f"gptq solver: grid={merged['grid']!r} must be 'mse' or 'minmax'")
+    return float(damp), act_order, block_size, bool(static), merged["grid"]
 
 
 SOLVER = GptqSolver()

@@ -32,18 +32,40 @@ class MseSolver(Solver):
     ) -> Solution:
         grid, min_clip, refits = _options(options)
         grouped = grouping.group(weight.float(), layout.group_size)
-        importance = _importance(layout, stats, grouped)
-        params, error = _clip_search(grouped, layout, importance, grid, min_clip)
-        for _ in range(refits):
-            codes = layout.quantize_grouped(grouped, params)
-            candidate = _least_squares_grid(grouped, codes, layout, importance, params)
-            candidate_error = _error(grouped, candidate, layout, importance)
-            better = candidate_error < error
-            if not better.any():
-                break
-            params = _choose(layout, better, candidate, params)
-            error = _error(grouped, params, layout, importance)
+        importance = column_importance(layout, None if stats is None else stats.channel_weights())
+        params = search_grid(grouped, layout, importance, grid, min_clip, refits)
         return Solution(layout.quantize_grouped(grouped, params), params)
+
+
+def search_grid(
+    grouped: torch.Tensor,
+    layout: StorageLayout,
+    importance: torch.Tensor,
+    grid: int = DEFAULTS["grid"],
+    min_clip: float = DEFAULTS["min_clip"],
+    refits: int = DEFAULTS["refits"],
+) -> GroupParams:
+    """The grids of grouped weights `[out, groups, length]` with the least importance-weighted error."""
+    params, error = _clip_search(grouped, layout, importance, grid, min_clip)
+    for _ in range(refits):
+        codes = layout.quantize_grouped(grouped, params)
+        candidate = _least_squares_grid(grouped, codes, layout, importance, params)
+        better = _error(grouped, candidate, layout, importance) < error
+        if not better.any():
+            break
+        params = _choose(layout, better, candidate, params)
+        error = _error(grouped, params, layout, importance)
+    return params
+
+
+def column_importance(layout: StorageLayout, channel_weights: torch.Tensor | None) -> torch.Tensor:
+    """Weight of each position `[1, groups, length]`: E[x_j^2] (or 1 without data), and 0 on padding."""
+    weights = torch.ones(layout.in_features) if channel_weights is None else channel_weights.float().clamp(min=0)
+    if weights.sum() <= 0:
+        weights = torch.ones(layout.in_features)
+    padded = torch.zeros(layout.groups * layout.group_length)
+    padded[: layout.in_features] = weights
+    return padded.view(1, layout.groups, layout.group_length)
 
 
 def _options(options: dict[str, Any]) -> tuple[int, float, int]:
@@ -59,17 +81,6 @@ def _options(options: dict[str, Any]) -> tuple[int, float, int]:
     if not isinstance(refits, int) or refits < 0:
         raise ConfigError(f"mse solver: refits={refits!r} must be a whole number >= 0")
     return grid, float(min_clip), refits
-
-
-def _importance(layout: StorageLayout, stats: InputStats | None, grouped: torch.Tensor) -> torch.Tensor:
-    """Weight of each position `[1, groups, length]`: E[x_j^2] (or 1), and 0 on padding."""
-    weights = torch.ones(layout.in_features) if stats is None else stats.channel_weights().clamp(min=0)
-    if stats is not None and weights.sum() <= 0:
-        weights = torch.ones(layout.in_features)
-    size = layout.groups * layout.group_length
-    padded = torch.zeros(size)
-    padded[: layout.in_features] = weights
-    return padded.view(1, layout.groups, layout.group_length).to(grouped.device)
 
 
 def _error(grouped: torch.Tensor, params: GroupParams, layout: StorageLayout, importance: torch.Tensor) -> torch.Tensor:
