@@ -58,6 +58,13 @@ class QuantlabConfig(QuantizationConfigMixin):
     )
     calibration_samples: int = dataclasses.field(default=128, metadata={"help": "calibration windows"})
     calibration_seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per calibration window"})
+    target_bits: float | None = dataclasses.field(
+        default=None,
+        metadata={"help": "mixed precision: stored bits per quantized weight to allocate across layers"},
+    )
+    layer_options: dict[str, dict[str, Any]] | None = dataclasses.field(
+        default=None, metadata={"help": "per-layer option overrides as JSON: {layer name: {option: value}}"}
+    )
 
     def __post_init__(self) -> None:
         self.quant_method = transformers_name(self.method)
@@ -82,13 +89,48 @@ class QuantlabConfig(QuantizationConfigMixin):
                 raise ConfigError(f"{self.method}: {name}={value!r} is not valid; use a whole number >= {low}")
         if self.calibration_text is not None and not isinstance(self.calibration_text, str):
             raise ConfigError(f"{self.method}: calibration_text={self.calibration_text!r} must be a file path")
+        if self.target_bits is not None:
+            if isinstance(self.target_bits, bool) or not isinstance(self.target_bits, int | float):
+                raise ConfigError(f"{self.method}: target_bits={self.target_bits!r} is not valid; use a number")
+            if not self.allocation_candidates():
+                raise ConfigError(f"{self.method}: target_bits is not supported; use custom_bits for mixed precision")
+        self._validate_layer_options()
+
+    def _validate_layer_options(self) -> None:
+        if self.layer_options is None:
+            return
+        if not isinstance(self.layer_options, dict) or not all(
+            isinstance(name, str) and isinstance(options, dict) for name, options in self.layer_options.items()
+        ):
+            raise ConfigError(f"{self.method}: layer_options must map layer names to objects of options")
+        shared = set(QuantlabConfig.option_names())
+        for name, options in self.layer_options.items():
+            bad = sorted(set(options) & shared | set(options) - set(self.option_names()))
+            if bad:
+                raise ConfigError(
+                    f"{self.method}: layer_options[{name!r}] sets {', '.join(bad)}; a layer may only override "
+                    f"the method's own options ({', '.join(sorted(set(self.option_names()) - shared))})"
+                )
+            self.config_for(name)  # each layer's config must be valid on its own
+
+    def config_for(self, layer: str) -> "QuantlabConfig":
+        """The config of one layer: this config with the layer's `layer_options` applied."""
+        overrides = (self.layer_options or {}).get(layer)
+        if not overrides:
+            return self
+        return dataclasses.replace(self, layer_options=None, target_bits=None, **overrides)
+
+    def allocation_candidates(self) -> list[dict[str, Any]]:
+        """Per-layer option sets mixed precision may choose from (none: the method has no mixed precision)."""
+        return []
 
     @property
     def needs_calibration(self) -> bool:
-        """True when quantizing needs calibration data (a calibrated solver, or AWQ)."""
+        """True when quantizing needs calibration data: a calibrated solver, AWQ, or mixed precision
+        (whose allocation weighs each layer's error by its calibration inputs)."""
         from quantlab.solvers import get_solver
 
-        return self.awq or get_solver(self.solver).needs_calibration
+        return self.awq or self.target_bits is not None or get_solver(self.solver).needs_calibration
 
     def validate(self) -> None:
         """Raise `ConfigError` for invalid values; subclasses extend it."""

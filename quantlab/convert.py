@@ -12,6 +12,7 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.nn import QuantizedLinear
+from quantlab.solvers import get_solver
 
 
 def quantize(
@@ -83,15 +84,24 @@ def calibrate(
         windows = calibration_windows(
             tokenizer, config.calibration_samples, config.calibration_seq_len, config.calibration_text
         )
+    if config.target_bits is not None:
+        from quantlab.calibration.allocation import allocate_bits
+
+        config.layer_options = allocate_bits(model, config, module_class, windows, selected, progress)
+    if not (config.awq or get_solver(config.solver).needs_calibration):
+        return []  # mixed precision with a data-free solver: the layers are quantized as usual next
     return quantize_blocks(model, config, module_class, windows, selected, progress)
 
 
 def data_free_config(config: QuantlabConfig) -> QuantlabConfig:
-    """The config for layers outside the calibrated blocks (an untied output head, a pooler): the
-    data-free mse solver on the same storage format, as calibration gives no statistics there."""
+    """The config for layers quantized without statistics: all of them under a data-free solver, and
+    under a calibrated one those outside the calibrated blocks (an untied output head, a pooler),
+    which get the data-free mse solver on the same storage format."""
     if not config.needs_calibration:
         return config
-    return dataclasses.replace(config, solver="mse", solver_options=None, awq=False)
+    solver = "mse" if get_solver(config.solver).needs_calibration else config.solver
+    options = config.solver_options if solver == config.solver else None
+    return dataclasses.replace(config, solver=solver, solver_options=options, awq=False, target_bits=None)
 
 
 def dequantize(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
@@ -117,14 +127,15 @@ def replace_linear_layers(
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear or not selected(name):
             continue
+        layer_config = config.config_for(name)
         if quantize:
-            new = module_class.from_linear(module, config, layer=name)
+            new = module_class.from_linear(module, layer_config, layer=name)
         else:
             new = module_class(
                 module.in_features,
                 module.out_features,
                 module.bias is not None,
-                config,
+                layer_config,
                 dtype=module.weight.dtype,
                 device=module.weight.device,
             )

@@ -45,7 +45,7 @@ def quantize_blocks(
     converted: list[str] = []
     bar = tqdm(blocks, desc=f"calibrating ({config.solver}{' + awq' if config.awq else ''})", disable=not progress)
     for index, block in enumerate(bar):
-        names = _selected_linears(block, f"{prefix}.{index}", selected)
+        names = selected_linears(block, f"{prefix}.{index}", selected)
         if not names:
             batches = [BlockInputs(run_block(block, batch), batch.kwargs) for batch in batches]
             continue
@@ -66,8 +66,11 @@ def quantize_blocks(
     return converted
 
 
-def collect_input_stats(block: nn.Module, names: dict[str, str], batches: list[BlockInputs]) -> dict[str, InputStats]:
-    """Input statistics of each named Linear layer of `block` over all batches (shared by shared inputs)."""
+def collect_input_stats(
+    block: nn.Module, names: dict[str, str], batches: list[BlockInputs], outputs: list[torch.Tensor] | None = None
+) -> dict[str, InputStats]:
+    """Input statistics of each named Linear layer of `block` over all batches (shared by shared inputs);
+    the block's outputs are appended to `outputs` when given (same pass)."""
     stats: dict[str, InputStats] = {}
     shares: dict[str, str] = {}
     seen: dict[int, tuple[str, torch.Tensor]] = {}  # the tensors are kept so their ids are not reused
@@ -87,7 +90,9 @@ def collect_input_stats(block: nn.Module, names: dict[str, str], batches: list[B
     try:
         for batch in batches:
             seen.clear()
-            run_block(block, batch)
+            output = run_block(block, batch)
+            if outputs is not None:
+                outputs.append(output)
     finally:
         for handle in handles:
             handle.remove()
@@ -95,7 +100,7 @@ def collect_input_stats(block: nn.Module, names: dict[str, str], batches: list[B
     return {relative: stats[shares.get(relative, relative)] for relative in names}
 
 
-def _selected_linears(block: nn.Module, prefix: str, selected: Callable[[str], bool]) -> dict[str, str]:
+def selected_linears(block: nn.Module, prefix: str, selected: Callable[[str], bool]) -> dict[str, str]:
     """Relative name → full name of the block's float Linear layers to quantize."""
     return {
         relative: f"{prefix}.{relative}"
@@ -108,6 +113,7 @@ def _quantized_layer(
     module_class: type[QuantizedLinear], linear: nn.Linear, config: QuantlabConfig, name: str, stats: InputStats
 ) -> QuantizedLinear:
     weight = linear.weight
+    config = config.config_for(name)
     layer = module_class(
         linear.in_features,
         linear.out_features,

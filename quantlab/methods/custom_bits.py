@@ -16,6 +16,9 @@ from quantlab.formats.layout import StorageLayout
 from quantlab.nn import QuantizedLinear
 
 MIN_BITS, MAX_BITS = 2, 8
+# What mixed precision (`target_bits`) chooses from for each layer.
+ALLOCATION_BITS = (2, 3, 4, 5, 6, 8)
+ALLOCATION_GROUP_SIZES = (32, 64, 128)
 
 
 @dataclasses.dataclass(repr=False)
@@ -38,6 +41,10 @@ class CustomBitsConfig(QuantlabConfig):
         check_choice(self.method, "scale_dtype", self.scale_dtype, SCALE_DTYPES)
         if not isinstance(self.symmetric, bool):
             raise ConfigError(f"{self.method}: symmetric={self.symmetric!r} is not valid; use true or false")
+
+    def allocation_candidates(self) -> list[dict]:
+        """Widths 2-8 at group sizes 32-128, with this config's symmetry and scale dtype."""
+        return [{"bits": b, "group_size": g} for b in ALLOCATION_BITS for g in ALLOCATION_GROUP_SIZES]
 
 
 class CustomBitsLinear(QuantizedLinear):

@@ -44,7 +44,13 @@ def test_flags_follow_the_config_fields_of_every_builtin() -> None:
     flags = [spec.flag for spec in options.option_specs(CustomBitsConfig)]
     # The method's own options first, the shared ones after.
     shared = ["--modules-to-not-convert", "--solver", "--solver-options", "--awq"]
-    shared += ["--calibration-text", "--calibration-samples", "--calibration-seq-len"]
+    shared += [
+        "--calibration-text",
+        "--calibration-samples",
+        "--calibration-seq-len",
+        "--target-bits",
+        "--layer-options",
+    ]
     assert flags == ["--bits", "--group-size", "--symmetric", "--scale-dtype", *shared]
 
 
@@ -68,6 +74,8 @@ def test_kinds_and_defaults_come_from_annotations() -> None:
         "calibration_text": ("str", True),
         "calibration_samples": ("int", False),
         "calibration_seq_len": ("int", False),
+        "target_bits": ("float", True),
+        "layer_options": ("json", True),
     }
     assert specs["count"].default == 3
     assert specs["layers"].default == []

@@ -56,6 +56,8 @@ def test_config_is_public_and_serializable():
         "calibration_text": None,
         "calibration_samples": 128,
         "calibration_seq_len": 256,
+        "target_bits": None,
+        "layer_options": None,
         "bits": 3,
         "group_size": 128,
         "symmetric": True,

@@ -1,0 +1,135 @@
+"""Mixed precision: each layer's width and group size, chosen to minimise predicted error under a budget.
+
+A measurement pass runs the float model block by block over the calibration windows and, for
+every quantizable layer and every candidate of the method (`config.allocation_candidates()`:
+widths 2-8 at group sizes 32-128 for custom bits), predicts the loss as the layer's relative
+output error `sum_j E[x_j^2] ||W_:,j - Q_:,j||^2 / trace(W E[x x^T] W^T)` (round to nearest on
+the candidate's grid, columns weighted by the calibration inputs, in the spirit of EXL2's
+measurement pass) and counts the candidate's stored bytes (codes, scales, zero points:
+`StorageLayout.stored_bytes`). The assignment minimising the summed loss with total bytes at
+most `target_bits * weights / 8` is a multiple-choice knapsack, solved exactly by dynamic
+programming over the budget cut into `BUDGET_STEPS` units (each candidate's bytes rounded up
+to whole units, so the budget always holds).
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quantlab.calibration.blocks import BlockInputs, find_blocks, first_block_inputs
+from quantlab.calibration.sequential import BATCH_SIZE, collect_input_stats, selected_linears
+from quantlab.config import QuantlabConfig
+from quantlab.errors import ConfigError
+from quantlab.formats import grouping
+from quantlab.nn import QuantizedLinear
+
+BUDGET_STEPS = 20_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    options: tuple[tuple[str, Any], ...]
+    stored_bytes: int
+    loss: float
+
+
+@torch.no_grad()
+def allocate_bits(
+    model: nn.Module,
+    config: QuantlabConfig,
+    module_class: type[QuantizedLinear],
+    windows: torch.Tensor,
+    selected: Callable[[str], bool],
+    progress: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """Per-layer options meeting `config.target_bits` (only layers whose choice differs from the config)."""
+    measured, weights = measure_layers(model, config, module_class, windows, selected, progress)
+    budget = int(config.target_bits * weights / 8)
+    chosen = choose(measured, budget, config.target_bits, weights)
+    own = {name: getattr(config, name) for name in config.allocation_candidates()[0]}
+    return {layer: dict(pick.options) for layer, pick in chosen.items() if dict(pick.options) != own}
+
+
+def measure_layers(
+    model: nn.Module,
+    config: QuantlabConfig,
+    module_class: type[QuantizedLinear],
+    windows: torch.Tensor,
+    selected: Callable[[str], bool],
+    progress: bool = True,
+) -> tuple[dict[str, list[Candidate]], int]:
+    """Each selected layer's candidates with predicted loss and bytes, and the number of weights."""
+    prefix, blocks = find_blocks(model)
+    batches = first_block_inputs(model, blocks[0], windows, BATCH_SIZE)
+    measured: dict[str, list[Candidate]] = {}
+    weights = 0
+    candidates = [dataclasses.replace(config, layer_options=None, target_bits=None, **o) for o in _options(config)]
+    for index, block in enumerate(tqdm(blocks, desc="measuring layers", disable=not progress)):
+        names = selected_linears(block, f"{prefix}.{index}", selected)
+        outputs: list[torch.Tensor] = []
+        stats = collect_input_stats(block, names, batches, outputs)
+        batches = [BlockInputs(output, batch.kwargs) for output, batch in zip(outputs, batches, strict=True)]
+        for relative, full_name in names.items():
+            weight = block.get_submodule(relative).weight.detach().float()
+            weights += weight.numel()
+            energy = float((weight @ stats[relative].hessian * weight).sum()) or 1.0  # ||W x||^2 per token
+            importance = stats[relative].channel_weights() / energy
+            measured[full_name] = [_candidate(module_class, c, weight, importance) for c in candidates]
+    return measured, weights
+
+
+def choose(measured: dict[str, list[Candidate]], budget: int, target_bits: float, weights: int) -> dict[str, Candidate]:
+    """The assignment with the least summed loss whose bytes fit `budget` (dynamic programming)."""
+    smallest = sum(min(c.stored_bytes for c in options) for options in measured.values())
+    largest = sum(max(c.stored_bytes for c in options) for options in measured.values())
+    if budget < smallest or budget > largest:
+        low, high = 8 * smallest / weights, 8 * largest / weights
+        raise ConfigError(
+            f"target_bits={target_bits:g} is outside what the candidate widths can store on this model "
+            f"({low:.3f} to {high:.3f} bits per weight); choose a target in that range"
+        )
+    unit = max(1, -(-budget // BUDGET_STEPS))
+    units = budget // unit
+    best = torch.zeros(units + 1, dtype=torch.float64)  # least loss of the layers so far within b units
+    picks = []
+    for options in measured.values():
+        cost = [-(-c.stored_bytes // unit) for c in options]
+        candidates = torch.full((len(options), units + 1), float("inf"), dtype=torch.float64)
+        for index, (candidate, size) in enumerate(zip(options, cost, strict=True)):
+            if size <= units:
+                candidates[index, size:] = best[: units + 1 - size] + candidate.loss
+        best, pick = candidates.min(dim=0)
+        picks.append(pick)
+    if not torch.isfinite(best[units]):
+        raise ConfigError(
+            f"target_bits={target_bits:g} leaves too little room once bytes are rounded; raise it a little"
+        )
+    chosen: dict[str, Candidate] = {}
+    remaining = units
+    for (layer, options), pick in zip(reversed(measured.items()), reversed(picks), strict=True):
+        candidate = options[int(pick[remaining])]
+        chosen[layer] = candidate
+        remaining -= -(-candidate.stored_bytes // unit)
+    return chosen
+
+
+def _options(config: QuantlabConfig) -> list[dict[str, Any]]:
+    return config.allocation_candidates()
+
+
+def _candidate(
+    module_class: type[QuantizedLinear], config: QuantlabConfig, weight: torch.Tensor, importance: torch.Tensor
+) -> Candidate:
+    layout = module_class.layout_for(weight.shape[1], weight.shape[0], config)
+    grouped = grouping.group(weight, layout.group_size)
+    params = layout.fit(grouped)
+    codes = layout.quantize_grouped(grouped, params)
+    zero = None if params.zero is None else params.zero.unsqueeze(-1)
+    error = grouping.ungroup(layout.decode(codes, params.scale.unsqueeze(-1), zero), weight.shape[1]) - weight
+    loss = float((error.square().sum(dim=0) * importance).sum())
+    options = tuple((name, getattr(config, name)) for name in ("bits", "group_size"))
+    return Candidate(options, layout.stored_bytes(), loss)

@@ -1,0 +1,89 @@
+"""Mixed precision: the allocation meets the budget and is the best assignment the proxy knows."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import quantlab
+from quantlab.calibration.allocation import Candidate, choose
+from quantlab.convert import quantized_layers
+from quantlab.errors import ConfigError
+from quantlab.eval.size import stored_bits_per_weight
+from quantlab.testing.models import tiny_llama
+
+CALIBRATION = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(0))
+
+
+def _random_problem(layers: int, seed: int) -> dict[str, list[Candidate]]:
+    rng = random.Random(seed)
+    problem = {}
+    for layer in range(layers):
+        size = rng.choice([100, 300])
+        problem[f"l{layer}"] = [
+            Candidate((("bits", bits),), size * bits, rng.uniform(0.5, 2) * size * 4.0**-bits) for bits in (2, 3, 4, 8)
+        ]
+    return problem
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_choice_fits_the_budget_and_is_near_the_best_assignment(seed):
+    problem = _random_problem(5, seed)
+    weights = sum(c.stored_bytes for c in problem["l0"][:1]) * 0 + sum(
+        options[0].stored_bytes // 2 for options in problem.values()
+    )
+    budget = int(sum(options[1].stored_bytes for options in problem.values()) * 1.1)
+    chosen = choose(problem, budget, target_bits=3.3, weights=weights)
+    assert sum(c.stored_bytes for c in chosen.values()) <= budget
+    best = min(
+        sum(c.loss for c in combo)
+        for combo in itertools.product(*problem.values())
+        if sum(c.stored_bytes for c in combo) <= budget
+    )
+    assert sum(c.loss for c in chosen.values()) == pytest.approx(best, rel=1e-9)
+
+
+def test_budget_outside_the_widths_is_refused():
+    problem = _random_problem(3, 0)
+    weights = sum(options[0].stored_bytes // 2 for options in problem.values())
+    with pytest.raises(ConfigError, match=r"outside what the candidate widths can store .* choose a target"):
+        choose(problem, budget=1, target_bits=0.1, weights=weights)
+
+
+@pytest.mark.parametrize("target", [2.75, 3.5])
+def test_mixed_model_meets_its_budget_and_mixes_widths(target):
+    model = tiny_llama()
+    config = quantlab.CustomBitsConfig(bits=3, group_size=64, target_bits=target, solver="gptq")
+    quantlab.quantize(model, config, calibration=CALIBRATION, progress=False)
+    assert stored_bits_per_weight(model) <= target
+    assert stored_bits_per_weight(model) > target - 0.25
+    widths = {layer.config.bits for layer in quantized_layers(model).values()}
+    assert len(widths) > 1
+
+
+def test_mixed_beats_the_uniform_width_it_costs_no_more_than():
+    unseen = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(1))
+    reference = tiny_llama()
+    with torch.no_grad():
+        expected = reference(unseen).logits
+
+    def error(config):
+        model = tiny_llama()
+        quantlab.quantize(model, config, calibration=CALIBRATION, progress=False)
+        with torch.no_grad():
+            return (model(unseen).logits - expected).square().mean().item(), stored_bits_per_weight(model)
+
+    uniform, uniform_bits = error(quantlab.CustomBitsConfig(bits=3, group_size=64, solver="gptq"))
+    mixed, mixed_bits = error(quantlab.CustomBitsConfig(bits=3, group_size=64, target_bits=uniform_bits, solver="gptq"))
+    assert mixed_bits <= uniform_bits
+    assert mixed < uniform
+
+
+def test_layer_options_are_checked():
+    with pytest.raises(ConfigError, match="may only override the method's own options"):
+        quantlab.CustomBitsConfig(layer_options={"model.layers.0.mlp.up_proj": {"solver": "gptq"}})
+    with pytest.raises(ConfigError, match="bits"):
+        quantlab.CustomBitsConfig(layer_options={"model.layers.0.mlp.up_proj": {"bits": 9}})
+    with pytest.raises(ConfigError, match="target_bits is not supported"):
+        quantlab.NF4Config(target_bits=4.0)
