@@ -9,13 +9,13 @@ load of a checkpoint that uses them, not when `quantlab` is imported.
 """
 
 import re
-import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from quantlab.config import QuantlabConfig
 from quantlab.errors import UnknownMethodError
 from quantlab.nn import QuantizedLinear
+from quantlab.utils.entry_points import load_entry_points
 
 ENTRY_POINT_GROUP = "quantlab.methods"
 _NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -111,14 +111,4 @@ def discover_plugins() -> None:
     if _plugins_discovered:
         return
     _plugins_discovered = True
-    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            loaded = entry_point.load()
-            if callable(loaded):
-                loaded()
-        except Exception as error:  # a plugin's failure must not take quantlab down
-            warnings.warn(
-                f"quantlab plugin {entry_point.name!r} ({entry_point.value}) failed to load and is skipped: {error}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+    load_entry_points(ENTRY_POINT_GROUP, "plugin")

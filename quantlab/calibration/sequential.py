@@ -57,7 +57,9 @@ def quantize_blocks(
         quantized = {}
         for relative, full_name in names.items():
             linear = block.get_submodule(relative)
-            quantized[relative] = _quantized_layer(module_class, linear, config, full_name, stats[relative])
+            quantized[relative] = module_class.from_linear(
+                linear, config.config_for(full_name), full_name, stats[relative]
+            )
             linear.weight.copy_(quantized[relative].dequantize_weight(linear.weight.dtype))
         batches = [BlockInputs(run_block(block, batch), batch.kwargs) for batch in batches]
         for relative, layer in quantized.items():
@@ -107,25 +109,6 @@ def selected_linears(block: nn.Module, prefix: str, selected: Callable[[str], bo
         for relative, module in block.named_modules()
         if type(module) is nn.Linear and selected(f"{prefix}.{relative}")
     }
-
-
-def _quantized_layer(
-    module_class: type[QuantizedLinear], linear: nn.Linear, config: QuantlabConfig, name: str, stats: InputStats
-) -> QuantizedLinear:
-    weight = linear.weight
-    config = config.config_for(name)
-    layer = module_class(
-        linear.in_features,
-        linear.out_features,
-        linear.bias is not None,
-        config,
-        dtype=weight.dtype,
-        device=weight.device,
-    )
-    layer.load_stored(module_class.quantize_checked(weight, config, name, stats))
-    if linear.bias is not None:
-        layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-    return layer
 
 
 def _fake_quantizer(

@@ -149,8 +149,10 @@ class QuantizedLinear(nn.Module):
         return layout.store(solution.codes, solution.params)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: QuantlabConfig, layer: str = "") -> "QuantizedLinear":
-        """Quantize a float `nn.Linear`; the bias is kept as is."""
+    def from_linear(
+        cls, linear: nn.Linear, config: QuantlabConfig, layer: str = "", stats: "InputStats | None" = None
+    ) -> "QuantizedLinear":
+        """Quantize a float `nn.Linear` (with its calibration `stats` for calibrated solvers); the bias is kept."""
         weight = linear.weight
         module = cls(
             linear.in_features,
@@ -160,7 +162,7 @@ class QuantizedLinear(nn.Module):
             dtype=weight.dtype,
             device=weight.device,
         )
-        module.load_stored(cls.quantize_checked(weight, config, layer or type(linear).__name__))
+        module.load_stored(cls.quantize_checked(weight, config, layer or type(linear).__name__, stats))
         if linear.bias is not None:
             module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
         return module

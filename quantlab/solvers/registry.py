@@ -1,11 +1,10 @@
 """Solver names → solvers; built-ins registered on first use, plugins through entry points."""
 
 import re
-import warnings
-from importlib.metadata import entry_points
 
 from quantlab.errors import ConfigError
 from quantlab.solvers.base import Solver
+from quantlab.utils.entry_points import load_entry_points
 
 ENTRY_POINT_GROUP = "quantlab.solvers"
 _NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -48,14 +47,4 @@ def _discover() -> None:
 
     for module in (rtn, mse, gptq):
         register_solver(module.SOLVER)
-    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            loaded = entry_point.load()
-            if callable(loaded):
-                loaded()
-        except Exception as error:  # a plugin's failure must not take quantlab down
-            warnings.warn(
-                f"quantlab solver plugin {entry_point.name!r} failed to load and is skipped: {error}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+    load_entry_points(ENTRY_POINT_GROUP, "solver plugin")

@@ -9,6 +9,7 @@ import pytest
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 
 import quantlab
+import quantlab.utils.entry_points
 from quantlab import registry
 from quantlab.methods.int8 import Int8Linear
 
@@ -25,7 +26,9 @@ class BrokenEntryPoint:
 def install_broken_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the registry see `BrokenEntryPoint` as the only plugin, not yet discovered."""
     monkeypatch.setattr(registry, "_plugins_discovered", False)
-    monkeypatch.setattr(registry, "entry_points", lambda group: [BrokenEntryPoint()])
+    plugins = {registry.ENTRY_POINT_GROUP: [BrokenEntryPoint()]}
+    monkeypatch.setattr(registry, "entry_points", lambda group: plugins.get(group, []))
+    monkeypatch.setattr(quantlab.utils.entry_points, "entry_points", lambda group: plugins.get(group, []))
 
 
 def test_builtin_methods_are_listed():
