@@ -9,6 +9,7 @@ with the signal-to-quantization-noise floor each must reach on Gaussian weights:
 pytest then runs every check below once per case.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.convert import quantize, quantized_layers
 from quantlab.errors import ConfigError, QuantizationError
 from quantlab.registry import get_method, list_methods
+from quantlab.solvers import InputStats, get_solver, list_solvers
 from quantlab.testing.models import tiny_bert, tiny_llama
 from quantlab.testing.similarity import sqnr
 
@@ -78,6 +80,31 @@ class MethodContract:
         nn.init.normal_(linear.weight, std=0.02)
         layer = module_class.from_linear(linear, config)
         assert sqnr(linear.weight.detach(), layer.dequantize_weight()) >= floor_db
+
+    def test_every_solver_produces_this_format(self, case):
+        """The solver axis is orthogonal to the format: each registered solver (plugins' too) fills
+        this method's storage, and its output error on inputs like its calibration is no worse than
+        the SQNR floor allows (GPTQ minimises output error, so it is judged on outputs)."""
+        config, floor_db = case
+        module_class = get_method(config.method).module_class
+        torch.manual_seed(0)
+        linear = nn.Linear(256, 48, bias=False)
+        nn.init.normal_(linear.weight, std=0.02)
+        inputs = torch.randn(1024, 256)
+        stats = InputStats(256)
+        stats.add(inputs[:512])
+        held_out = inputs[512:]
+        for name in list_solvers():
+            solver = get_solver(name)
+            layout = module_class.layout_for(256, 48, config)
+            if solver.unsupported(layout):
+                continue
+            solved = dataclasses.replace(config, solver=name)
+            layer = module_class.from_linear(linear, solved, stats=stats if solver.needs_calibration else None)
+            expected = module_class.storage_spec(256, 48, solved)
+            assert {n: (tuple(t.shape), t.dtype) for n, t in layer.stored_tensors().items()} == expected, name
+            reference = held_out @ linear.weight.detach().T
+            assert sqnr(reference, held_out @ layer.dequantize_weight().T) >= floor_db - 1.0, name
 
     def test_codes_are_not_float_and_not_weight_shaped(self, case):
         config, _ = case
