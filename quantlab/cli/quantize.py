@@ -84,7 +84,9 @@ class QuantizeReport:
     def as_table(self) -> str:
         ratio = self.size_after_bytes / self.size_before_bytes if self.size_before_bytes else float("nan")
         sizes = f"{disk_size(self.size_before_bytes)} -> {disk_size(self.size_after_bytes)} ({ratio:.2f}x)"
-        options = ", ".join(f"{k}={v!r}" for k, v in self.config.items() if k not in ("quant_method", "format_version"))
+        options = ", ".join(
+            _option_text(k, v) for k, v in self.config.items() if k not in ("quant_method", "format_version")
+        )
         kept = f"{len(self.layers_kept)} kept in float" + (f" ({_first(self.layers_kept)})" if self.layers_kept else "")
         times = f"{seconds(self.load_and_quantize_seconds)} load + quantize, {seconds(self.save_seconds)} save"
         if self.evaluate_seconds is not None:
@@ -113,6 +115,13 @@ class QuantizeReport:
 def _memory(peak: int, before: int) -> str:
     """Peak resident memory through load, quantize and save; mapped pages of the input file are resident too."""
     return f"{mebibytes(peak)} peak resident ({mebibytes(before)} before loading; includes the memory-mapped input)"
+
+
+def _option_text(name: str, value: Any) -> str:
+    """One option for the report; per-layer choices are summarised (`quantlab inspect` lists them)."""
+    if name == "layer_options" and value:
+        return f"layer_options=<{len(value)} layers differ: quantlab inspect lists them>"
+    return f"{name}={value!r}"
 
 
 def _first(names: list[str], shown: int = 3) -> str:
