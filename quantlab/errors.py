@@ -22,3 +22,7 @@ class UnknownMethodError(QuantlabError, KeyError):
 
 class QuantizationError(QuantlabError, ValueError):
     """A layer cannot be quantized as asked (NaN weights, shapes that do not fit)."""
+
+
+class CheckpointError(QuantlabError, ValueError):
+    """A quantized checkpoint does not hold what its config says: a tensor missing, misshapen or not finite."""

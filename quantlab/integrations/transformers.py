@@ -108,13 +108,30 @@ class QuantlabHfQuantizer(HfQuantizer):
         replace_linear_layers(
             model, self.quantization_config, self.module_class, lambda name: should_convert_module(name, skip), False
         )
+        if self.pre_quantized:
+            self._verify_files(model)
 
     def _process_model_after_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         if self.errors:
             raise self.errors[0]
+        if self.pre_quantized:
+            from quantlab.nn.verify import verify_loaded_layer
+
+            for name, layer in _quantized_layers(model).items():
+                verify_loaded_layer(name, layer)
         if self.calibrates_after_loading:
             self._calibrate(model)
         return model
+
+    def _verify_files(self, model: torch.nn.Module) -> None:
+        """A damaged or edited checkpoint stops before loading, with one line naming the tensor (nn/verify.py)."""
+        from pathlib import Path
+
+        from quantlab.nn.verify import verify_checkpoint_files
+
+        directory = Path(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
+        if str(directory) and directory.is_dir():
+            verify_checkpoint_files(directory, _quantized_layers(model))
 
     def _calibrate(self, model: torch.nn.Module) -> None:
         from quantlab.convert import calibrate, data_free_config, replace_linear_layers, should_convert_module
@@ -184,3 +201,7 @@ def _tokenizer_of(model: torch.nn.Module) -> Any:
             f"calibrating needs the model's tokenizer, and none loads from {path!r} ({error}); save the tokenizer "
             f"beside the checkpoint, or load in float and call quantlab.quantize(model, config, calibration=ids)"
         ) from error
+
+
+def _quantized_layers(model: torch.nn.Module) -> dict[str, QuantizedLinear]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
