@@ -148,7 +148,12 @@ class QuantlabConfig(QuantizationConfigMixin):
         if quant_method not in (None, transformers_name(cls.method)):
             raise ConfigError(f"{cls.__name__} cannot read a config of method {quant_method!r}")
         version = options.pop("format_version", FORMAT_VERSION)
-        if int(version) > FORMAT_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ConfigError(
+                f"format_version={version!r} in the quantization config is not a whole number: config.json is "
+                f"damaged; restore it, or quantize the float model again"
+            )
+        if version > FORMAT_VERSION:
             raise ConfigError(
                 f"this checkpoint was written with quantlab format version {version}, but the installed "
                 f"quantlab reads versions up to {FORMAT_VERSION}: upgrade quantlab (pip install -U quantlab)"

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import quantlab
-from quantlab.errors import CheckpointError
+from quantlab.errors import CheckpointError, ConfigError
 from quantlab.testing.models import tiny_llama
 from quantlab.testing.tokenizer import byte_tokenizer
 
@@ -77,6 +77,7 @@ CASES = [
     ("nf4", "double_quant flipped", _edit_config("double_quant", False), "weight_absmax is missing"),
     ("nf4", "NaN absmax scale", _edit_tensors(_set(f"{LAYER}.weight_absmax_scale", float("nan"))), "NaN/Inf"),
     ("int8", "group size edited", _edit_config("group_size", 32), "layout needs"),
+    ("int8", "format_version not a number", _edit_config("format_version", "one"), "format_version='one'"),
 ]
 CONFIGS = {
     "custom_bits": lambda: quantlab.CustomBitsConfig(bits=4, group_size=64),
@@ -100,7 +101,7 @@ def test_damaged_checkpoint_is_refused(method, edit, message, tmp_path):
     directory = _checkpoint(method, tmp_path / "checkpoint")
     AutoModelForCausalLM.from_pretrained(directory)  # intact: loads
     edit(directory)
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises((CheckpointError, ConfigError), match=message):
         AutoModelForCausalLM.from_pretrained(directory)
 
 
