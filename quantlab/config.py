@@ -7,6 +7,7 @@ checkpoint written by a newer, incompatible quantlab is refused with a clear mes
 """
 
 import dataclasses
+import typing
 from typing import Any, ClassVar
 
 import torch
@@ -68,10 +69,23 @@ class QuantlabConfig(QuantizationConfigMixin):
 
     def __post_init__(self) -> None:
         self.quant_method = transformers_name(self.method)
+        if isinstance(self.modules_to_not_convert, str):
+            self.modules_to_not_convert = [self.modules_to_not_convert]  # one name, not its characters
         if self.modules_to_not_convert is not None and not isinstance(self.modules_to_not_convert, list):
             self.modules_to_not_convert = list(self.modules_to_not_convert)
+        if self.modules_to_not_convert is not None and not all(isinstance(n, str) for n in self.modules_to_not_convert):
+            raise ConfigError(f"{self.method}: modules_to_not_convert must be a list of module names")
+        self._check_switches()
         self._validate_shared()
         self.validate()
+
+    def _check_switches(self) -> None:
+        """Every `bool` option must be a real boolean: "yes" or 1 in a config.json is a mistake, not true."""
+        hints = typing.get_type_hints(type(self))
+        for name in self.option_names():
+            value = getattr(self, name)
+            if hints.get(name) is bool and not isinstance(value, bool):
+                raise ConfigError(f"{self.method}: {name}={value!r} is not valid; use true or false")
 
     def _validate_shared(self) -> None:
         from quantlab.solvers import get_solver

@@ -123,3 +123,13 @@ def test_cli_says_one_line_and_exits_2(tmp_path):
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and f"{LAYER}.weight_scale is missing" in errors[0]
+
+
+def test_a_single_module_name_is_one_name():
+    assert quantlab.NF4Config(modules_to_not_convert="lm_head").modules_to_not_convert == ["lm_head"]
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_switches_must_be_booleans(value):
+    with pytest.raises(ConfigError, match="double_quant=.* use true or false"):
+        quantlab.NF4Config(double_quant=value)
