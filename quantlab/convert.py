@@ -50,10 +50,7 @@ def quantize(
         converted = calibrate(model, config, method.module_class, selected, calibration, tokenizer, progress)
     converted += replace_linear_layers(model, data_free_config(config), method.module_class, selected, quantize=True)
     if not converted:
-        raise QuantizationError(
-            f"{type(model).__name__} has no nn.Linear layer left to quantize with {config.method!r}; "
-            f"check modules_to_not_convert"
-        )
+        raise_nothing_to_quantize(model, config)
     _attach_hf_quantizer(model, config, method.quantizer_class)
     return model
 
@@ -102,6 +99,19 @@ def data_free_config(config: QuantlabConfig) -> QuantlabConfig:
     solver = "mse" if get_solver(config.solver).needs_calibration else config.solver
     options = config.solver_options if solver == config.solver else None
     return dataclasses.replace(config, solver=solver, solver_options=options, awq=False, target_bits=None)
+
+
+def raise_nothing_to_quantize(model: nn.Module, config: QuantlabConfig) -> None:
+    """A model with no layer to quantize is an error, never a float model passed off as quantized."""
+    kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ == "Conv1D"})
+    why = (
+        f"its projections are {kinds[0]} layers (GPT-2 style), which quantlab does not quantize yet"
+        if kinds
+        else "check modules_to_not_convert"
+    )
+    raise QuantizationError(
+        f"{type(model).__name__} has no nn.Linear layer left to quantize with {config.method!r}: {why}"
+    )
 
 
 def dequantize(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:

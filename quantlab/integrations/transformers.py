@@ -97,7 +97,7 @@ class QuantlabHfQuantizer(HfQuantizer):
         return not self.pre_quantized and self.quantization_config.needs_calibration
 
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> None:
-        from quantlab.convert import replace_linear_layers, should_convert_module
+        from quantlab.convert import raise_nothing_to_quantize, replace_linear_layers, should_convert_module
 
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, self.quantization_config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
@@ -105,9 +105,11 @@ class QuantlabHfQuantizer(HfQuantizer):
         if self.calibrates_after_loading:
             return
         skip = self.modules_to_not_convert
-        replace_linear_layers(
+        converted = replace_linear_layers(
             model, self.quantization_config, self.module_class, lambda name: should_convert_module(name, skip), False
         )
+        if not converted:
+            raise_nothing_to_quantize(model, self.quantization_config)
         if self.pre_quantized:
             self._verify_files(model)
 
@@ -134,13 +136,21 @@ class QuantlabHfQuantizer(HfQuantizer):
             verify_checkpoint_files(directory, _quantized_layers(model))
 
     def _calibrate(self, model: torch.nn.Module) -> None:
-        from quantlab.convert import calibrate, data_free_config, replace_linear_layers, should_convert_module
+        from quantlab.convert import (
+            calibrate,
+            data_free_config,
+            raise_nothing_to_quantize,
+            replace_linear_layers,
+            should_convert_module,
+        )
 
         config = self.quantization_config
         skip = self.modules_to_not_convert
         selected = lambda name: should_convert_module(name, skip)  # noqa: E731
-        calibrate(model, config, self.module_class, selected, None, _tokenizer_of(model))
-        replace_linear_layers(model, data_free_config(config), self.module_class, selected, quantize=True)
+        converted = calibrate(model, config, self.module_class, selected, None, _tokenizer_of(model))
+        converted += replace_linear_layers(model, data_free_config(config), self.module_class, selected, quantize=True)
+        if not converted:
+            raise_nothing_to_quantize(model, config)
 
     def _dequantize(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
         from quantlab.convert import dequantize_layers

@@ -131,5 +131,17 @@ def test_a_single_module_name_is_one_name():
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_switches_must_be_booleans(value):
-    with pytest.raises(ConfigError, match="double_quant=.* use true or false"):
+    with pytest.raises(ConfigError, match=r"double_quant=.* use true or false"):
         quantlab.NF4Config(double_quant=value)
+
+
+def test_a_gpt2_model_is_refused_not_left_in_float(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from quantlab.errors import QuantizationError
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(tmp_path)
+    with pytest.raises(QuantizationError, match="Conv1D layers"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantlab.NF4Config())
+    with pytest.raises(QuantizationError, match="Conv1D layers"):
+        quantlab.quantize(AutoModelForCausalLM.from_pretrained(tmp_path), quantlab.NF4Config())
