@@ -17,6 +17,7 @@ from quantlab.errors import ConfigError
 
 FORMAT_VERSION = 1
 TRANSFORMERS_PREFIX = "quantlab_"
+DEFAULT_SOLVER = "rtn"
 SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -45,7 +46,8 @@ class QuantlabConfig(QuantizationConfigMixin):
     quant_method: str = dataclasses.field(default="", init=False, repr=False)
     modules_to_not_convert: list[str] | None = None
     solver: str = dataclasses.field(
-        default="rtn", metadata={"help": "how codes are chosen: rtn, mse (data-free), gptq (calibrated), plugins"}
+        default=DEFAULT_SOLVER,
+        metadata={"help": "how codes are chosen: rtn, mse (data-free), gptq (calibrated), plugins"},
     )
     solver_options: dict[str, Any] | None = dataclasses.field(
         default=None, metadata={"help": 'the solver\'s options as JSON, e.g. {"damp": 0.01, "act_order": true}'}
@@ -92,7 +94,8 @@ class QuantlabConfig(QuantizationConfigMixin):
 
         if not isinstance(self.solver, str):
             raise ConfigError(f"{self.method}: solver={self.solver!r} is not valid; use a solver name such as 'gptq'")
-        get_solver(self.solver)
+        if self.solver != DEFAULT_SOLVER:  # the default needs no look-up (and no plugin scan at import)
+            get_solver(self.solver)
         if self.solver_options is not None and not isinstance(self.solver_options, dict):
             raise ConfigError(f"{self.method}: solver_options={self.solver_options!r} is not valid; use a JSON object")
         if not isinstance(self.awq, bool):
@@ -144,7 +147,9 @@ class QuantlabConfig(QuantizationConfigMixin):
         (whose allocation weighs each layer's error by its calibration inputs)."""
         from quantlab.solvers import get_solver
 
-        return self.awq or self.target_bits is not None or get_solver(self.solver).needs_calibration
+        if self.awq or self.target_bits is not None:
+            return True
+        return self.solver != DEFAULT_SOLVER and get_solver(self.solver).needs_calibration
 
     def validate(self) -> None:
         """Raise `ConfigError` for invalid values; subclasses extend it."""
