@@ -2,8 +2,11 @@
 
 The exported graph holds a placeholder node per quantized layer (see `placeholder.py`); a
 lowering replaces it by onnxruntime operators fed with the layer's own codes and scales.
-Lowerings are looked up by layer class in a table, so a plugin method adds its own with
-`register_onnx_lowering(MyLinear)`; a layer without one is refused, naming it.
+A layer is lowered by the lowering of its storage layout's codec (`builtin_lowerings.py`), which
+reads bits, group size, zero points and levels from `layer.layout`: a plugin layer that declares
+a built-in codec's layout exports with nothing registered. A plugin may still override that for
+its classes with `register_onnx_lowering(MyLinear)` (looked up first, along the class's MRO); a
+layer with neither is refused, naming it.
 
 Three kinds of nodes are available to a lowering:
 
@@ -24,20 +27,33 @@ import torch
 from quantlab.export.errors import ExportError
 from quantlab.export.layouts import Bnb4Weight, NBitsWeight
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.layouts import declared_layout
 
 MS_DOMAIN = "com.microsoft"
 NF4_QUANT_TYPE = 1
 ZERO_CORRECTED_BITS = (4,)  # widths whose float zero points are moved out of MatMulNBits
 
 Lowering = Callable[["LayerLowering", QuantizedLinear], ir.Value]
-_LOWERINGS: dict[type, Lowering] = {}
+_LOWERINGS: dict[type, Lowering] = {}  # overrides by layer class
+_CODEC_LOWERINGS: dict[str, Lowering] = {}
 
 
 def register_onnx_lowering(module_class: type) -> Callable[[Lowering], Lowering]:
-    """Decorator: `fn(ctx, module) -> ir.Value` lowers layers of `module_class` (and subclasses)."""
+    """Decorator: `fn(ctx, module) -> ir.Value` lowers layers of `module_class` (and subclasses),
+    in place of the lowering of their layout's codec."""
 
     def decorator(fn: Lowering) -> Lowering:
         _LOWERINGS[module_class] = fn
+        return fn
+
+    return decorator
+
+
+def register_codec_lowering(codec: str) -> Callable[[Lowering], Lowering]:
+    """Decorator: `fn(ctx, module) -> ir.Value` lowers every layer whose layout has this codec."""
+
+    def decorator(fn: Lowering) -> Lowering:
+        _CODEC_LOWERINGS[codec] = fn
         return fn
 
     return decorator
@@ -47,9 +63,13 @@ def lowering_for(name: str, module: QuantizedLinear) -> Lowering:
     for cls in type(module).__mro__:
         if cls in _LOWERINGS:
             return _LOWERINGS[cls]
+    layout = declared_layout(module)
+    if layout is not None and layout.codec in _CODEC_LOWERINGS:
+        return _CODEC_LOWERINGS[layout.codec]
     raise ExportError(
-        f"{name}: no ONNX lowering for quantized layer type {type(module).__name__}; register one with "
-        f"quantlab.export.register_onnx_lowering({type(module).__name__}), or dequantize this layer before export"
+        f"{name}: no ONNX lowering for quantized layer type {type(module).__name__} (it declares no storage layout "
+        f"of a built-in codec); register one with quantlab.export.register_onnx_lowering({type(module).__name__}), "
+        f"or dequantize this layer before export"
     )
 
 

@@ -59,7 +59,8 @@ def test_custom_bits_layout_dequantizes_to_the_same_weight(bits, symmetric, in_f
     config = quantlab.CustomBitsConfig(bits=bits, group_size=group_size, symmetric=symmetric, scale_dtype="float32")
     layer = CustomBitsLinear.from_linear(_linear(in_features), config)
     zero = getattr(layer, "weight_zero", None)
-    weight = layouts.matmul_nbits_weight(layer.codes(), layer.weight_scale, zero, bits, in_features)
+    codes, _ = layer.codes_and_params()
+    weight = layouts.matmul_nbits_weight(codes, layer.weight_scale, zero, bits, in_features)
     assert torch.equal(_matmul_nbits_weight(weight), layer.dequantize_weight())
 
 
@@ -76,7 +77,8 @@ def test_nf4_layout_dequantizes_to_the_same_weight(in_features, blocksize, block
     layer = NF4Linear.from_linear(
         _linear(in_features), quantlab.NF4Config(blocksize=blocksize, double_quant=double_quant)
     )
-    weight = layouts.matmul_bnb4_weight(layer.codes(), layer.absmax(), in_features)
+    codes, params = layer.codes_and_params()
+    weight = layouts.matmul_bnb4_weight(codes, params.scale, in_features)
     assert weight.block_size == block
     assert torch.equal(_matmul_bnb4_weight(weight), layer.dequantize_weight())
 
@@ -90,7 +92,8 @@ def test_nf4_layout_is_bitsandbytes_own_packing() -> None:
     linear = _linear(128, 16)
     packed, state = functional.quantize_4bit(linear.weight.data, blocksize=64, quant_type="nf4")
     layer = NF4Linear.from_linear(linear, quantlab.NF4Config(blocksize=64, double_quant=False))
-    weight = layouts.matmul_bnb4_weight(layer.codes(), layer.absmax(), 128)
+    codes, params = layer.codes_and_params()
+    weight = layouts.matmul_bnb4_weight(codes, params.scale, 128)
     assert torch.equal(weight.packed, packed.reshape(-1))
     assert torch.equal(weight.absmax, state.absmax.float())
 
