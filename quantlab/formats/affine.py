@@ -32,14 +32,9 @@ def quantize(
 ) -> AffineWeight:
     """Round-to-nearest quantization of a `[out, in]` matrix, scales stored in `scale_dtype`.
 
-    Runs as one native pass per row when quantlab's CPU kernels are available (bit-identical,
-    tests/kernels/test_quantize_ops.py); the torch code below is the definition and the fallback.
+    The definition; `quantlab.kernels.quantize.affine_quantize` runs a bit-identical native op
+    when one is registered for the weight's device.
     """
-    from quantlab.kernels.cpu.quantize import affine_quantize
-
-    native = affine_quantize(weight, bits, group_size, symmetric, scale_dtype)
-    if native is not None:
-        return AffineWeight(*native)
     grouped = grouping.group(weight.float(), group_size)
     if symmetric:
         return _quantize_symmetric(grouped, bits, scale_dtype)

@@ -8,6 +8,7 @@ rest is quantized in blocks of 256 with bitsandbytes' signed dynamic 8-bit map, 
 keeping one float32 scale. That costs 8/64 + 32/(64*256) bits per weight at blocksize 64.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -34,6 +35,7 @@ NF4_LEVELS = (
     1.0,
 )
 ABSMAX_BLOCKSIZE = 256
+Bucketize = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -45,6 +47,11 @@ class NF4Weight:
     absmax_codes: torch.Tensor | None = None
     absmax_scale: torch.Tensor | None = None
     absmax_offset: torch.Tensor | None = None
+
+
+def bucketize(values: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
+    """Bucket index (int32) of each value among sorted `boundaries`; ties go to the lower bucket."""
+    return torch.bucketize(values, boundaries, out_int32=True)
 
 
 def levels(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -68,38 +75,48 @@ def dynamic_map() -> tuple[float, ...]:
 
 
 def quantize(
-    weight: torch.Tensor, blocksize: int, double_quant: bool, absmax_blocksize: int = ABSMAX_BLOCKSIZE
+    weight: torch.Tensor,
+    blocksize: int,
+    double_quant: bool,
+    absmax_blocksize: int = ABSMAX_BLOCKSIZE,
+    bucketize: Bucketize = bucketize,
 ) -> NF4Weight:
     """NF4 codes of a `[out, in]` matrix in blocks of `blocksize` along each row.
 
-    The codes and absmax come from one native pass per row when quantlab's CPU kernels are
-    available (bit-identical, tests/kernels/test_quantize_ops.py); the torch code is the
-    definition and the fallback.
+    The definition; `quantlab.kernels.quantize.nf4_quantize` runs a bit-identical native op
+    when one is registered for the weight's device (and passes its native `bucketize`).
     """
-    from quantlab.kernels.cpu.quantize import nf4_quantize
+    blocks = grouping.group(weight.float(), blocksize)
+    absmax = blocks.abs().amax(dim=-1)
+    scaled = (blocks / absmax.clamp(min=1e-38).unsqueeze(-1)).clamp_(-1, 1)
+    codes = bucketize(scaled, midpoints(levels(weight.device))).to(torch.uint8)
+    return with_absmax(codes, absmax, double_quant, absmax_blocksize, bucketize)
 
-    native = nf4_quantize(weight, blocksize, _midpoints(levels(weight.device)))
-    if native is not None:
-        codes, absmax = native
-    else:
-        blocks = grouping.group(weight.float(), blocksize)
-        absmax = blocks.abs().amax(dim=-1)
-        scaled = (blocks / absmax.clamp(min=1e-38).unsqueeze(-1)).clamp_(-1, 1)
-        codes = _nearest(scaled, levels(weight.device)).to(torch.uint8)
+
+def with_absmax(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    double_quant: bool,
+    absmax_blocksize: int = ABSMAX_BLOCKSIZE,
+    bucketize: Bucketize = bucketize,
+) -> NF4Weight:
+    """The NF4 weight of `codes` chosen against `absmax`: the absmax as is, or in 8 bits (double quant)."""
     if not double_quant:
         return NF4Weight(codes=codes, absmax=absmax)
-    absmax_codes, absmax_scale, offset = quantize_absmax(absmax, absmax_blocksize)
+    absmax_codes, absmax_scale, offset = quantize_absmax(absmax, absmax_blocksize, bucketize)
     return NF4Weight(codes=codes, absmax_codes=absmax_codes, absmax_scale=absmax_scale, absmax_offset=offset)
 
 
-def quantize_absmax(absmax: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_absmax(
+    absmax: torch.Tensor, blocksize: int, bucketize: Bucketize = bucketize
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Second level: `absmax - mean` in blocks of `blocksize` with the dynamic 8-bit map."""
     offset = absmax.mean().reshape(1)
     centred = _blocks(absmax - offset, blocksize)
     scale = centred.abs().amax(dim=-1)
     scaled = (centred / scale.clamp(min=1e-38).unsqueeze(-1)).clamp_(-1, 1)
     code_map = torch.tensor(dynamic_map(), dtype=torch.float32, device=absmax.device)
-    codes = _nearest(scaled, code_map).to(torch.uint8)
+    codes = bucketize(scaled, midpoints(code_map)).to(torch.uint8)
     return codes.reshape(-1)[: absmax.numel()].reshape(absmax.shape), scale, offset
 
 
@@ -115,16 +132,9 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, in_features: int, dtyp
     return grouping.ungroup(values, in_features).to(dtype)
 
 
-def _midpoints(sorted_levels: torch.Tensor) -> torch.Tensor:
+def midpoints(sorted_levels: torch.Tensor) -> torch.Tensor:
+    """Boundaries between neighbouring levels: a value's nearest level is its bucket among these."""
     return (sorted_levels[:-1] + sorted_levels[1:]) / 2
-
-
-def _nearest(scaled: torch.Tensor, sorted_levels: torch.Tensor) -> torch.Tensor:
-    from quantlab.kernels.cpu.quantize import bucketize
-
-    midpoints = _midpoints(sorted_levels)
-    native = bucketize(scaled, midpoints)
-    return native if native is not None else torch.bucketize(scaled, midpoints, out_int32=True)
 
 
 def _blocks(values: torch.Tensor, blocksize: int) -> torch.Tensor:

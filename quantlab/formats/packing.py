@@ -21,15 +21,10 @@ def packed_size(num_codes: int, bits: int) -> int:
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned codes (`0 <= code < 2**bits`) along the last dimension into uint8.
 
-    Native when quantlab's CPU kernels are available (bit-identical); the torch code is the
-    definition and the fallback.
+    The definition; `quantlab.kernels.quantize.pack` runs a bit-identical native op when one
+    is registered for the codes' device.
     """
     _check_bits(bits)
-    from quantlab.kernels.cpu.quantize import pack as native_pack
-
-    native = native_pack(codes, bits)
-    if native is not None:
-        return native
     *lead, length = codes.shape
     padded = -(-length // 8) * 8
     chunks = codes.to(torch.int64)

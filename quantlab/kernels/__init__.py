@@ -1,12 +1,20 @@
-"""The kernel table: which function computes a quantized Linear, by (storage format, device).
+"""The kernel tables: which function computes a quantized Linear, and which computes a quantize step.
 
-Every format runs on the reference kernel (dequantize, then matmul), registered for the
-wildcard `("*", "*")`. A faster kernel registers for its exact key and is tested against the
-reference. Lookup order: `(format, device)`, `(format, "*")`, `("*", device)`, `("*", "*")`.
+Matmul kernels are keyed by (storage format, device); a layer's format is the codec of its
+storage layout (`quantlab.formats.layout`), so a plugin layer that declares a built-in codec
+runs on that codec's kernels. Every format runs on the reference kernel (dequantize, then
+matmul), registered for the wildcard `("*", "*")`. A faster kernel registers for its exact key
+and is tested against the reference. Lookup order: `(format, device)`, `(format, "*")`,
+`("*", device)`, `("*", "*")`.
+
+Quantize ops (`affine_quantize`, `nf4_quantize`, `pack`, ...) are keyed by (name, device). Each
+computes exactly what the pure-torch definition in `quantlab.formats` computes, or returns None
+when it cannot (library unavailable, unsupported input); `quantlab.kernels.quantize` asks this
+table and falls back to the definition.
 """
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,5 +54,25 @@ def registered_kernels() -> dict[tuple[str, str], Kernel]:
     return dict(_KERNELS)
 
 
-# The reference registers the wildcard kernel; cpu registers the native kernels for ("<format>", "cpu").
+QuantizeOp = Callable[..., Any]
+_QUANTIZE_OPS: dict[tuple[str, str], QuantizeOp] = {}
+
+
+def register_quantize_op(name: str, device_type: str) -> Callable[[QuantizeOp], QuantizeOp]:
+    """Decorator: make `op` the fast path of the quantize step `name` for tensors on `device_type`."""
+
+    def decorator(op: QuantizeOp) -> QuantizeOp:
+        _QUANTIZE_OPS[(name, device_type)] = op
+        return op
+
+    return decorator
+
+
+def quantize_op(name: str, device_type: str) -> QuantizeOp | None:
+    """The registered fast path of `name` on `device_type`, or None (then use `quantlab.formats`)."""
+    return _QUANTIZE_OPS.get((name, device_type))
+
+
+# The reference registers the wildcard kernel; cpu registers the native kernels for ("<codec>", "cpu")
+# and the native quantize ops for ("<op>", "cpu").
 from quantlab.kernels import cpu, reference  # noqa: E402,F401

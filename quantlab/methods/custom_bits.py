@@ -11,8 +11,8 @@ import torch
 
 from quantlab.config import SCALE_DTYPES, QuantlabConfig, check_choice, check_group_size
 from quantlab.errors import ConfigError
-from quantlab.formats import affine, packing
 from quantlab.formats.layout import StorageLayout
+from quantlab.kernels import quantize as rounding
 from quantlab.nn import QuantizedLinear
 
 MIN_BITS, MAX_BITS = 2, 8
@@ -69,12 +69,8 @@ class CustomBitsLinear(QuantizedLinear):
     @classmethod
     def quantize_weight(cls, weight: torch.Tensor, config: CustomBitsConfig) -> dict[str, torch.Tensor]:
         scale_dtype = SCALE_DTYPES[config.scale_dtype]
-        quantized = affine.quantize(weight, config.bits, config.group_size, config.symmetric, scale_dtype)
-        stored = {"weight": packing.pack(quantized.codes, config.bits), "weight_scale": quantized.scale}
+        quantized = rounding.affine_quantize(weight, config.bits, config.group_size, config.symmetric, scale_dtype)
+        stored = {"weight": rounding.pack(quantized.codes, config.bits), "weight_scale": quantized.scale}
         if quantized.zero is not None:
             stored["weight_zero"] = quantized.zero
         return stored
-
-    def codes(self) -> torch.Tensor:
-        """Unpacked codes `[out, groups, group_size]`."""
-        return self.layout.codes(self.weight)

@@ -9,8 +9,8 @@ import dataclasses
 import torch
 
 from quantlab.config import SCALE_DTYPES, QuantlabConfig, check_choice, check_group_size
-from quantlab.formats import affine
-from quantlab.formats.layout import INT8_OFFSET, StorageLayout
+from quantlab.formats.layout import StorageLayout
+from quantlab.kernels import quantize as rounding
 from quantlab.nn import QuantizedLinear
 
 
@@ -43,6 +43,5 @@ class Int8Linear(QuantizedLinear):
 
     @classmethod
     def quantize_weight(cls, weight: torch.Tensor, config: Int8SymmetricConfig) -> dict[str, torch.Tensor]:
-        quantized = affine.quantize(weight, 8, config.group_size, True, SCALE_DTYPES[config.scale_dtype])
-        codes = (quantized.codes.to(torch.int16) - INT8_OFFSET).to(torch.int8)
-        return {"weight": codes, "weight_scale": quantized.scale}
+        quantized = rounding.affine_quantize(weight, 8, config.group_size, True, SCALE_DTYPES[config.scale_dtype])
+        return {"weight": rounding.offset_to_signed(quantized.codes), "weight_scale": quantized.scale}

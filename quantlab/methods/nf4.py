@@ -9,8 +9,8 @@ import dataclasses
 import torch
 
 from quantlab.config import QuantlabConfig, check_group_size
-from quantlab.formats import nf4, packing
 from quantlab.formats.layout import StorageLayout
+from quantlab.kernels import quantize as rounding
 from quantlab.nn import QuantizedLinear
 
 _BITS = 4
@@ -44,8 +44,8 @@ class NF4Linear(QuantizedLinear):
 
     @classmethod
     def quantize_weight(cls, weight: torch.Tensor, config: NF4Config) -> dict[str, torch.Tensor]:
-        quantized = nf4.quantize(weight, config.blocksize, config.double_quant)
-        stored = {"weight": packing.pack(quantized.codes, _BITS)}
+        quantized = rounding.nf4_quantize(weight, config.blocksize, config.double_quant)
+        stored = {"weight": rounding.pack(quantized.codes, _BITS)}
         if config.double_quant:
             stored["weight_absmax_codes"] = quantized.absmax_codes
             stored["weight_absmax_scale"] = quantized.absmax_scale
@@ -53,11 +53,3 @@ class NF4Linear(QuantizedLinear):
         else:
             stored["weight_absmax"] = quantized.absmax
         return stored
-
-    def codes(self) -> torch.Tensor:
-        """Unpacked 4-bit codes `[out, blocks, blocksize]` (indices into `nf4.NF4_LEVELS`)."""
-        return self.layout.codes(self.weight)
-
-    def absmax(self) -> torch.Tensor:
-        """Per-block absmax `[out, blocks]` in float32, expanded from 8 bits under double quantization."""
-        return self.layout.params(self.stored_tensors()).scale

@@ -1,9 +1,15 @@
-"""Native quantize ops against the torch implementations in quantlab.formats, bit for bit."""
+"""Native quantize ops against the torch implementations in quantlab.formats, bit for bit.
+
+`quantlab.formats` is pure torch (the definition); `quantlab.kernels.quantize` runs the op the
+quantize-op table holds for the tensor's device and falls back to it.
+"""
 
 import pytest
 import torch
 
 from quantlab.formats import affine, nf4, packing
+from quantlab.kernels import quantize as rounding
+from quantlab.kernels import quantize_op
 from quantlab.kernels.cpu import quantize as native_quantize
 
 SCALE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -51,6 +57,14 @@ def test_affine_quantize_matches_torch(monkeypatch, isa, bits, symmetric):
                 assert_bits_equal(zero, expected.zero, zero_sign_may_differ=True)
 
 
+def assert_same_nf4(expected, actual) -> None:
+    for name in ("codes", "absmax", "absmax_codes", "absmax_scale", "absmax_offset"):
+        if getattr(expected, name) is None:
+            assert getattr(actual, name) is None
+        else:
+            assert_bits_equal(getattr(actual, name), getattr(expected, name))
+
+
 @pytest.mark.parametrize("blocksize", [16, 64, 128, 4096])
 def test_nf4_codes_match_torch(monkeypatch, isa, blocksize):
     for seed, shape in enumerate([(16, 256), (9, 200), (7, 577)]):
@@ -58,13 +72,9 @@ def test_nf4_codes_match_torch(monkeypatch, isa, blocksize):
         levels = nf4.levels()
         w[6, : len(levels) - 1] = (levels[:-1] + levels[1:]) / 2 * w[6].abs().max()  # exactly on midpoints
         for double_quant in (False, True):
-            expected = torch_path(monkeypatch, nf4.quantize, w, blocksize, double_quant)
-            actual = nf4.quantize(w, blocksize, double_quant)
-            for name in ("codes", "absmax", "absmax_codes", "absmax_scale", "absmax_offset"):
-                if getattr(expected, name) is None:
-                    assert getattr(actual, name) is None
-                else:
-                    assert_bits_equal(getattr(actual, name), getattr(expected, name))
+            expected = torch_path(monkeypatch, rounding.nf4_quantize, w, blocksize, double_quant)
+            assert_same_nf4(expected, nf4.quantize(w, blocksize, double_quant))
+            assert_same_nf4(expected, rounding.nf4_quantize(w, blocksize, double_quant))
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
@@ -72,14 +82,45 @@ def test_pack_matches_torch(monkeypatch, library, bits):
     for shape in [(3, 64), (2, 5, 24), (4, 13), (1, 1)]:
         codes = torch.randint(0, 1 << bits, shape, dtype=torch.uint8)
         assert_bits_equal(native_quantize.pack(codes, bits), torch_path(monkeypatch, packing.pack, codes, bits))
+        assert_bits_equal(rounding.pack(codes, bits), packing.pack(codes, bits))
 
 
 def test_formats_dispatch_to_native_and_fall_back(monkeypatch, library):
-    """With the library, the formats functions give the native result; without, the torch one."""
+    """With the library, the dispatching functions give the native result; without, the torch one."""
     w = weights(16, 256, 0)
-    native = affine.quantize(w, 4, 64, False, torch.float16)
-    reference = torch_path(monkeypatch, affine.quantize, w, 4, 64, False, torch.float16)
+    native = rounding.affine_quantize(w, 4, 64, False, torch.float16)
+    reference = torch_path(monkeypatch, rounding.affine_quantize, w, 4, 64, False, torch.float16)
     assert torch.equal(native.codes, reference.codes) and torch.equal(native.scale, reference.scale)
+    definition = affine.quantize(w, 4, 64, False, torch.float16)  # quantlab.formats never goes native
+    assert torch.equal(definition.codes, reference.codes) and torch.equal(definition.scale, reference.scale)
+
+
+def test_native_ops_are_registered_for_cpu_only():
+    for name in ("affine_quantize", "nf4_quantize", "pack", "bucketize", "count_nonfinite", "offset_to_signed"):
+        assert quantize_op(name, "cpu") is getattr(native_quantize, name)
+        assert quantize_op(name, "meta") is None
+
+
+def test_formats_do_not_import_the_kernels():
+    """`quantlab.formats` is pure torch: the kernels import it, never the other way round."""
+    import ast
+    from pathlib import Path
+
+    import quantlab.formats
+
+    for source in Path(quantlab.formats.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom | ast.Import):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(name.startswith("quantlab.kernels") for name in names), source.name
+
+
+def test_dispatch_without_a_registered_op_runs_the_definition():
+    """A device with no quantize ops (here: meta) takes the torch code, shapes and dtypes as native."""
+    w = torch.randn(8, 64, device="meta")
+    quantized = rounding.affine_quantize(w, 3, 32, True, torch.float16)
+    assert quantized.codes.shape == (8, 2, 32) and quantized.scale.dtype == torch.float16
+    assert rounding.pack(quantized.codes, 3).shape == (8, 2, 12)
 
 
 def test_count_nonfinite(library):

@@ -2,13 +2,15 @@
 
 Each function returns exactly what the torch implementation in `quantlab.formats` returns
 (bit-identical codes and scales; see `csrc/quantize.c`), or None when the native library is
-unavailable or the input is not a CPU tensor, and the caller then runs the torch code. The
+unavailable or the input is not a CPU tensor, and the caller then runs the torch code
+(`quantlab.kernels.quantize`). They are registered in the quantize-op table for "cpu". The
 torch version costs 5-30 ns per weight and many small multi-threaded ops, each of which can
 stall on a busy machine; this costs about 1-2 ns per weight in one call per layer.
 """
 
 import torch
 
+from quantlab.kernels import register_quantize_op
 from quantlab.kernels.cpu import native
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -21,6 +23,7 @@ def _rows(weight: torch.Tensor) -> torch.Tensor | None:
     return weight if weight.stride(1) == 1 else weight.contiguous()
 
 
+@register_quantize_op("affine_quantize", "cpu")
 def affine_quantize(
     weight: torch.Tensor, bits: int, group_size: int | None, symmetric: bool, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
@@ -43,6 +46,7 @@ def affine_quantize(
     return (codes, scale, zero) if status == 0 else None
 
 
+@register_quantize_op("nf4_quantize", "cpu")
 def nf4_quantize(
     weight: torch.Tensor, blocksize: int, midpoints: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -63,6 +67,7 @@ def nf4_quantize(
     return (codes, absmax) if status == 0 else None
 
 
+@register_quantize_op("pack", "cpu")
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor | None:
     """Packed bytes, as `formats.packing.pack`."""
     lib = native.library()
@@ -77,6 +82,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor | None:
     return out
 
 
+@register_quantize_op("count_nonfinite", "cpu")
 def count_nonfinite(weight: torch.Tensor) -> int | None:
     """How many NaN/Inf values `weight` holds (one pass, no temporaries), or None without the library."""
     lib = native.library()
@@ -89,6 +95,7 @@ def count_nonfinite(weight: torch.Tensor) -> int | None:
     return int(lib.ql_count_nonfinite(values.data_ptr(), values.numel(), torch.get_num_threads()))
 
 
+@register_quantize_op("bucketize", "cpu")
 def bucketize(values: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor | None:
     """`torch.bucketize(values, boundaries, out_int32=True)` for sorted float32 boundaries."""
     lib = native.library()
@@ -100,6 +107,7 @@ def bucketize(values: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor | 
     return out
 
 
+@register_quantize_op("offset_to_signed", "cpu")
 def offset_to_signed(codes: torch.Tensor) -> torch.Tensor | None:
     """uint8 codes `q + 128` as int8 `q`, converted in place (one native pass), or None."""
     lib = native.library()
