@@ -50,10 +50,6 @@ class CustomBitsConfig(QuantlabConfig):
 class CustomBitsLinear(QuantizedLinear):
     config_class = CustomBitsConfig
 
-    @property
-    def format(self) -> str:
-        return f"uint{self.config.bits}" + ("_sym" if self.config.symmetric else "_asym")
-
     @classmethod
     def layout_for(cls, in_features: int, out_features: int, config: CustomBitsConfig) -> StorageLayout:
         return StorageLayout(

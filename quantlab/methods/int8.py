@@ -31,10 +31,6 @@ class Int8SymmetricConfig(QuantlabConfig):
 class Int8Linear(QuantizedLinear):
     config_class = Int8SymmetricConfig
 
-    @property
-    def format(self) -> str:
-        return "int8"
-
     @classmethod
     def layout_for(cls, in_features: int, out_features: int, config: Int8SymmetricConfig) -> StorageLayout:
         return StorageLayout(

@@ -32,10 +32,6 @@ class NF4Config(QuantlabConfig):
 class NF4Linear(QuantizedLinear):
     config_class = NF4Config
 
-    @property
-    def format(self) -> str:
-        return "nf4"
-
     @classmethod
     def layout_for(cls, in_features: int, out_features: int, config: NF4Config) -> StorageLayout:
         return StorageLayout(

@@ -56,8 +56,8 @@ class QuantizedLinear(nn.Module):
 
     @property
     def format(self) -> str:
-        """Storage format: the key (with the device) of this layer's kernels."""
-        raise NotImplementedError
+        """Storage format: the key (with the device) of this layer's kernels, its layout's codec."""
+        return self.layout.codec
 
     @classmethod
     def layout_for(cls, in_features: int, out_features: int, config: QuantlabConfig) -> StorageLayout:

@@ -91,10 +91,14 @@ def test_gradients_match_reference(config):
 
 
 def test_every_builtin_format_has_a_native_cpu_kernel():
-    formats = ["int8", "nf4"] + [f"uint{b}_{s}" for b in range(2, 9) for s in ("sym", "asym")]
-    for format in formats:
-        assert supported(format)
-        assert select_kernel(format, "cpu") is native_linear
+    configs = [Int8SymmetricConfig(), NF4Config(), NF4Config(double_quant=False)]
+    configs += [CustomBitsConfig(bits=b, symmetric=s) for b in range(2, 9) for s in (True, False)]
+    for config in configs:
+        layer = quantized(config, 64, 8)
+        assert layer.format == layer.layout.codec
+        assert supported(layer.format)
+        assert select_kernel(layer.format, "cpu") is native_linear
+    assert {quantized(config, 64, 8).format for config in configs} == {"int8", "nf4", "affine"}
     assert select_kernel("int8", "meta") is dequantize_matmul
     assert select_kernel("some_plugin_format", "cpu") is dequantize_matmul
 

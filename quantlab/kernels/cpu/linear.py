@@ -1,4 +1,4 @@
-"""Fast CPU kernels for quantized Linear layers, registered for every built-in storage format.
+"""Fast CPU kernels for quantized Linear layers, registered for every built-in storage codec.
 
 The native kernel decodes the codes in registers and multiplies as it goes, at any number
 of rows. At one row (decoding) the work is reading the weight, and 4-bit codes are 8x less
@@ -18,7 +18,7 @@ import torch
 
 from quantlab.kernels import register_kernel
 from quantlab.kernels.cpu import native
-from quantlab.kernels.cpu.weights import _DESCRIBERS, NativeWeight, native_weight
+from quantlab.kernels.cpu.weights import _DESCRIBERS, NativeWeight, describable, native_weight
 from quantlab.kernels.reference import dequantize_matmul
 
 
@@ -78,7 +78,7 @@ class _NativeLinear(torch.autograd.Function):
 def native_linear(module, x: torch.Tensor) -> torch.Tensor:
     """The layer's output through the native kernels, or the reference kernel if they are unavailable."""
     lib = native.library()
-    if lib is None or not x.is_cpu or not x.is_floating_point():
+    if lib is None or not x.is_cpu or not x.is_floating_point() or not describable(module.layout):
         return dequantize_matmul(module, x)
     weight = native_weight(module)
     needs_grad = torch.is_grad_enabled() and x.requires_grad
@@ -88,5 +88,5 @@ def native_linear(module, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-for _format in _DESCRIBERS:
-    register_kernel(_format, "cpu")(native_linear)
+for _codec in _DESCRIBERS:
+    register_kernel(_codec, "cpu")(native_linear)

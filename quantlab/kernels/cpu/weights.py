@@ -2,9 +2,12 @@
 
 The kernels read the checkpoint layout as is (codes `[out, groups, bytes]` and per-group
 scales), so nothing is repacked: a description is a C struct of pointers into the layer's
-own buffers. It is cached per layer in a weak dictionary (never on the module, so copying
-or pickling a model is unaffected) and rebuilt when any stored tensor is replaced, modified
-in place (its version counter moves), moved or cast.
+own buffers, filled from the layer's storage layout (`module.layout`: codec, bits, group
+size, which tensors hold scales and zero points, the levels), one describer per codec. Any
+layer that declares a built-in codec's layout is described the same way, whatever its class.
+A description is cached per layer in a weak dictionary (never on the module, so copying or
+pickling a model is unaffected) and rebuilt when any stored tensor is replaced, modified in
+place (its version counter moves), moved or cast.
 """
 
 import ctypes
@@ -13,7 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from quantlab.formats import grouping, nf4
+from quantlab.formats import nf4
+from quantlab.formats.layout import StorageLayout
 from quantlab.kernels.cpu.native import QuantlabCpuWeight
 
 AFFINE, INT8, NF4 = 0, 1, 2
@@ -41,22 +45,28 @@ class NativeWeight:
         return True
 
 
-Describer = Callable[[torch.nn.Module], NativeWeight]
+Describer = Callable[[torch.nn.Module, StorageLayout], NativeWeight]
 _DESCRIBERS: dict[str, Describer] = {}
 _cache: "weakref.WeakKeyDictionary[torch.nn.Module, NativeWeight]" = weakref.WeakKeyDictionary()
+MIN_BITS = 2  # narrower codes (a 1-bit affine layout) run on the reference kernel
 
 
-def describes(*formats: str) -> Callable[[Describer], Describer]:
+def describes(codec: str) -> Callable[[Describer], Describer]:
     def decorator(describer: Describer) -> Describer:
-        for format in formats:
-            _DESCRIBERS[format] = describer
+        _DESCRIBERS[codec] = describer
         return describer
 
     return decorator
 
 
 def supported(format: str) -> bool:
+    """True when `format` (a layout codec) has a describer: the native kernels are registered for it."""
     return format in _DESCRIBERS
+
+
+def describable(layout: StorageLayout) -> bool:
+    """True when the native kernels decode this layout (its codec, at 2 to 8 bits)."""
+    return layout.codec in _DESCRIBERS and layout.bits >= MIN_BITS
 
 
 def native_weight(module: torch.nn.Module) -> NativeWeight:
@@ -64,7 +74,8 @@ def native_weight(module: torch.nn.Module) -> NativeWeight:
     cached = _cache.get(module)
     if cached is not None and cached.still_describes(module):
         return cached
-    described = _DESCRIBERS[module.format](module)
+    layout = module.layout
+    described = _DESCRIBERS[layout.codec](module, layout)
     described.sources = tuple((n, t, t._version, t.data_ptr()) for n, t in module.stored_tensors().items())
     _cache[module] = described
     return described
@@ -78,16 +89,16 @@ def _readable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def _base(module: torch.nn.Module, bits: int, kind: int, group_size: int | None) -> tuple[QuantlabCpuWeight, list]:
+def _base(module: torch.nn.Module, layout: StorageLayout, kind: int) -> tuple[QuantlabCpuWeight, list]:
     codes = _readable(module.weight)
     out_features, groups, group_bytes = codes.shape
     struct = QuantlabCpuWeight()
     struct.codes = codes.data_ptr()
     struct.n, struct.k, struct.groups = out_features, module.in_features, groups
-    struct.group_size = grouping.effective_group_size(module.in_features, group_size)
+    struct.group_size = layout.group_length
     struct.group_bytes = group_bytes
-    struct.group_codes = group_bytes * 8 // bits
-    struct.bits, struct.kind = bits, kind
+    struct.group_codes = group_bytes * 8 // layout.bits
+    struct.bits, struct.kind = layout.bits, kind
     return struct, [codes]
 
 
@@ -102,27 +113,26 @@ def _set_scale(struct: QuantlabCpuWeight, keep: list, scale: torch.Tensor, zero:
 
 
 @describes("int8")
-def _describe_int8(module: torch.nn.Module) -> NativeWeight:
-    struct, keep = _base(module, 8, INT8, module.config.group_size)
+def _describe_int8(module: torch.nn.Module, layout: StorageLayout) -> NativeWeight:
+    struct, keep = _base(module, layout, INT8)
     _set_scale(struct, keep, module.weight_scale, None)
-    struct.zero_const = 0.0
+    struct.zero_const = 0.0  # the kernels read the stored signed byte `q - 128` itself
     return NativeWeight(struct, keep)
 
 
-@describes(*(f"uint{bits}_{kind}" for bits in range(2, 9) for kind in ("sym", "asym")))
-def _describe_custom_bits(module: torch.nn.Module) -> NativeWeight:
-    bits = module.config.bits
-    struct, keep = _base(module, bits, AFFINE, module.config.group_size)
-    _set_scale(struct, keep, module.weight_scale, getattr(module, "weight_zero", None))
-    struct.zero_const = float(1 << (bits - 1))
+@describes("affine")
+def _describe_affine(module: torch.nn.Module, layout: StorageLayout) -> NativeWeight:
+    struct, keep = _base(module, layout, AFFINE)
+    _set_scale(struct, keep, module.weight_scale, module.weight_zero if layout.has_zero else None)
+    struct.zero_const = layout.constant_zero
     return NativeWeight(struct, keep)
 
 
 @describes("nf4")
-def _describe_nf4(module: torch.nn.Module) -> NativeWeight:
-    struct, keep = _base(module, 4, NF4, module.config.blocksize)
-    struct.levels[:] = nf4.NF4_LEVELS
-    if module.config.double_quant:
+def _describe_nf4(module: torch.nn.Module, layout: StorageLayout) -> NativeWeight:
+    struct, keep = _base(module, layout, NF4)
+    struct.levels[:] = layout.levels().tolist()
+    if layout.double_quant:
         codes = _readable(module.weight_absmax_codes)
         scale = _readable(module.weight_absmax_scale).float()
         struct.absmax_codes, struct.absmax_scale = codes.data_ptr(), scale.data_ptr()
