@@ -15,7 +15,7 @@ Prune the float model, then quantize it: `save_sparse` also stores a pruned-then
 model's codes compactly.
 """
 
-from quantlab.prune.codes import CodeLayout, register_code_layout
+from quantlab.prune.codes import CodeLayout
 from quantlab.prune.masking import apply_masks, attach_mask, make_permanent, mask_gradients, mask_of, masked_layers
 from quantlab.prune.masks import cubic_sparsity, global_magnitude_masks, magnitude_mask, nm_mask
 from quantlab.prune.patterns import PruningError, SparsityPattern, check_sparsity, parse_pattern
@@ -61,7 +61,6 @@ __all__ = [
     "prune",
     "prune_structured",
     "read_sparse_state_dict",
-    "register_code_layout",
     "save_sparse",
     "sparse_storage",
 ]

@@ -1,20 +1,22 @@
 """How a quantized layer's `weight` buffer holds one integer code per weight, for sparse storage.
 
 Sparse storage of a pruned-then-quantized layer keeps only the codes of live weights. To find
-them it needs the codes one per weight, grouped as the method groups weights
-(`[out, groups, group_size]`), and to write them back it needs the inverse. Each quantized
-layer class maps to a `CodeLayout` saying that; methods registered here are the built-in ones,
-and a plugin adds its own with `register_code_layout`. A layer without a layout is stored as
-it is (correct, just not smaller).
+them it needs the codes one per weight, grouped as the layer groups weights
+(`[out, groups, group_size]`), and to write them back it needs the inverse. A `CodeLayout`
+says that; it is read off the layer's storage layout (`layer.layout`: codec, bits, group
+size), so every layer declaring a built-in codec, a plugin's too, is stored sparse with nothing
+registered. The `CodeLayout` is also written into the sparse file, which decodes without the
+layer. A layer that declares no storage layout is stored as it is (correct, just not smaller).
 """
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 
-from quantlab.formats import grouping, packing
+from quantlab.formats import packing
+from quantlab.kernels import quantize as quantize_ops
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.layouts import declared_layout
 
 CODECS = ("int8", "packed")
 
@@ -41,42 +43,15 @@ class CodeLayout:
         """Unsigned codes `[out, groups, group_size]` → the layer's `weight` buffer."""
         if self.codec == "int8":
             return codes.to(torch.uint8).view(torch.int8)
-        return packing.pack(codes, self.bits)
+        return quantize_ops.pack(codes, self.bits)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
-LayoutOf = Callable[[QuantizedLinear], CodeLayout]
-_LAYOUTS: dict[type, LayoutOf] = {}
-
-
-def register_code_layout(module_class: type[QuantizedLinear], layout_of: LayoutOf) -> None:
-    """Tell sparse storage how `module_class` stores its codes (`layout_of(layer) -> CodeLayout`)."""
-    _LAYOUTS[module_class] = layout_of
-
-
 def code_layout(layer: QuantizedLinear) -> CodeLayout | None:
-    for cls in type(layer).__mro__:
-        if cls in _LAYOUTS:
-            return _LAYOUTS[cls](layer)
-    return None
-
-
-def _register_builtin() -> None:
-    from quantlab.methods.custom_bits import CustomBitsLinear
-    from quantlab.methods.int8 import Int8Linear
-    from quantlab.methods.nf4 import NF4Linear
-
-    def group_size(layer: QuantizedLinear, size: int | None) -> int:
-        return grouping.effective_group_size(layer.in_features, size)
-
-    register_code_layout(Int8Linear, lambda layer: CodeLayout("int8", 8, group_size(layer, layer.config.group_size)))
-    register_code_layout(NF4Linear, lambda layer: CodeLayout("packed", 4, layer.config.blocksize))
-    register_code_layout(
-        CustomBitsLinear,
-        lambda layer: CodeLayout("packed", layer.config.bits, group_size(layer, layer.config.group_size)),
-    )
-
-
-_register_builtin()
+    """How `layer` stores its codes, from its storage layout; None when it declares none."""
+    layout = declared_layout(layer)
+    if layout is None:
+        return None
+    return CodeLayout("packed" if layout.packed else "int8", layout.bits, layout.group_length)

@@ -9,13 +9,13 @@ every tensor that is smaller that way is stored as
   N:M sparsity uses the same layout: for 2:4 it costs exactly what the 2:4 compressed layout
   of sparse tensor cores costs (values plus 2-bit indices of the 2 kept weights of each 4,
   i.e. 1 bit per weight), and for 4:8 less (the 3-bit indices would cost 1.5 bits per weight);
-- quantized weights (pruned, then quantized with a quantlab method whose code layout is known,
-  `quantlab.prune.codes`): the bitmask of live weights, their codes packed at the method's bit
-  width (`<name>.sparse_codes`), and one code per group that every pruned weight of the group
-  shares (`<name>.sparse_fill`), so reloading rebuilds the codes bit for bit. Int8, NF4 and
-  symmetric integer formats represent zero exactly, so pruned weights stay exactly zero; an
-  asymmetric format with a float zero point does not, its pruned weights dequantize to small
-  non-zero values, and such layers are stored dense.
+- quantized weights (pruned, then quantized with any quantlab method: the codes are read through
+  the layer's storage layout, `quantlab.prune.codes`): the bitmask of live weights, their codes
+  packed at the layout's bit width (`<name>.sparse_codes`), and one code per group that every
+  pruned weight of the group shares (`<name>.sparse_fill`), so reloading rebuilds the codes bit
+  for bit. Int8, NF4 and symmetric integer formats represent zero exactly, so pruned weights
+  stay exactly zero; an asymmetric format with a float zero point does not, its pruned weights
+  dequantize to small non-zero values, and such layers are stored dense.
 Everything else (embeddings, norms, dense layers, scales) is stored as is. The file's metadata
 lists the encoded tensors (`quantlab_sparse`: format version, shapes, dtypes, layouts).
 
@@ -43,6 +43,7 @@ from torch import nn
 
 from quantlab.errors import QuantlabError
 from quantlab.formats import grouping, packing
+from quantlab.kernels import quantize as quantize_ops
 from quantlab.nn import QuantizedLinear
 from quantlab.prune.bitmask import pack_bits, unpack_bits
 from quantlab.prune.codes import CodeLayout, code_layout
@@ -153,7 +154,7 @@ def _encode_codes(stored: torch.Tensor, layer: QuantizedLinear) -> tuple[dict[st
     kept = codes[live]
     parts = {
         "sparse_bitmask": pack_bits(live),
-        "sparse_codes": packing.pack(kept.reshape(1, -1), layout.bits).reshape(-1),
+        "sparse_codes": quantize_ops.pack(kept.reshape(1, -1), layout.bits).reshape(-1),
         "sparse_fill": fill,
     }
     entry = {"encoding": "codes", "kind": "quantized", **_describe(stored), "live": int(kept.numel())}
