@@ -2,7 +2,8 @@
 
 Only how the grid is chosen differs from `custom_bits` asymmetric: the stored tensors, the
 packing and the dequantization `(q - zero) * scale` are the same, so `HqqLinear` keeps the
-storage format of custom bits and every kernel and export written for it applies.
+storage layout of custom bits (the affine codec), and the kernels, ONNX lowering and sparse
+storage that read it apply with nothing registered.
 """
 
 import dataclasses
@@ -11,7 +12,8 @@ import torch
 
 from quantlab.config import SCALE_DTYPES
 from quantlab.errors import ConfigError
-from quantlab.formats import grouping, packing
+from quantlab.formats import grouping
+from quantlab.kernels import quantize as quantize_ops
 from quantlab.methods.custom_bits import CustomBitsConfig, CustomBitsLinear
 from quantlab_hqq.optimize import AffineParams, optimize_affine_params, quantize_codes
 
@@ -94,7 +96,7 @@ class HqqLinear(CustomBitsLinear):
                 scales.append(stored.scale)
                 zeros.append(stored.zero)
         return {
-            "weight": packing.pack(torch.cat(codes), config.bits),
+            "weight": quantize_ops.pack(torch.cat(codes), config.bits),
             "weight_scale": torch.cat(scales),
             "weight_zero": torch.cat(zeros),
         }
