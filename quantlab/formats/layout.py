@@ -16,6 +16,7 @@ beyond torch, so everything is testable bit-exactly.
 """
 
 import dataclasses
+from collections.abc import Callable
 from functools import cached_property
 
 import torch
@@ -194,10 +195,17 @@ class StorageLayout:
 
     # -- stored tensors ---------------------------------------------------------------------
 
-    def store(self, codes: torch.Tensor, params: GroupParams) -> dict[str, torch.Tensor]:
-        """Codes `[out, groups, length]` (uint8 indices) and their grids → the layer's tensors."""
+    def store(
+        self,
+        codes: torch.Tensor,
+        params: GroupParams,
+        pack: Callable[[torch.Tensor, int], torch.Tensor] = packing.pack,
+    ) -> dict[str, torch.Tensor]:
+        """Codes `[out, groups, length]` (uint8 indices) and their grids → the layer's tensors.
+
+        `pack` packs the codes (`packing.pack` is the definition; callers may pass a native equivalent)."""
         if self.packed:
-            stored = {"weight": packing.pack(codes.to(torch.uint8), self.bits)}
+            stored = {"weight": pack(codes.to(torch.uint8), self.bits)}
         else:
             stored = {"weight": (codes.to(torch.int16) - INT8_OFFSET).to(torch.int8)}
         if self.codec == "nf4":

@@ -146,7 +146,9 @@ class QuantizedLinear(nn.Module):
                 f"quantlab.quantize(model, config, calibration=...) or from_pretrained(path, quantization_config=...)"
             )
         solution = solver.solve(weight, layout, stats, dict(config.solver_options or {}))
-        return layout.store(solution.codes, solution.params)
+        from quantlab.kernels.quantize import pack
+
+        return layout.store(solution.codes, solution.params, pack=pack)  # native packing where available
 
     @classmethod
     def from_linear(
