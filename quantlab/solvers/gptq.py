@@ -28,6 +28,7 @@ from quantlab.formats import grouping
 from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.solvers.base import InputStats, Solution, Solver
 from quantlab.solvers.mse import search_grid
+from quantlab.utils.threads import single_thread
 
 # static_groups None: static with act order. grid "mse": each group's grid from the input-weighted
 # clipping search of the mse solver (GPTQ's reference code has the same option); "minmax": min-max.
@@ -47,6 +48,20 @@ class GptqSolver(Solver):
             raise QuantizationError("the gptq solver needs calibration inputs; pass calibration data")
         damp, act_order, block_size, static, grid = _options(options)
         static = static or act_order or layout.double_quant
+        with single_thread():  # thousands of small steps: a second thread costs more than it gives
+            return self._solve(weight, layout, stats, damp, act_order, block_size, static, grid)
+
+    def _solve(
+        self,
+        weight: torch.Tensor,
+        layout: StorageLayout,
+        stats: InputStats,
+        damp: float,
+        act_order: bool,
+        block_size: int,
+        static: bool,
+        grid: str,
+    ) -> Solution:
         W = weight.detach().float().clone()
         H = stats.hessian.double()
         dead = H.diagonal() == 0
