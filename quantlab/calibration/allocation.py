@@ -2,7 +2,7 @@
 
 A measurement pass runs the float model block by block over the calibration windows and, for
 every quantizable layer and every candidate of the method (`config.allocation_candidates()`:
-widths 2-8 at group sizes 32-128 for custom bits), predicts the loss as the layer's relative
+widths 2-8 at group sizes 32-128, with and without zero points, for custom bits), predicts the loss as the layer's relative
 output error `sum_j E[x_j^2] ||W_:,j - Q_:,j||^2 / trace(W E[x x^T] W^T)` (round to nearest on
 the candidate's grid, columns weighted by the calibration inputs, in the spirit of EXL2's
 measurement pass) and counts the candidate's stored bytes (codes, scales, zero points:
@@ -67,7 +67,8 @@ def measure_layers(
     batches = first_block_inputs(model, blocks[0], windows, BATCH_SIZE)
     measured: dict[str, list[Candidate]] = {}
     weights = 0
-    candidates = [dataclasses.replace(config, layer_options=None, target_bits=None, **o) for o in _options(config)]
+    options = config.allocation_candidates()
+    candidates = [(o, dataclasses.replace(config, layer_options=None, target_bits=None, **o)) for o in options]
     for index, block in enumerate(tqdm(blocks, desc="measuring layers", disable=not progress)):
         names = selected_linears(block, f"{prefix}.{index}", selected)
         outputs: list[torch.Tensor] = []
@@ -78,7 +79,7 @@ def measure_layers(
             weights += weight.numel()
             energy = float((weight @ stats[relative].hessian * weight).sum()) or 1.0  # ||W x||^2 per token
             importance = stats[relative].channel_weights() / energy
-            measured[full_name] = [_candidate(module_class, c, weight, importance) for c in candidates]
+            measured[full_name] = [_candidate(module_class, c, o, weight, importance) for o, c in candidates]
     return measured, weights
 
 
@@ -117,12 +118,12 @@ def choose(measured: dict[str, list[Candidate]], budget: int, target_bits: float
     return chosen
 
 
-def _options(config: QuantlabConfig) -> list[dict[str, Any]]:
-    return config.allocation_candidates()
-
-
 def _candidate(
-    module_class: type[QuantizedLinear], config: QuantlabConfig, weight: torch.Tensor, importance: torch.Tensor
+    module_class: type[QuantizedLinear],
+    config: QuantlabConfig,
+    options: dict[str, Any],
+    weight: torch.Tensor,
+    importance: torch.Tensor,
 ) -> Candidate:
     layout = module_class.layout_for(weight.shape[1], weight.shape[0], config)
     grouped = grouping.group(weight, layout.group_size)
@@ -131,5 +132,4 @@ def _candidate(
     zero = None if params.zero is None else params.zero.unsqueeze(-1)
     error = grouping.ungroup(layout.decode(codes, params.scale.unsqueeze(-1), zero), weight.shape[1]) - weight
     loss = float((error.square().sum(dim=0) * importance).sum())
-    options = tuple((name, getattr(config, name)) for name in ("bits", "group_size"))
-    return Candidate(options, layout.stored_bytes(), loss)
+    return Candidate(tuple(options.items()), layout.stored_bytes(), loss)
