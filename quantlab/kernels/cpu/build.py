@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from quantlab.kernels import trusted
 from quantlab.kernels.cpu import native
 
 
@@ -17,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = native.build(args.output)
-    except native.NativeBuildError as error:
+    except (native.NativeBuildError, trusted.UntrustedLibraryError) as error:
         print(error, file=sys.stderr)
         return 1
     print(path)
