@@ -24,7 +24,7 @@ CHILD = r"""
 import copy, json, warnings
 import torch
 import quantlab
-from quantlab.kernels.cpu import native
+from quantlab.kernels.cpu import native, ops
 from quantlab.testing.models import tiny_llama
 
 with warnings.catch_warnings(record=True) as caught:
@@ -36,8 +36,10 @@ with warnings.catch_warnings(record=True) as caught:
     with torch.no_grad():
         error = (model(ids).logits - reference(ids).logits).abs().max().item()
     loaded = native.library() is not None
+    operators = ops.available()
 print(json.dumps({
     "native": loaded,
+    "operators": operators,
     "warnings": [str(w.message) for w in caught if "native" in str(w.message)],
     "max_error": error,
 }))
@@ -83,16 +85,17 @@ def built_cache(tmp_path_factory) -> tuple[Path, Path]:
         timeout=600,
     )
     assert result.returncode == 0, result.stderr
-    return root, Path(result.stdout.strip())
+    kernels, operators = result.stdout.split()  # the C library, then the torch operator extension
+    return root, Path(kernels), Path(operators)
 
 
 @pytest.fixture
-def cache(built_cache, tmp_path) -> tuple[Path, Path]:
-    """A private copy of the built cache (modes kept): (cache root, library path)."""
-    template, library = built_cache
+def cache(built_cache, tmp_path) -> tuple[Path, Path, Path]:
+    """A private copy of the built cache (modes kept): (cache root, C library, operator extension)."""
+    template, library, operators = built_cache
     root = tmp_path / "cache"
     shutil.copytree(template, root, copy_function=shutil.copy2)
-    return root, root / library.relative_to(template)
+    return root, root / library.relative_to(template), root / operators.relative_to(template)
 
 
 @pytest.fixture
@@ -148,7 +151,7 @@ CASES = [
 
 @pytest.mark.parametrize(("case", "tamper", "reason"), CASES, ids=[case[0] for case in CASES])
 def test_tampered_cache_is_refused_and_the_model_stays_correct(cache, planted, tmp_path, case, tamper, reason):
-    root, library = cache
+    root, library, _ = cache
     tamper(library, planted)
     marker = tmp_path / "marker"
     result = run_child(root, marker)
@@ -161,16 +164,33 @@ def test_tampered_cache_is_refused_and_the_model_stays_correct(cache, planted, t
 
 
 def test_intact_cache_is_loaded(cache, tmp_path):
-    root, _ = cache
+    root, _, _ = cache
     result = run_child(root, tmp_path / "marker")
-    assert result["native"] and result["warnings"] == []
+    assert result["native"] and result["operators"] and result["warnings"] == []
+    assert result["max_error"] <= 1e-4
+
+
+OPERATOR_CASES = [CASES[2], CASES[4], CASES[5]]  # its folder writable, replaced, a symlink
+
+
+@pytest.mark.parametrize(("case", "tamper", "reason"), OPERATOR_CASES, ids=[case[0] for case in OPERATOR_CASES])
+def test_tampered_operator_extension_is_refused(cache, planted, tmp_path, case, tamper, reason):
+    """The torch operators follow the same rule; refused, the layers call the verified C library through ctypes."""
+    root, _, operators = cache
+    tamper(operators, planted)
+    marker = tmp_path / "marker"
+    result = run_child(root, marker)
+    assert not marker.exists(), "the planted library's code ran"
+    assert result["native"] and not result["operators"]
+    [warning] = result["warnings"]
+    assert "torch operators are unavailable" in warning and str(operators.parent) in warning and reason in warning
     assert result["max_error"] <= 1e-4
 
 
 def test_build_under_umask_000_is_private(built_cache, tmp_path):
     root = tmp_path / "new" / "cache"  # two parents to create as well
     result = run_child(root, tmp_path / "marker", umask=0)
-    assert result["native"] and result["warnings"] == []
+    assert result["native"] and result["operators"] and result["warnings"] == []
     created = [tmp_path / "new", *sorted((tmp_path / "new").rglob("*"))]
     modes = {path.relative_to(tmp_path).as_posix(): stat.S_IMODE(path.lstat().st_mode) for path in created}
     assert all(mode & 0o077 == 0 for mode in modes.values()), modes
@@ -183,7 +203,7 @@ def test_chosen_library_writable_by_others_is_refused(built_cache, planted, tmp_
     shutil.copyfile(planted, chosen)
     os.chmod(chosen, 0o777)
     marker = tmp_path / "marker"
-    result = run_child(tmp_path / "cache", marker, QUANTLAB_CPU_KERNELS=str(chosen))
+    result = run_child(tmp_path / "cache", marker, QUANTLAB_CPU_KERNELS=str(chosen), QUANTLAB_TORCH_OPS="0")
     assert not marker.exists() and not result["native"]
     [warning] = result["warnings"]
     assert str(chosen) in warning and "writable by group or others" in warning and "QUANTLAB_CPU_KERNELS" in warning
@@ -201,6 +221,8 @@ def test_chosen_library_of_the_user_is_loaded(built_cache, tmp_path):
         timeout=600,
     )
     assert stat.S_IMODE(chosen.stat().st_mode) == 0o755
-    result = run_child(tmp_path / "cache", tmp_path / "marker", QUANTLAB_CPU_KERNELS=str(chosen))
-    assert result["native"] and result["warnings"] == []
+    result = run_child(
+        tmp_path / "cache", tmp_path / "marker", QUANTLAB_CPU_KERNELS=str(chosen), QUANTLAB_TORCH_OPS="0"
+    )
+    assert result["native"] and not result["operators"] and result["warnings"] == []
     assert not (tmp_path / "cache").exists()  # nothing built: the chosen library was used
