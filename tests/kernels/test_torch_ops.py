@@ -147,3 +147,21 @@ def test_compiled_training_step_matches_eager_gradients(operators):
         step(x).backward()
         gradients.append(feed.weight.grad.clone())
     torch.testing.assert_close(gradients[1], gradients[0], rtol=1e-5, atol=1e-6)
+
+
+BAD_ARGUMENTS = {  # what is wrong: (index into the weight arguments, value)
+    "bits": (7, 0),
+    "absmax_codes too short": (3, lambda t: t[:-1]),
+    "absmax_scale empty": (4, lambda t: t[:0]),
+    "float codes": (0, lambda t: t.float()),
+    "features": (8, 81),
+}
+
+
+@pytest.mark.parametrize("wrong", list(BAD_ARGUMENTS))
+def test_inconsistent_arguments_are_refused_not_read_out_of_bounds(operators, wrong):
+    arguments = list(operators.weight_arguments(quantized(NF4Config(blocksize=32))))
+    index, value = BAD_ARGUMENTS[wrong]
+    arguments[index] = value(arguments[index]) if callable(value) else value
+    with pytest.raises(RuntimeError, match="quantlab"):
+        operators.linear_op(torch.randn(2, 80), None, *arguments)

@@ -68,7 +68,26 @@ Described describe(const at::Tensor &codes, Optional scale, Optional zero, Optio
                    Optional absmax_scale, Optional absmax_offset, int64_t kind, int64_t bits, int64_t in_features,
                    int64_t group_size, int64_t absmax_block, double zero_const) {
     TORCH_CHECK(gemm_fn && dequantize_fn, "quantlab: the torch operators are not bound to the C kernels");
-    TORCH_CHECK(codes.dim() == 3, "quantlab: codes must be [out, groups, bytes], got ", codes.sizes());
+    TORCH_CHECK(codes.dim() == 3 && codes.element_size() == 1, "quantlab: codes must be [out, groups, bytes] of one-byte "
+                "integers, got ", codes.sizes(), " ", codes.scalar_type());
+    TORCH_CHECK(bits >= 2 && bits <= 8 && kind >= QL_AFFINE && kind <= QL_NF4, "quantlab: bad kind ", kind, " or bits ",
+                bits);
+    // The C kernels check the description's own consistency; the tensors must be as large as it says.
+    const int64_t per_group = codes.size(0) * codes.size(1);
+    auto check_grid = [&](Optional tensor, const char *name) {
+        TORCH_CHECK(!tensor.has_value() || tensor->numel() == per_group, "quantlab: ", name, " must hold one value per "
+                    "group (", per_group, "), got ", tensor->numel());
+    };
+    check_grid(scale, "scale");
+    check_grid(zero, "zero");
+    check_grid(absmax_codes, "absmax_codes");
+    if (absmax_codes.has_value()) {
+        TORCH_CHECK(absmax_codes->element_size() == 1, "quantlab: absmax_codes must be one-byte integers");
+        TORCH_CHECK(absmax_block >= 16 && absmax_scale.has_value() && absmax_offset.has_value() &&
+                        absmax_scale->numel() * absmax_block >= per_group && absmax_offset->numel() == 1,
+                    "quantlab: NF4 double quantization needs absmax_scale per block of ", absmax_block,
+                    " groups and one absmax_offset");
+    }
     Described d;
     std::memset(&d.weight, 0, sizeof d.weight);
     ql_weight &w = d.weight;
