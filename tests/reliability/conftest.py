@@ -115,3 +115,43 @@ def forge_checksum(checkpoint: Path, name: str) -> None:
 @pytest.fixture
 def forge():
     return forge_checksum
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from quantlab.testing import byte_tokenizer, tiny_llama_checkpoint
+
+    return tiny_llama_checkpoint(tmp_path_factory.mktemp("models") / "tiny-llama", tokenizer=byte_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def train_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "train.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 80)
+    return path
+
+
+def finetune_argv(model: Path, text: Path, output: Path, *extra: str) -> list[str]:
+    """A 4-step LoRA run on the tiny Llama with checkpoints at steps 2 and 4, no evaluation."""
+    return [
+        "finetune", str(model), "--steps", "4", "--output", str(output), "--data", str(text),
+        "--lora-r", "4", "--seq-len", "32", "--eval-windows", "0", "--lr", "1e-2", "--save-every", "2",
+        "--quiet", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def finetune_args():
+    return finetune_argv
+
+
+@pytest.fixture(scope="session")
+def finetune_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path, train_text: Path) -> Path:
+    from quantlab.cli.main import main
+
+    output = tmp_path_factory.mktemp("finetune") / "run"
+    assert main(finetune_argv(llama_dir, train_text, output)) == 0
+    return output
