@@ -135,11 +135,17 @@ def rotate(run_dir: Path, keep_last: int) -> None:
 
 
 def remove_staging_leftovers(run_dir: Path) -> None:
-    """Remove half-written checkpoints a killed process left behind (hidden `.step-*` folders)."""
+    """Remove half-written checkpoints a killed process left behind (hidden `.step-*` folders).
+
+    A staging folder of a process that is still running is left alone (`quantlab.utils.atomic`).
+    """
+    from quantlab.utils.atomic import is_staging_of_live_process
+
     folder = Path(run_dir) / CHECKPOINTS
     if folder.is_dir():
         for leftover in folder.glob(".step-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            if not is_staging_of_live_process(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 # -- trainable parameters -------------------------------------------------------------------

@@ -132,6 +132,17 @@ def remove_leftovers(parent: Path, name: str) -> list[Path]:
     return handled
 
 
+_TAG = re.compile(rf"\.({'|'.join(_KINDS)})-(\d+)-([0-9a-f]{{8}})-[^/]*$")
+
+
+def is_staging_of_live_process(path: Path) -> bool:
+    """Whether `path` is a staging folder of a process still running (on this host, or on another: unknown)."""
+    match = _TAG.search(Path(path).name)
+    if match is None:
+        return False
+    return match.group(3) != _host_tag() or _alive(int(match.group(2)))
+
+
 def _alive(pid: int) -> bool:
     if pid == os.getpid():
         return True

@@ -249,3 +249,37 @@ def test_a_full_disk_during_finetune_names_the_checkpoint_to_resume(
     monkeypatch.setattr(state_files, "save_file", save)
     assert main(finetune_args(llama_dir, train_text, output, "--resume", "latest")) == 0
     assert (output / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path, finetune_run: Path):
+    """A tmpfs with room for one training checkpoint, not two (needs root and mount; skipped elsewhere)."""
+    import subprocess
+
+    pages = sum(-(-p.stat().st_size // 4096) for p in (finetune_run / "checkpoints" / "step-00000002").iterdir())
+    mountpoint = tmp_path / "disk"
+    mountpoint.mkdir()
+    size = f"size={pages * 3 // 2 * 4}k"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(mountpoint)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+def test_a_disk_that_fills_up_during_finetune_keeps_the_last_checkpoint(
+    small_disk, tmp_path, llama_dir, train_text, finetune_args, capsys
+):
+    output = small_disk / "run"
+    assert main(finetune_args(llama_dir, train_text, output)) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no space left on the device while training into" in lines[0], lines
+    assert "step-00000002, is intact" in lines[0]
+    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["step-00000002"]
+
+    moved = tmp_path / "run"  # the checkpoint is whole: the run continues once there is room
+    shutil.copytree(output, moved)
+    assert main(finetune_args(llama_dir, train_text, moved, "--resume", "latest")) == 0
+    assert (moved / "final" / "adapter_model.safetensors").is_file()

@@ -162,3 +162,21 @@ def test_a_pickle_in_a_resumed_finetune_prune_and_distill_run_never_runs(
         assert lines[-1].startswith("quantlab: error: cannot read"), (command, lines)
         assert "Traceback" not in result.stderr
         assert not pickle_bomb.ran(), command
+
+
+def test_two_quantize_processes_writing_one_output_one_wins_whole(llama_dir, tmp_path):
+    """Without --overwrite, the second writer is refused at its start or at its rename, never replaces."""
+    output = tmp_path / "out"
+    argv = ["quantize", str(llama_dir), "--method", "int8", "--output", str(output), "--quiet"]
+    code = "import sys; from quantlab.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    writers = [
+        subprocess.Popen([sys.executable, "-c", code, *argv], stderr=subprocess.PIPE, text=True, env=environment)
+        for _ in range(2)
+    ]
+    results = [(writer.wait(timeout=600), writer.stderr.read()) for writer in writers]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(stderr for code, stderr in results if code == 2)
+    assert "already exists" in refused or "appeared while this command ran" in refused, refused
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert {"config.json", "model.safetensors"} <= {p.name for p in output.iterdir()}
