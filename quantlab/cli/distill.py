@@ -90,6 +90,8 @@ def run_directory(args: argparse.Namespace, output: Path) -> Iterator[Path]:
     """`--run-dir`, or a temporary folder beside the output that is removed afterwards."""
     if args.run_dir:
         path = Path(args.run_dir).expanduser()
+        if path.exists() and not path.is_dir():
+            raise QuantlabError(f"--run-dir {path} is a file; the run's log and checkpoints need a folder")
         path.mkdir(parents=True, exist_ok=True)
         yield path
         return

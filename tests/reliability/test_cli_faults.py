@@ -159,6 +159,10 @@ CASES: dict[str, tuple[Callable[[Setup], list[str]], str]] = {
         ],
         "contains the input",
     ),
+    "prune --run-dir an existing file": (
+        lambda s: _prune(s.llama, s.tmp / "out", "--finetune-steps", "1", "--run-dir", str(s.existing("r", "file"))),
+        "--run-dir",
+    ),
     "prune -o an existing folder": (lambda s: _prune(s.llama, s.existing("out")), "already exists; pass --overwrite"),
     "distill -o an existing folder": (
         lambda s: _distill(s.llama, s.llama, s.existing("out")),
