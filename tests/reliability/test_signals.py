@@ -123,6 +123,24 @@ def _forge(checkpoint: Path, name: str) -> None:
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
 
 
+def test_a_pickle_in_a_resumed_finetune_never_runs(
+    llama_dir, train_text, finetune_run, finetune_args, pickle_bomb, tmp_path
+):
+    """The quick version of the next test: one payload, its checksum forged, one fresh process."""
+    run = tmp_path / "run"
+    shutil.copytree(finetune_run, run)
+    checkpoint = run / "checkpoints" / "step-00000004"
+    (checkpoint / "random_states_0.json").write_bytes(pickle_bomb.torch_file)
+    _forge(checkpoint, "random_states_0.json")
+    result = _run("", *finetune_args(llama_dir, train_text, run, "--resume", "latest"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"quantlab: error: cannot read {checkpoint / 'random_states_0.json'}: "), lines
+    assert lines[0].endswith("resume from another checkpoint or start a new run"), lines
+    assert not pickle_bomb.ran()
+
+
 @pytest.mark.slow  # two training runs, then three commands in fresh processes
 def test_a_pickle_in_a_resumed_finetune_prune_and_distill_run_never_runs(
     llama_dir, train_text, finetune_run, pickle_bomb, tmp_path
