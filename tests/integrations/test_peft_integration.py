@@ -5,6 +5,7 @@ the same layers, parameter counts and the trainable share are the same, the memo
 is what the layers store, and merging into the quantized base warns with the error it measured.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -209,3 +210,29 @@ def test_importing_transformers_does_not_import_quantlab():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+_ADAPTED = [
+    "peft.tuners.tuners_utils._maybe_include_all_linear_layers",
+    "peft.prepare_model_for_kbit_training",
+    "peft.utils.prepare_model_for_kbit_training",
+    "peft.PeftModel.get_nb_trainable_parameters",
+    "peft.tuners.lora.LoraModel.merge_and_unload",
+    "transformers.PreTrainedModel.num_parameters",
+]
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("order", ["import peft\nimport quantlab", "import quantlab\nimport peft"])
+def test_adaptations_apply_whichever_is_imported_first(order):
+    """Without the start-up hook: PEFT loaded before quantlab is adapted at once, after it as it loads."""
+    lookups = "\n".join(
+        f"print(hasattr(operator.attrgetter({path.partition('.')[2]!r})({path.partition('.')[0]}), "
+        f"'__quantlab_original__'))"
+        for path in _ADAPTED
+    )
+    script = f"import operator\n{order}\nimport transformers\n{lookups}"
+    env = {**os.environ, "QUANTLAB_AUTOLOAD": "0"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True"] * len(_ADAPTED)
