@@ -236,3 +236,35 @@ def test_adaptations_apply_whichever_is_imported_first(order):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["True"] * len(_ADAPTED)
+
+
+def test_quantlab_nf4_and_bitsandbytes_nf4_look_the_same_to_peft(tmp_path, capsys):
+    """The recipe's observable figures for a quantlab NF4 model equal those for a bitsandbytes NF4 model."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    import quantlab
+
+    tiny_llama(0).save_pretrained(tmp_path / "float")
+    configs = {
+        "bitsandbytes": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True
+        ),
+        "quantlab": quantlab.NF4Config(),
+    }
+    seen = {}
+    for name, config in configs.items():
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path / "float", quantization_config=config, dtype=torch.float32
+        )
+        count = model.num_parameters()
+        model = get_peft_model(prepare_model_for_kbit_training(model), _lora())
+        model.print_trainable_parameters()
+        seen[name] = (
+            count,
+            model.is_activation_checkpointing,
+            sorted(model.peft_config["default"].target_modules),
+            capsys.readouterr().out,
+        )
+    assert seen["quantlab"] == seen["bitsandbytes"]
+    assert seen["quantlab"][1] and seen["quantlab"][0] == tiny_llama(0).num_parameters()
