@@ -4,7 +4,8 @@ Installed by `import quantlab`, which the start-up hook (`_quantlab_autoload.py`
 every process that loads transformers' model code, `import peft` included: the standard
 QLoRA recipe runs unchanged on a quantlab model in a script that never imports quantlab.
 Nothing here imports PEFT: each adaptation runs when the PEFT module it concerns has been
-imported (`quantlab.utils.import_hooks`), or at once if it already is.
+imported (`quantlab.utils.import_hooks`), or at once if it already is; the adaptations live
+in `parameter_count`, `peft_targets`, `peft_kbit`, `peft_merge` and `peft_lora` beside this file.
 
 Public hooks used (nothing patched):
 - transformers' quantizer registry (`register_quantization_config`/`register_quantizer`) and
@@ -29,9 +30,16 @@ Set `QUANTLAB_PEFT=0` to leave PEFT and transformers untouched.
 
 import functools
 import os
-from types import ModuleType
 from typing import Any
 
+from quantlab.integrations.parameter_count import (
+    patch_peft_counts,
+    patch_peft_mixed_counts,
+    patch_transformers_counts,
+)
+from quantlab.integrations.peft_kbit import patch_prepare_model_for_kbit_training
+from quantlab.integrations.peft_merge import patch_lora_merges
+from quantlab.integrations.peft_targets import patch_all_linear
 from quantlab.utils.import_hooks import after_import
 
 _PATCHED = "_quantlab_registers_lora_layers"
@@ -42,29 +50,12 @@ def install() -> None:
     if os.environ.get("QUANTLAB_PEFT", "1") == "0":
         return
     after_import("peft.tuners.lora.config", "LoraConfig", lambda module: patch_lora_config(module.LoraConfig))
-    all_linear = "_maybe_include_all_linear_layers"
-    after_import("peft.tuners.tuners_utils", all_linear, _patch("peft_targets.patch_all_linear"))
-    after_import(
-        "peft.utils.other",
-        "prepare_model_for_kbit_training",
-        _patch("peft_kbit.patch_prepare_model_for_kbit_training"),
-    )
-    after_import("peft.tuners.lora.model", "LoraModel", _patch("peft_merge.patch_lora_merges"))
-    after_import("peft.peft_model", "PeftModel", _patch("parameter_count.patch_peft_counts"))
-    after_import("peft.mixed_model", "PeftMixedModel", _patch("parameter_count.patch_peft_mixed_counts"))
-    after_import("transformers.modeling_utils", "PreTrainedModel", _patch("parameter_count.patch_transformers_counts"))
-
-
-def _patch(target: str) -> Any:
-    """A callback importing `quantlab.integrations.<module>` only when the library module it adapts has loaded."""
-    module_name, _, function = target.partition(".")
-
-    def apply(module: ModuleType) -> None:
-        from importlib import import_module
-
-        getattr(import_module(f"quantlab.integrations.{module_name}"), function)(module)
-
-    return apply
+    after_import("peft.tuners.tuners_utils", "_maybe_include_all_linear_layers", patch_all_linear)
+    after_import("peft.utils.other", "prepare_model_for_kbit_training", patch_prepare_model_for_kbit_training)
+    after_import("peft.tuners.lora.model", "LoraModel", patch_lora_merges)
+    after_import("peft.peft_model", "PeftModel", patch_peft_counts)
+    after_import("peft.mixed_model", "PeftMixedModel", patch_peft_mixed_counts)
+    after_import("transformers.modeling_utils", "PreTrainedModel", patch_transformers_counts)
 
 
 def register_with_peft() -> None:
