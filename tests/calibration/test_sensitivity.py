@@ -19,7 +19,7 @@ def test_fisher_matches_per_token_gradients_and_leaves_the_parameters_alone():
     total, tokens = 0.0, 0
     for window in WINDOWS:
         captured = []
-        handle = layer.register_forward_hook(lambda m, a, out: captured.append(out))
+        handle = layer.register_forward_hook(lambda m, a, out, captured=captured: captured.append(out))
         logits = model(window[None]).logits[0, :-1]
         handle.remove()
         losses = torch.nn.functional.cross_entropy(logits, window[1:], reduction="none")
