@@ -174,7 +174,7 @@ def _load_base(folder: Path, cls: type, config: Any, quantization: Any, args: ar
         base = saved_method or "float32"
     model = load_model(folder, cls, **options)
     if quantization is not None or args.bitsandbytes or saved_method is not None:
-        prepare_for_kbit_training(model, activation_checkpointing=args.gradient_checkpointing)
+        prepare_for_kbit_training(model, activation_checkpointing=args.activation_checkpointing)
     else:
         model.requires_grad_(False)
     return model, base

@@ -35,16 +35,16 @@ COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
     "finetune": {
         "learning_rate": 2e-4,
         "lr_scheduler_type": "linear",
-        "warmup_ratio": 0.0,
-        "gradient_checkpointing": True,
+        "warmup_steps": 0,
+        "activation_checkpointing": True,
         "eval_windows": 4,
         "report_to": "tensorboard",
     },
     "prune": {
         "learning_rate": 5e-5,
         "lr_scheduler_type": "cosine",
-        "warmup_ratio": 0.05,
-        "gradient_checkpointing": False,
+        "warmup_steps": 0.05,
+        "activation_checkpointing": False,
         "eval_windows": 16,
         "max_steps": 0,
         "report_to": "none",
@@ -52,8 +52,8 @@ COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
     "distill": {
         "learning_rate": 1e-4,
         "lr_scheduler_type": "cosine",
-        "warmup_ratio": 0.05,
-        "gradient_checkpointing": False,
+        "warmup_steps": 0.05,
+        "activation_checkpointing": False,
         "eval_windows": 16,
         "report_to": "none",
     },
@@ -100,6 +100,11 @@ def _shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _steps_or_fraction(text: str) -> int | float:
+    number = float(text)
+    return int(number) if number.is_integer() else number
+
+
 def _optimizers() -> tuple[str, ...]:
     from quantlab.training.optimizers import optimizer_names
 
@@ -121,15 +126,15 @@ def training_flags() -> list[TrainingFlag]:
                      metavar="K"),
         TrainingFlag("max_seq_length", "tokens per training example", type=int, default=256, metavar="N"),
         TrainingFlag("lr_scheduler_type", "learning-rate schedule", choices=SCHEDULES),
-        TrainingFlag("warmup_steps", "warmup steps (replaces --warmup-ratio)", type=int, default=0, metavar="N"),
-        TrainingFlag("warmup_ratio", "warmup as a fraction of --max-steps", type=float, metavar="F"),
+        TrainingFlag("warmup_steps", "warmup steps, or a fraction in [0, 1) of --max-steps", type=_steps_or_fraction,
+                     metavar="N|F"),
         TrainingFlag("weight_decay", "AdamW weight decay", type=float, default=0.0, metavar="F"),
         TrainingFlag("max_grad_norm", "gradient clipping norm, 0 turns it off", type=float, default=1.0,
                      metavar="F"),
         TrainingFlag("optim", "optimizer, by TrainingArguments name", choices=_optimizers(), default="adamw_torch"),
         TrainingFlag("bf16", "bfloat16 mixed precision", kind="switch"),
         TrainingFlag("fp16", "float16 mixed precision", kind="switch"),
-        TrainingFlag("gradient_checkpointing", "recompute activations in the backward pass", kind="toggle"),
+        TrainingFlag("activation_checkpointing", "recompute activations in the backward pass", kind="toggle"),
         TrainingFlag("torch_compile", "torch.compile the model", kind="switch"),
         TrainingFlag("torch_empty_cache_steps", "empty the allocator cache every N steps", type=int, default=0,
                      metavar="N"),
@@ -166,7 +171,11 @@ def _precision(value: str) -> dict[str, Any]:
 
 def _deprecated(command: str) -> dict[str, tuple[str, Callable[[Any], dict[str, Any]], dict[str, Any]]]:
     """Old flag -> (new flag name, value mapper, argparse options of the old flag) for `command`."""
-    value = {}
+    specs = {spec.name: spec for spec in training_flags()}
+
+    def value(name: str) -> dict[str, Any]:
+        return {"type": specs[name].type, "choices": specs[name].choices}
+
     switch = {"nargs": 0}
     renames = {
         "--output": "output_dir", "--grad-accum": "gradient_accumulation_steps", "--save-every": "save_steps",
@@ -175,26 +184,23 @@ def _deprecated(command: str) -> dict[str, tuple[str, Callable[[Any], dict[str, 
         "--train-seq-len": "max_seq_length",
     }  # fmt: skip
     old: dict[str, tuple[str, Callable[[Any], dict[str, Any]], dict[str, Any]]] = {
-        flag: (*_same(name), value) for flag, name in renames.items()
+        flag: (*_same(name), value(name)) for flag, name in renames.items()
     }
     old["--precision"] = ("bf16/--fp16", _precision, {"choices": ("fp32", "bf16", "fp16")})
     old["--compile"] = ("torch_compile", lambda _: {"torch_compile": True}, switch)
-    old["--activation-checkpointing"] = ("gradient_checkpointing", lambda _: {"gradient_checkpointing": True}, switch)
-    old["--no-activation-checkpointing"] = (
-        "no_gradient_checkpointing", lambda _: {"gradient_checkpointing": False}, switch
-    )  # fmt: skip
+    old["--warmup-ratio"] = (*_same("warmup_steps"), {"type": float})
     old["--resume"] = (
         "resume_from_checkpoint",
         lambda v: {"resume_from_checkpoint": v},
         {"nargs": "?", "const": "latest"},
     )
     if command == "finetune":
-        old["--steps"] = (*_same("max_steps"), value)
-        old["--seq-len"] = (*_same("max_seq_length"), value)
+        old["--steps"] = (*_same("max_steps"), value("max_steps"))
+        old["--seq-len"] = (*_same("max_seq_length"), value("max_seq_length"))
     else:
-        old["--seq-len"] = (*_same("eval_seq_len"), value)
-        old["--windows"] = (*_same("eval_windows"), value)
-        old["--steps" if command == "distill" else "--finetune-steps"] = (*_same("max_steps"), value)
+        old["--seq-len"] = (*_same("eval_seq_len"), value("eval_seq_len"))
+        old["--windows"] = (*_same("eval_windows"), value("eval_windows"))
+        old["--steps" if command == "distill" else "--finetune-steps"] = (*_same("max_steps"), value("max_steps"))
     return old
 
 
@@ -285,8 +291,6 @@ def resolve_training_flags(args: argparse.Namespace, command: str) -> dict[str, 
         if getattr(args, spec.name, None) is not None:
             chosen[spec.name] = getattr(args, spec.name)
     _check_passthrough(chosen)
-    if chosen.get("warmup_steps") and "warmup_ratio" not in chosen:
-        values["warmup_ratio"] = 0.0  # warmup given in steps replaces the command's default ratio
     values.update(chosen)
     if values["output_dir"] is None:
         raise QuantlabError("--output-dir DIR is required: the run folder (log, checkpoints, the result in DIR/final)")

@@ -28,8 +28,6 @@ RENAMED: dict[str, str] = {
     "gradient_accumulation_steps": "grad_accum",
     "lr_scheduler_type": "lr_scheduler",
     "lr_scheduler_kwargs": "scheduler_args",
-    "warmup_steps": "warmup_steps",
-    "warmup_ratio": "warmup_ratio",
     "weight_decay": "weight_decay",
     "max_grad_norm": "max_grad_norm",
     "optim": "optim",
@@ -38,14 +36,15 @@ RENAMED: dict[str, str] = {
     "save_total_limit": "keep_last",
     "logging_steps": "log_every",
     "eval_steps": "eval_every",
-    "gradient_checkpointing": "activation_checkpointing",
+    "activation_checkpointing": "activation_checkpointing",
+    "gradient_checkpointing": "activation_checkpointing",  # transformers 5: a deprecated alias of the above
     "torch_compile": "compile",
     "torch_empty_cache_steps": "empty_cache_every",
     "seed": "seed",
     "resume_from_checkpoint": "resume_from",
 }
 # TrainingArguments fields whose value sets a TrainingConfig field in another form.
-TRANSLATED: tuple[str, ...] = ("bf16", "fp16", "disable_tqdm", "report_to")
+TRANSLATED: tuple[str, ...] = ("warmup_steps", "bf16", "fp16", "disable_tqdm", "report_to")
 
 
 def supported_names() -> list[str]:
@@ -64,7 +63,12 @@ def training_config_values(values: Mapping[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for name, value in values.items():
         if name in TRANSLATED:
-            result.update(_TRANSLATORS[name](value, result))
+            try:
+                result.update(_TRANSLATORS[name](value, result))
+            except (ValueError, TypeError) as error:
+                if isinstance(error, ConfigError):
+                    raise
+                raise ConfigError(f"training argument {name}={value!r}: {error}") from error
             continue
         field = RENAMED.get(name) or _own_field(name)
         result[field] = _convert(name, field, value)
@@ -200,7 +204,18 @@ def _report_to(value: Any, so_far: dict[str, Any]) -> dict[str, Any]:
     return {"tensorboard": bool(set(targets) & {"tensorboard", "all"})}
 
 
+def _warmup(value: Any, so_far: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5: a whole number of steps, or a fraction in [0, 1) of the run (quantlab's `warmup_ratio`)."""
+    number = float(value)
+    if 0 < number < 1:
+        return {"warmup_steps": 0, "warmup_ratio": number}
+    if not number.is_integer():
+        raise ConfigError(f"warmup_steps={value!r} must be a whole number of steps or a fraction in [0, 1)")
+    return {"warmup_steps": int(number), "warmup_ratio": 0.0}
+
+
 _TRANSLATORS: dict[str, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {
+    "warmup_steps": _warmup,
     "bf16": _precision("bf16"),
     "fp16": _precision("fp16"),
     "disable_tqdm": lambda value, so_far: {"progress_bar": not _boolean(value)},
