@@ -192,7 +192,7 @@ def prune_checkpoint(
         raise QuantlabError(f"{source} is quantized; prune its float original, then quantize the pruned model")
     tokenizer = load_tokenizer(folder)
     if (text is not None or args.max_steps) and tokenizer is None:
-        raise QuantlabError(f"{source} has no tokenizer, which --eval and --finetune-steps need")
+        raise QuantlabError(f"{source} has no tokenizer, which --eval and --max-steps need")
     model = load_checkpoint(folder)
     parameters_before = sum(p.numel() for p in model.parameters())
     report_eval: dict[str, Any] = {}

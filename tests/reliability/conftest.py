@@ -138,8 +138,8 @@ def finetune_argv(model: Path, text: Path, output: Path, *extra: str) -> list[st
     """A 4-step LoRA run on the tiny Llama with checkpoints at steps 2 and 4, no evaluation."""
     return [
         "finetune", str(model), "--max-steps", "4", "--output-dir", str(output), "--data", str(text),
-        "--lora-r", "4", "--max-seq-length", "32", "--eval-windows", "0", "--learning-rate", "1e-2", "--save-steps", "2",
-        "--quiet", *extra,
+        "--lora-r", "4", "--max-seq-length", "32", "--eval-windows", "0", "--learning-rate", "1e-2",
+        "--save-steps", "2", "--quiet", *extra,
     ]  # fmt: skip
 
 
