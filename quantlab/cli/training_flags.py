@@ -214,13 +214,12 @@ class _DeprecatedFlag(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         new = "--" + self.replacement.replace("_", "-")
+        moved = self.replacement == "output_dir" and parser.prog.split()[-1] != "finetune"
+        where = " (DIR is now the run folder; the model goes to DIR/final)" if moved else ""
         print(f"quantlab: warning: {option_string} is deprecated and will be removed in the next release; "
-              f"use {new}", file=sys.stderr)  # fmt: skip
+              f"use {new}{where}", file=sys.stderr)  # fmt: skip
         for dest, value in self.mapper(values).items():
             setattr(namespace, dest, value)
-        if self.replacement == "output_dir" and parser.prog.split()[-1] != "finetune":
-            print("quantlab: warning: the model now goes to DIR/final; DIR holds the run (log, checkpoints)",
-                  file=sys.stderr)  # fmt: skip
 
 
 class _RemovedFlag(argparse.Action):

@@ -113,7 +113,9 @@ def test_old_spellings_still_work_and_warn_once(command, old, dest, value, capsy
 def test_old_output_spelling_sets_the_run_folder(command, capsys):
     args = parse([*BASE[command], "--output", "run"])
     assert args.output_dir == "run"
-    assert "use --output-dir" in capsys.readouterr().err
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "use --output-dir" in lines[0]
+    assert ("DIR/final" in lines[0]) == (command != "finetune")  # where prune and distill now put the model
 
 
 def test_removed_run_dir_is_one_line_exit_2(tmp_path, capsys):

@@ -54,3 +54,38 @@ def test_vocabulary_mismatch_is_a_clear_error(tmp_path, capsys, make_checkpoint)
     assert code == 2
     assert "vocabularies differ" in err and "256" in err and "300" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_distill_with_last_release_spellings_runs_warns_and_resumes(tmp_path, capsys, make_checkpoint):
+    """The old flags still drive a whole run (one deprecation line each); the run folder resumes in place."""
+    teacher, student = make_checkpoint(tmp_path / "teacher", 0), make_checkpoint(tmp_path / "student", 1)
+    old = [
+        "distill",
+        "--teacher",
+        str(teacher),
+        "--student",
+        str(student),
+        "--steps",
+        "2",
+        "--output",
+        str(tmp_path / "out"),
+    ]
+    old += ["--train-seq-len", "32", "--grad-accum", "1", "--save-every", "1", "--precision", "fp32"]
+    code, _, err = _run(capsys, *old)
+    assert code == 0, err
+    warned = [line.split()[2] for line in err.splitlines() if "is deprecated" in line]
+    assert warned == ["--steps", "--output", "--train-seq-len", "--grad-accum", "--save-every", "--precision"]
+    assert (tmp_path / "out" / "final" / "config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+    assert (tmp_path / "out" / "log.jsonl").is_file() and (tmp_path / "out" / "quantlab_report.json").is_file()
+
+    new = ["distill", "--teacher", str(teacher), "--student", str(student), "--max-steps", "2"]
+    new += ["--max-seq-length", "32", "--save-steps", "1", "--output-dir", str(tmp_path / "out"), "--json"]
+    code, _, err = _run(capsys, *new)
+    assert code == 2 and "already exists; pass --resume-from-checkpoint" in err
+    first = tmp_path / "out" / "checkpoints" / "step-00000001"
+    code, out, err = _run(capsys, *new, "--resume-from-checkpoint", str(first))
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 2 and "deprecated" not in err
+    log = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in log if "loss" in record] == [1, 2]  # step 2 retrained once, from step 1
