@@ -286,7 +286,15 @@ def resolve_training_flags(args: argparse.Namespace, command: str) -> dict[str, 
         if not equals or not name.strip():
             raise QuantlabError(f"--training-arg {item!r}: write NAME=VALUE, e.g. --training-arg weight_decay=0.01")
         chosen[name.strip().replace("-", "_")] = text
-    for spec in training_flags():
+    specs = {spec.name: spec for spec in training_flags()}
+    for name in CLI_ONLY:  # passed through by name: typed as their flag would type them
+        convert = _switch_value if specs[name].kind == "switch" else specs[name].type
+        if isinstance(chosen.get(name), str) and convert is not None:
+            try:
+                chosen[name] = convert(chosen[name])
+            except ValueError as error:
+                raise QuantlabError(f"training argument {name}={chosen[name]!r}: {error}") from error
+    for spec in specs.values():
         if getattr(args, spec.name, None) is not None:
             chosen[spec.name] = getattr(args, spec.name)
     _check_passthrough(chosen)
@@ -299,6 +307,13 @@ def resolve_training_flags(args: argparse.Namespace, command: str) -> dict[str, 
         setattr(args, name, value)
     args.training_values = values
     return values
+
+
+def _switch_value(text: str) -> bool:
+    words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+    if text.strip().lower() not in words:
+        raise ValueError("expects true or false")
+    return words[text.strip().lower()]
 
 
 def _check_passthrough(chosen: dict[str, Any]) -> None:

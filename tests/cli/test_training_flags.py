@@ -147,6 +147,14 @@ def test_training_arg_passes_fields_through_and_flags_win(tmp_path):
     assert config.precision == "bf16" and config.profile_steps == (1, 3)
 
 
+def test_training_arg_sets_the_cli_values_too_typed():
+    args = parse(
+        [*BASE["prune"], "-o", "run", "--training-arg", "max_seq_length=64", "--training-arg", "eval_windows=3"]
+    )
+    resolve_training_flags(args, "prune")
+    assert (args.max_seq_length, args.eval_windows) == (64, 3)
+
+
 def test_command_defaults_and_warmup_in_steps():
     prune, finetune = _config("prune"), _config("finetune")
     assert (prune.learning_rate, prune.lr_scheduler, prune.warmup_ratio) == (5e-5, "cosine", 0.05)
