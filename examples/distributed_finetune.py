@@ -1,8 +1,8 @@
 """The QLoRA run of `qlora_finetune.py` on several processes: one script, launched by torchrun or accelerate.
 
-    torchrun --nproc_per_node 2 examples/distributed_finetune.py --steps 20 --output runs/ddp
-    accelerate launch --multi_gpu --num_processes 2 examples/distributed_finetune.py --steps 20
-    python examples/distributed_finetune.py --steps 20          # one process, same code
+    torchrun --nproc_per_node 2 examples/distributed_finetune.py --max-steps 20 --output-dir runs/ddp
+    accelerate launch --multi_gpu --num_processes 2 examples/distributed_finetune.py --max-steps 20
+    python examples/distributed_finetune.py --max-steps 20          # one process, same code
 
 Each process loads and quantizes its own copy of the base; the `Trainer`'s `Accelerator` reads
 the launcher's environment and wraps the model in DistributedDataParallel (NCCL on GPUs, gloo
@@ -10,7 +10,7 @@ on CPU). Every process reads its own slice of each global batch (`batch_size` ex
 process), the adapters' gradients are averaged, and the token-weighted loss makes a step on 2
 processes x 2 examples equal one step on 1 process x 4 examples. Only the first process
 writes the log, the final adapter and the checkpoints' shared files; each process adds its
-own RNG state to every checkpoint, so `--resume latest` continues bit-identically with the
+own RNG state to every checkpoint, so `--resume-from-checkpoint` continues bit-identically with the
 same number of processes (a checkpoint records it and refuses another count).
 
 Notes:
@@ -44,10 +44,19 @@ from quantlab.training import (
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Distributed QLoRA of SmolLM2-135M (run under torchrun)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--output", type=Path, default=Path("runs/smollm2-qlora-ddp"))
-    parser.add_argument("--batch-size", type=int, default=2, help="examples per process and micro-batch")
-    parser.add_argument("--resume", help="'latest' to continue an interrupted run in --output")
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/smollm2-qlora-ddp"))
+    parser.add_argument(
+        "--per-device-train-batch-size",
+        "--batch-size",
+        type=int,
+        default=2,
+        help="examples per process and micro-batch",
+    )
+    parser.add_argument(
+        "--resume-from-checkpoint", nargs="?", const="latest", metavar="latest|DIR",
+        help="continue the run in --output-dir from its newest checkpoint (latest), or from DIR",
+    )  # fmt: skip
     args = parser.parse_args()
 
     folder = smollm2_dir()
@@ -59,15 +68,15 @@ def main() -> None:
 
     data = bundled_data(tokenizer, seq_len=256, eval_windows=4)
     config = TrainingConfig(
-        args.output,
-        max_steps=args.steps,
-        batch_size=args.batch_size,
+        args.output_dir,
+        max_steps=args.max_steps,
+        batch_size=args.per_device_train_batch_size,
         learning_rate=2e-4,
         lr_scheduler="cosine",
         warmup_ratio=0.06,
-        eval_every=args.steps,
+        eval_every=args.max_steps,
         save_every=10,
-        resume_from=args.resume,
+        resume_from=args.resume_from_checkpoint,
     )
     trainer = Trainer(
         model, config, data.train, eval_windows=data.eval_windows, collator=CausalLMCollator.for_tokenizer(tokenizer)

@@ -1,6 +1,6 @@
 """Prune SmolLM2 to 2:4 sparsity, recover it by distillation from the dense fp32 model, save it sparse.
 
-    python examples/prune_and_distill.py --steps 200 --output smollm2-2of4
+    python examples/prune_and_distill.py --max-steps 200 --output-dir smollm2-2of4
 
 Steps:
 1. load SmolLM2-135M-Instruct (fp32) twice: the teacher stays dense, the student is pruned;
@@ -10,16 +10,16 @@ Steps:
    the bundled WikiText-2 text (the 16 evaluation windows held out), the student's masks held
    through every optimizer step, its embeddings frozen;
 4. perplexity before and after with the shared harness, then `save_sparse`: bitmask + values,
-   about 0.53x the dense size of the pruned weights. `load_sparse(output)` reloads it.
+   about 0.53x the dense size of the pruned weights. `load_sparse(DIR / "final")` reloads it.
 
-On two CPU cores a step of 4 x 128 tokens takes several seconds; --steps 20 shows the idea.
+On two CPU cores a step of 4 x 128 tokens takes several seconds; --max-steps 20 shows the idea.
 Going further: quantize the recovered model (`quantlab.quantize(model, quantlab.NF4Config())`)
 and `save_sparse` it again for a sparse and quantized checkpoint.
 """
 
 import argparse
 import copy
-import tempfile
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -34,8 +34,8 @@ from quantlab.training import CausalLMCollator, TrainingConfig, bundled_data
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="SmolLM2: 2:4 pruning, then distillation from the dense model")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--output", default="smollm2-2of4")
+    parser.add_argument("--max-steps", type=int, default=200)
+    parser.add_argument("--output-dir", default="smollm2-2of4")
     parser.add_argument("--eval-windows", type=int, default=16, help="perplexity windows of 512 tokens")
     args = parser.parse_args()
 
@@ -55,26 +55,27 @@ def main() -> None:
     student.train()
     student.get_input_embeddings().requires_grad_(False)  # tied with the output head: leave both as they are
     data = bundled_data(tokenizer, seq_len=128)  # training text after the evaluation windows
-    with tempfile.TemporaryDirectory() as run_dir:
-        config = TrainingConfig(
-            run_dir, max_steps=args.steps, batch_size=4, learning_rate=1e-4, lr_scheduler="cosine", warmup_steps=10
-        )
-        trainer = distillation_trainer(
-            student,
-            teacher,
-            config,
-            data.train,
-            distillation=DistillationConfig(alpha=0.5, temperature=1.0),
-            collator=CausalLMCollator.for_tokenizer(tokenizer),
-        )  # the student carries masks, so KeepMasks holds them through every step
-        trainer.train()
+    run_dir = Path(args.output_dir)  # the run folder, as in `quantlab prune`: log, checkpoints, the model in final/
+    config = TrainingConfig(
+        run_dir, max_steps=args.max_steps, batch_size=4, learning_rate=1e-4, lr_scheduler="cosine", warmup_steps=10
+    )
+    trainer = distillation_trainer(
+        student,
+        teacher,
+        config,
+        data.train,
+        distillation=DistillationConfig(alpha=0.5, temperature=1.0),
+        collator=CausalLMCollator.for_tokenizer(tokenizer),
+    )  # the student carries masks, so KeepMasks holds them through every step
+    trainer.train()
     student.eval()
-    print(f"perplexity after {args.steps} distillation steps: {ppl(student):.2f}")
+    print(f"perplexity after {args.max_steps} distillation steps: {ppl(student):.2f}")
 
-    save_sparse(student, args.output, tokenizer=tokenizer, overwrite=True)
-    storage = sparse_storage(args.output)
+    final = run_dir / "final"  # replaces the dense copy the loop saved there
+    save_sparse(student, final, tokenizer=tokenizer, overwrite=True)
+    storage = sparse_storage(final)
     print(
-        f"saved {args.output}: {storage.file_bytes / 1e6:.0f} MB (dense {storage.dense_bytes / 1e6:.0f} MB); "
+        f"saved {final}: {storage.file_bytes / 1e6:.0f} MB (dense {storage.dense_bytes / 1e6:.0f} MB); "
         f"pruned Linear weights at {storage.ratio():.2f}x their dense size"
     )
 

@@ -1,19 +1,18 @@
-"""`quantlab distill --teacher T --student S --steps N --output DIR`: train a student to match a teacher.
+"""`quantlab distill --teacher T --student S --max-steps N --output-dir DIR`: train a student to match a teacher.
 
 The teacher (float, quantized or sparse checkpoint) runs frozen; the student learns from
 `alpha * T^2 * KL + (1 - alpha) * CE` on the shared training loop: all its weights but the
 embeddings, or LoRA adapters (`--lora-r`, required for a quantized student, merged into it at
 the end). A sparse student (written by `quantlab prune`) keeps its masks and is saved sparse.
 Training text: the bundled WikiText-2 slice after the evaluation windows, or `--data FILE`.
+DIR is the run folder (log, checkpoints, report); the student goes to DIR/final.
 
-This module also holds the training options `quantlab prune --finetune-steps` shares.
+This module also holds the helpers `quantlab prune --max-steps` shares.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,28 +30,18 @@ from quantlab.cli.models import (
     train_run,
     weights_size,
 )
-from quantlab.cli.output import add_output_dir_arguments, check_output, write_report
+from quantlab.cli.output import write_report
+from quantlab.cli.training_flags import (
+    add_training_flags,
+    check_training_values,
+    prepare_run_folder,
+    resolve_training_flags,
+    training_config,
+)
 from quantlab.errors import QuantlabError
+from quantlab.training.trainer import FINAL_DIR
 
 # -- options shared with `quantlab prune` -------------------------------------------------------------
-
-
-def add_training_arguments(parser: argparse.ArgumentParser, learning_rate: float) -> None:
-    group = parser.add_argument_group("training (the shared loop)")
-    group.add_argument("--batch-size", type=int, default=4, metavar="N", help="examples per micro-batch (default: 4)")
-    group.add_argument(
-        "--train-seq-len", type=int, default=256, metavar="N", help="tokens per training example (default: 256)"
-    )
-    group.add_argument("--grad-accum", type=int, default=1, metavar="K", help="micro-batches per step (default: 1)")
-    group.add_argument(
-        "--learning-rate", type=float, default=learning_rate, metavar="LR", help=f"(default: {learning_rate:g})"
-    )
-    group.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="(default: fp32)")
-    group.add_argument("--data", metavar="FILE", help="training text, .txt or .jsonl (default: the bundled text)")
-    group.add_argument("--run-dir", metavar="DIR", help="keep the run's log and checkpoints here (default: temporary)")
-    group.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps (--run-dir)")
-    group.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
-    group.add_argument("--seed", type=int, default=0, help="(default: 0)")
 
 
 def add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,72 +53,23 @@ def add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_training_arguments(args: argparse.Namespace) -> None:
-    """Refuse bad training options before any model is loaded."""
-    for name in ("batch_size", "grad_accum"):
-        if getattr(args, name) < 1:
-            raise QuantlabError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.train_seq_len < 2:
-        raise QuantlabError("--train-seq-len must be at least 2")
-    if args.resume and not args.run_dir:
-        raise QuantlabError("--resume continues the run kept in --run-dir; pass --run-dir DIR")
-    if args.save_every and not args.run_dir:
-        raise QuantlabError("--save-every writes checkpoints into --run-dir; pass --run-dir DIR")
-    if args.data is not None and not Path(args.data).expanduser().is_file():
-        raise QuantlabError(f"--data {args.data}: no such file")
-
-
 def distillation_config(args: argparse.Namespace):
     from quantlab.distill import DistillationConfig
 
     return DistillationConfig(alpha=args.alpha, temperature=args.temperature, hidden_weight=args.hidden_weight)
 
 
-@contextlib.contextmanager
-def run_directory(args: argparse.Namespace, output: Path) -> Iterator[Path]:
-    """`--run-dir`, or a temporary folder beside the output that is removed afterwards."""
-    if args.run_dir:
-        path = Path(args.run_dir).expanduser()
-        if path.exists() and not path.is_dir():
-            raise QuantlabError(f"--run-dir {path} is a file; the run's log and checkpoints need a folder")
-        path.mkdir(parents=True, exist_ok=True)
-        yield path
-        return
-    from quantlab.utils.atomic import scratch_directory
-
-    with scratch_directory(output.parent, output.name) as folder:
-        yield folder
-
-
-def training_config(args: argparse.Namespace, steps: int, run_dir: Path):
-    from quantlab.training import TrainingConfig
-
-    return TrainingConfig(
-        run_dir,
-        max_steps=steps,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        learning_rate=args.learning_rate,
-        lr_scheduler="cosine",
-        warmup_ratio=0.05,
-        precision=args.precision,
-        save_every=args.save_every,
-        resume_from="latest" if args.resume else None,
-        seed=args.seed,
-        progress_bar=not Console.from_args(args).silent,
-        tensorboard=False,
-    )
-
-
 def training_data(args: argparse.Namespace, tokenizer: Any):
-    """Training examples, with the first 16 x 512 tokens held out (the evaluation windows of the bundled text)."""
+    """Training examples and the held-out windows (`--eval-windows` x `--eval-seq-len`) kept out of them."""
     from quantlab.training import bundled_data, causal_lm_data, read_documents
 
     if tokenizer is None:
         raise QuantlabError("training needs the model's tokenizer, and the model folder has none")
+    windows = {"eval_windows": args.eval_windows, "eval_seq_len": args.eval_seq_len}
     if args.data is None:
-        return bundled_data(tokenizer, seq_len=args.train_seq_len)
-    return causal_lm_data(tokenizer, read_documents(Path(args.data).expanduser()), seq_len=args.train_seq_len)
+        return bundled_data(tokenizer, seq_len=args.max_seq_length, **windows)
+    documents = read_documents(Path(args.data).expanduser(), text_field=args.text_field)
+    return causal_lm_data(tokenizer, documents, seq_len=args.max_seq_length, **windows)
 
 
 def load_checkpoint(folder: Path) -> Any:
@@ -155,7 +95,17 @@ def freeze_embeddings(model: Any) -> None:
             module.requires_grad_(False)
 
 
-def save_model(model: Any, tokenizer: Any, output: Path, overwrite: bool, protect: list[Path]) -> None:
+def data_inputs(args: argparse.Namespace) -> list[Path]:
+    """The training data file, which `--overwrite` must never delete."""
+    return [Path(args.data).expanduser()] if args.data else []
+
+
+def eval_windows(args: argparse.Namespace, data: Any) -> Any:
+    """The held-out windows the loop measures every `--eval-steps` steps (None: no evaluation in the loop)."""
+    return data.eval_windows if args.eval_steps and args.eval_windows else None
+
+
+def save_model(model: Any, tokenizer: Any, output: Path, protect: list[Path]) -> None:
     """Sparse storage when the model carries pruning masks, `save_pretrained` otherwise (atomically).
 
     `protect`: the input models, which `overwrite` must never delete.
@@ -164,9 +114,9 @@ def save_model(model: Any, tokenizer: Any, output: Path, overwrite: bool, protec
     from quantlab.utils.atomic import atomic_directory
 
     if masked_layers(model):
-        save_sparse(model, output, tokenizer=tokenizer, overwrite=overwrite, protect=protect)
+        save_sparse(model, output, tokenizer=tokenizer, overwrite=True, protect=protect)
         return
-    with atomic_directory(output, overwrite=overwrite, protect=protect) as staging:
+    with atomic_directory(output, overwrite=True, protect=protect) as staging:
         save_checkpoint(model, tokenizer, staging)
 
 
@@ -182,12 +132,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--teacher", required=True, metavar="T", help="teacher model folder or .gguf file")
     parser.add_argument("--student", required=True, metavar="S", help="student model folder (float, sparse, quantized)")
-    parser.add_argument("--steps", type=int, required=True, metavar="N", help="optimizer steps")
-    add_output_dir_arguments(parser, help="folder to write the student to")
     parser.add_argument("--lora-r", type=int, metavar="R", help="train LoRA adapters of rank R (quantized students)")
     add_distillation_arguments(parser)
-    add_training_arguments(parser, learning_rate=1e-4)
-    add_eval_arguments(parser, help="measure the student's perplexity before and after")
+    add_training_flags(parser, "distill")
+    add_eval_arguments(parser, help="measure the student's perplexity before and after", window_flags=False)
     add_output_options(parser)
 
 
@@ -229,16 +177,15 @@ class DistillReport:
 
 def run(args: argparse.Namespace) -> int:
     console = Console.from_args(args)
-    if args.steps < 1:
-        raise QuantlabError("--steps must be at least 1")
-    check_training_arguments(args)
+    resolve_training_flags(args, "distill")
+    check_training_values(args, steps_required=True)
     distillation = distillation_config(args)
     if args.lora_r is not None and args.lora_r < 1:
         raise QuantlabError("--lora-r must be at least 1")
-    output = Path(args.output).expanduser()
-    text = read_text(args) if args.eval else None
+    output = Path(args.output_dir).expanduser()
+    text = read_text(args, seq_len=args.eval_seq_len, windows=args.eval_windows) if args.eval else None
     teacher_source, student_source = resolve_model(args.teacher), resolve_model(args.student)
-    check_output(output, args.overwrite, teacher_source.path, student_source.path)
+    prepare_run_folder(output, args, [teacher_source.path, student_source.path, *data_inputs(args)])
     with (
         float_checkpoint(teacher_source, scratch=output.parent, progress=console.progress) as teacher_folder,
         float_checkpoint(student_source, scratch=output.parent, progress=console.progress) as student_folder,
@@ -272,7 +219,7 @@ def distill_checkpoints(
     teacher, student = load_checkpoint(teacher_folder), load_checkpoint(student_folder)
     check_vocabularies(teacher, student, teacher_tokenizer, student_tokenizer)
     report = DistillReport(
-        teacher=str(teacher_folder), student=str(student_folder), output=str(output), steps=args.steps,
+        teacher=str(teacher_folder), student=str(student_folder), output=str(output / FINAL_DIR), steps=args.max_steps,
         alpha=distillation.alpha, temperature=distillation.temperature, hidden_weight=distillation.hidden_weight,
         lora_r=args.lora_r, loss=None, train_seconds=0.0, size_bytes=0,
     )  # fmt: skip
@@ -286,20 +233,19 @@ def distill_checkpoints(
     from quantlab.training import CausalLMCollator
 
     started = time.perf_counter()
-    with run_directory(args, output) as run_dir:
-        config = training_config(args, args.steps, run_dir)
-        trainer = distillation_trainer(
-            trainable, teacher, config, data.train, distillation=distillation,
-            collator=CausalLMCollator.for_tokenizer(tokenizer),
-        )  # fmt: skip
-        result = train_run(trainer)
+    config = training_config(args, output, defaults={"progress_bar": console.progress})
+    trainer = distillation_trainer(
+        trainable, teacher, config, data.train, distillation=distillation,
+        collator=CausalLMCollator.for_tokenizer(tokenizer), eval_windows=eval_windows(args, data),
+    )  # fmt: skip
+    result = train_run(trainer)
     report.loss, report.train_seconds = result.loss, time.perf_counter() - started
     student = _finish_student(trainable, args.lora_r, quantized_student)
     del teacher
     if text is not None:
         report.perplexity_after = measure_perplexity(student, tokenizer, text, console)
-    save_model(student, tokenizer, output, args.overwrite, protect=[teacher_folder, student_folder])
-    report.size_bytes = weights_size(output)
+    save_model(student, tokenizer, output / FINAL_DIR, protect=[teacher_folder, student_folder])
+    report.size_bytes = weights_size(output / FINAL_DIR)
     write_report(output, dataclasses.asdict(report))
     return report
 

@@ -22,10 +22,19 @@ def add_text_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--windows", type=int, default=16, metavar="N", help="windows scored (default: 16)")
 
 
-def add_eval_arguments(parser: argparse.ArgumentParser, help: str) -> None:
-    """`--eval` (perplexity before and after the command's change; `help` says of what) and its text options."""
+def add_eval_arguments(parser: argparse.ArgumentParser, help: str, window_flags: bool = True) -> None:
+    """`--eval` (perplexity before and after the command's change; `help` says of what) and its text options.
+
+    `window_flags=False`: the command has its own window flags (the training commands'
+    `--eval-seq-len` and `--eval-windows`), so only `--text` is added.
+    """
     parser.add_argument("--eval", action="store_true", help=help)
-    add_text_options(parser)
+    if window_flags:
+        add_text_options(parser)
+    else:
+        parser.add_argument(
+            "--text", metavar="FILE", help="UTF-8 text to measure perplexity on (default: bundled text)"
+        )
 
 
 @dataclass(frozen=True)
@@ -39,16 +48,21 @@ class TextSpec:
         return f"{self.windows} x {self.seq_len} tokens of {self.source}"
 
 
-def read_text(args: argparse.Namespace) -> TextSpec:
-    """The evaluation text named by `--text`, or the WikiText-2 slice bundled with quantlab."""
-    if args.seq_len < 2 or args.windows < 1:
+def read_text(args: argparse.Namespace, seq_len: int | None = None, windows: int | None = None) -> TextSpec:
+    """The evaluation text named by `--text`, or the WikiText-2 slice bundled with quantlab.
+
+    `seq_len` and `windows` replace `--seq-len` and `--windows` for commands that name them otherwise.
+    """
+    seq_len = args.seq_len if seq_len is None else seq_len
+    windows = args.windows if windows is None else windows
+    if seq_len < 2 or windows < 1:
         raise QuantlabError(
-            f"--seq-len must be at least 2 and --windows at least 1 (got {args.seq_len} and {args.windows})"
+            f"evaluation windows need at least 2 tokens and at least 1 window (got {seq_len} and {windows})"
         )
     if args.text is None:
         from quantlab.eval.data import bundled_text
 
-        return TextSpec(bundled_text(), "the bundled WikiText-2 text", args.seq_len, args.windows)
+        return TextSpec(bundled_text(), "the bundled WikiText-2 text", seq_len, windows)
     path = Path(args.text).expanduser()
     if not path.is_file():
         raise QuantlabError(f"--text {args.text}: no such file")
@@ -56,7 +70,7 @@ def read_text(args: argparse.Namespace) -> TextSpec:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise QuantlabError(f"--text {args.text} is not UTF-8 text ({error.reason} at byte {error.start})") from error
-    return TextSpec(text, str(path), args.seq_len, args.windows)
+    return TextSpec(text, str(path), seq_len, windows)
 
 
 def measure_perplexity(model: Any, tokenizer: Any, text: TextSpec, console: Console) -> float:

@@ -1,4 +1,4 @@
-"""`quantlab finetune [MODEL] --method NAME [method options] --steps N --output DIR`: QLoRA on the shared loop.
+"""`quantlab finetune [MODEL] --method NAME [method options] --max-steps N --output-dir DIR`: QLoRA.
 
 The base is quantized while it loads (`--method`, any registered method), loaded as it was
 saved (an already quantized checkpoint), quantized by bitsandbytes (`--bitsandbytes`, NF4 with
@@ -6,16 +6,15 @@ double quantization, for comparison) or kept in float (no `--method`: plain LoRA
 train on the bundled WikiText-2 text after its evaluation windows, or on `--data FILE`
 (.txt or .jsonl), with held-out perplexity measured before and after.
 
-DIR is the run folder: `log.jsonl`, `checkpoints/step-N` (with `--save-every`), `final/` (the
-adapter, in PEFT's format), `merged/` (with `--merge quantized|float`) and the report. The same
+DIR is the run folder: `log.jsonl`, `checkpoints/step-N` (with `--save-steps`), `final/` (the
+adapter, in PEFT's format), `merged/` (with `--merge quantized|float`) and the report. The
+training flags are shared with `prune` and `distill` (`quantlab.cli.training_flags`). The same
 command runs under `torchrun --nproc_per_node 2` or `accelerate launch` (DDP; gloo on CPU); only
 the first process prints and writes.
 """
 
 import argparse
 import dataclasses
-import os
-import shutil
 import statistics
 from pathlib import Path
 from typing import Any
@@ -35,13 +34,17 @@ from quantlab.cli.models import (
 )
 from quantlab.cli.options import add_method_argument, config_from_args
 from quantlab.cli.output import write_report
+from quantlab.cli.training_flags import (
+    add_training_flags,
+    check_training_values,
+    prepare_run_folder,
+    resolve_training_flags,
+    training_config,
+)
 from quantlab.errors import QuantlabError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from quantlab.training import optimizer_names
-    from quantlab.training.config import PRECISIONS, SCHEDULES
-
     parser = subparsers.add_parser(
         "finetune",
         help="train LoRA adapters on a quantized (QLoRA) or float model",
@@ -52,10 +55,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_model_argument(parser, help="model folder or .gguf file (default: embedded SmolLM2-135M)")
     add_method_argument(parser, required=False)
     parser.add_argument("--bitsandbytes", action="store_true", help="quantize the base with bitsandbytes NF4 instead")
-    parser.add_argument("--steps", type=int, required=True, metavar="N", help="optimizer steps")
-    parser.add_argument("--output", "-o", required=True, metavar="DIR", help="run folder (log, checkpoints, adapter)")
-    parser.add_argument("--overwrite", action="store_true", help="delete an existing DIR and start a new run in it")
-
     lora = parser.add_argument_group("LoRA")
     lora.add_argument("--lora-r", type=int, default=16, metavar="R", help="adapter rank (default: 16)")
     lora.add_argument("--lora-alpha", type=float, metavar="A", help="scaling numerator (default: 2 x r)")
@@ -68,39 +67,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     lora.add_argument("--merge", choices=("quantized", "float"), help="merge the adapter at the end, and report")
 
-    training = parser.add_argument_group("training")
-    training.add_argument("--batch-size", type=int, default=4, metavar="N", help="examples per micro-batch (default 4)")
-    training.add_argument("--grad-accum", type=int, default=1, metavar="K", help="micro-batches per step (default 1)")
-    training.add_argument("--seq-len", type=int, default=256, metavar="N", help="tokens per example (default 256)")
-    training.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4)")
-    training.add_argument("--schedule", default="linear", choices=SCHEDULES, help="(default: linear)")
-    training.add_argument("--warmup-ratio", type=float, default=0.0, metavar="F", help="(default: 0)")
-    training.add_argument("--warmup-steps", type=int, default=0, metavar="N", help="(default: 0)")
-    training.add_argument("--weight-decay", type=float, default=0.0, help="(default: 0)")
-    training.add_argument("--max-grad-norm", type=float, default=1.0, help="clip norm, 0 to turn off (default 1)")
-    training.add_argument("--optim", default="adamw_torch", choices=optimizer_names(), help="(default: adamw_torch)")
-    training.add_argument("--precision", default="fp32", choices=PRECISIONS, help="(default: fp32)")
-    training.add_argument(
-        "--activation-checkpointing",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="recompute activations in the backward pass (default: on)",
-    )
-    training.add_argument("--compile", action="store_true", help="torch.compile the model")
-    training.add_argument("--seed", type=int, default=0, help="(default: 0)")
-    training.add_argument("--data", metavar="FILE", help="training text, .txt or .jsonl (default: bundled text)")
-    training.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
-
-    run = parser.add_argument_group("evaluation, checkpoints, logging")
-    run.add_argument("--eval-windows", type=int, default=4, metavar="N", help="held-out windows (default 4)")
-    run.add_argument("--eval-seq-len", type=int, default=512, metavar="N", help="tokens per window (default 512)")
-    run.add_argument("--eval-every", type=int, default=0, metavar="N", help="(default: only before and after)")
-    run.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps (default: off)")
-    run.add_argument("--keep-last", type=int, default=2, metavar="K", help="checkpoints kept (default 2)")
-    run.add_argument("--resume", metavar="latest|DIR", help="continue from the latest checkpoint of DIR, or DIR")
-    run.add_argument("--log-every", type=int, default=1, metavar="N", help="(default: 1)")
-    run.add_argument("--empty-cache-every", type=int, default=0, metavar="N", help="(default: off)")
-    run.add_argument("--profile-steps", metavar="START:STOP", help="torch.profiler trace of these steps")
+    add_training_flags(parser, "finetune")
     add_output_options(parser)
 
 
@@ -155,11 +122,12 @@ class FinetuneReport:
 
 def run(args: argparse.Namespace) -> int:
     console = Console.from_args(args)
+    resolve_training_flags(args, "finetune")
     _check_arguments(args)
     quantization = config_from_args(args) if args.method else None
-    output = Path(args.output).expanduser()
+    output = Path(args.output_dir).expanduser()
     source = resolve_model(args.model)
-    _prepare_output(output, args, source)
+    prepare_run_folder(output, args, [source.path] + ([Path(args.data).expanduser()] if args.data else []))
     with float_checkpoint(source, scratch=output.parent, progress=console.progress) as folder:
         config = read_config(folder)
         cls = model_class(config)
@@ -176,41 +144,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    if args.steps < 1:
-        raise QuantlabError("--steps must be at least 1")
+    check_training_values(args, steps_required=True)
     if args.lora_r < 1:
         raise QuantlabError("--lora-r must be at least 1")
     if args.method and args.bitsandbytes:
         raise QuantlabError("--method quantizes with quantlab, --bitsandbytes with bitsandbytes: pass one of them")
-    if args.data is not None and not Path(args.data).expanduser().is_file():
-        raise QuantlabError(f"--data {args.data}: no such file")
-    if args.eval_windows < 0:
-        raise QuantlabError("--eval-windows must be 0 (no evaluation) or more")
-
-
-def _prepare_output(output: Path, args: argparse.Namespace, source: Any) -> None:
-    """The run folder: continued with --resume, replaced with --overwrite, otherwise it must be new."""
-    from quantlab.utils.atomic import OutputExistsError, check_replaceable, make_staging
-
-    if output.exists() and not output.is_dir():
-        raise QuantlabError(f"--output {output} is a file; finetune writes a run folder there, so pick a folder path")
-    if args.resume or not output.exists():
-        return
-    if not args.overwrite:
-        raise OutputExistsError(
-            f"output {output} already exists; pass --resume latest to continue its run, --overwrite to replace it, "
-            f"or pick another"
-        )
-    inputs = [source.path] + ([Path(args.data).expanduser()] if args.data else [])
-    check_replaceable(output, overwrite=True, protect=inputs)
-    if _is_main_process():
-        retired = make_staging(output.parent, output.name, "old")
-        os.replace(output, retired / output.name)
-        shutil.rmtree(retired, ignore_errors=True)
-
-
-def _is_main_process() -> bool:
-    return os.environ.get("RANK", "0") == "0"
 
 
 def _load_base(folder: Path, cls: type, config: Any, quantization: Any, args: argparse.Namespace):
@@ -268,7 +206,12 @@ def _train(
     data = _training_data(tokenizer, args)
     trainer = Trainer(
         model,
-        _training_config(args, output, console),
+        training_config(
+            args,
+            output,
+            defaults={"progress_bar": console.progress},
+            eval_every=(args.eval_steps or args.max_steps) if args.eval_windows else 0,
+        ),
         data.train,
         eval_windows=data.eval_windows,
         collator=CausalLMCollator.for_tokenizer(tokenizer),
@@ -304,51 +247,14 @@ def _train(
     return report
 
 
-def _training_config(args: argparse.Namespace, output: Path, console: Console):
-    from quantlab.training import TrainingConfig
-
-    profile = None
-    if args.profile_steps:
-        try:
-            start, stop = (int(part) for part in args.profile_steps.split(":"))
-        except ValueError as error:
-            raise QuantlabError(f"--profile-steps {args.profile_steps!r}: write START:STOP, e.g. 2:4") from error
-        profile = (start, stop)
-    return TrainingConfig(
-        output,
-        max_steps=args.steps,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        learning_rate=args.lr,
-        weight_decay=args.weight_decay,
-        optim=args.optim,
-        lr_scheduler=args.schedule,
-        warmup_steps=args.warmup_steps,
-        warmup_ratio=args.warmup_ratio,
-        max_grad_norm=args.max_grad_norm or None,
-        precision=args.precision,
-        activation_checkpointing=args.activation_checkpointing,
-        compile=args.compile,
-        empty_cache_every=args.empty_cache_every,
-        profile_steps=profile,
-        eval_every=(args.eval_every or args.steps) if args.eval_windows else 0,
-        log_every=args.log_every,
-        save_every=args.save_every,
-        keep_last=args.keep_last,
-        resume_from=args.resume,
-        seed=args.seed,
-        progress_bar=console.progress,
-    )
-
-
 def _training_data(tokenizer: Any, args: argparse.Namespace):
     from quantlab.training import bundled_data, causal_lm_data, read_documents
 
     windows = {"eval_windows": args.eval_windows, "eval_seq_len": args.eval_seq_len}
     if args.data is None:
-        return bundled_data(tokenizer, seq_len=args.seq_len, **windows)
+        return bundled_data(tokenizer, seq_len=args.max_seq_length, **windows)
     documents = read_documents(Path(args.data).expanduser(), text_field=args.text_field)
-    return causal_lm_data(tokenizer, documents, seq_len=args.seq_len, **windows)
+    return causal_lm_data(tokenizer, documents, seq_len=args.max_seq_length, **windows)
 
 
 def _merge(model: Any, tokenizer: Any, output: Path, args: argparse.Namespace, console: Console) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""`quantlab prune [MODEL] --pattern P [--sparsity S] --output DIR`: prune, optionally recover, save.
+"""`quantlab prune [MODEL] --pattern P [--sparsity S] --output-dir DIR`: prune, optionally recover, save.
 
 - `unstructured` / `N:M` (`2:4`, `4:8`): magnitude pruning of every Linear layer but the
   output head; the checkpoint stores the sparse weights compactly (`quantlab.prune.storage`),
@@ -8,7 +8,8 @@
   model that `from_pretrained` loads as is. Neurons are scored on `--calibration-samples`
   training examples (0: by weight norms).
 
-`--finetune-steps N` then trains the pruned model on the shared loop, with its masks held;
+The model goes to DIR/final; DIR is the run folder (log, checkpoints, report).
+`--max-steps N` then trains the pruned model on the shared loop, with its masks held;
 `--distill-from TEACHER` makes that training a distillation from TEACHER (the unpruned model,
 typically), which recovers more than plain fine-tuning.
 """
@@ -22,15 +23,13 @@ from typing import Any
 from quantlab.cli.console import Console, add_output_options, disk_size, key_value_table, seconds
 from quantlab.cli.distill import (
     add_distillation_arguments,
-    add_training_arguments,
-    check_training_arguments,
+    data_inputs,
     distillation_config,
+    eval_windows,
     freeze_embeddings,
     is_quantized,
     load_checkpoint,
-    run_directory,
     save_model,
-    training_config,
     training_data,
 )
 from quantlab.cli.evaluation import TextSpec, add_eval_arguments, measure_perplexity, read_text
@@ -43,8 +42,16 @@ from quantlab.cli.models import (
     train_run,
     weights_size,
 )
-from quantlab.cli.output import add_output_dir_arguments, check_output, write_report
+from quantlab.cli.output import write_report
+from quantlab.cli.training_flags import (
+    add_training_flags,
+    check_training_values,
+    prepare_run_folder,
+    resolve_training_flags,
+    training_config,
+)
 from quantlab.errors import QuantlabError
+from quantlab.training.trainer import FINAL_DIR
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -78,14 +85,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="structured: training examples scoring neurons by activation (default: 8; 0: weight norms)",
     )
-    add_output_dir_arguments(parser)
-    parser.add_argument("--finetune-steps", type=int, default=0, metavar="N", help="recovery training steps")
     parser.add_argument(
-        "--distill-from", metavar="TEACHER", help="recover by distillation from this model (needs --finetune-steps)"
+        "--distill-from", metavar="TEACHER", help="recover by distillation from this model (needs --max-steps)"
     )
     add_distillation_arguments(parser)
-    add_training_arguments(parser, learning_rate=5e-5)
-    add_eval_arguments(parser, help="measure perplexity before and after")
+    add_training_flags(parser, "prune")
+    add_eval_arguments(parser, help="measure perplexity before and after", window_flags=False)
     add_output_options(parser)
 
 
@@ -143,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     from quantlab.prune.patterns import check_sparsity, resolve_sparsity
 
     console = Console.from_args(args)
+    resolve_training_flags(args, "prune")
     pattern = parse_pattern(args.pattern)
     if pattern.kind == "structured":
         sparsity = check_sparsity(args.sparsity if args.sparsity is not None else 0.0, "--sparsity")
@@ -153,19 +159,17 @@ def run(args: argparse.Namespace) -> int:
         sparsity = resolve_sparsity(pattern, args.sparsity)
         if args.head_sparsity:
             raise QuantlabError("--head-sparsity applies to --pattern structured only")
-    if args.finetune_steps < 0:
-        raise QuantlabError("--finetune-steps must be >= 0")
-    if args.distill_from and not args.finetune_steps:
-        raise QuantlabError("--distill-from trains the pruned model from a teacher: give --finetune-steps N too")
-    check_training_arguments(args)
+    check_training_values(args, steps_required=False)
+    if args.distill_from and not args.max_steps:
+        raise QuantlabError("--distill-from trains the pruned model from a teacher: give --max-steps N too")
     distillation = distillation_config(args) if args.distill_from else None
-    output = Path(args.output).expanduser()
-    text = read_text(args) if args.eval else None
+    output = Path(args.output_dir).expanduser()
+    text = read_text(args, seq_len=args.eval_seq_len, windows=args.eval_windows) if args.eval else None
     if args.model is None:
         console.note("using the embedded SmolLM2-135M-Instruct (converted into the cache on first use)")
     source = resolve_model(args.model)
     teacher = resolve_model(args.distill_from) if args.distill_from else None
-    check_output(output, args.overwrite, source.path, *([teacher.path] if teacher else []))
+    prepare_run_folder(output, args, [source.path, *([teacher.path] if teacher else []), *data_inputs(args)])
     with float_checkpoint(source, scratch=output.parent, progress=console.progress) as folder:
         report = prune_checkpoint(args, source, folder, pattern, sparsity, output, teacher, distillation, text, console)
     console.report(report.as_table(), {"command": "prune", **dataclasses.asdict(report)})
@@ -187,8 +191,8 @@ def prune_checkpoint(
     if is_quantized(folder):
         raise QuantlabError(f"{source} is quantized; prune its float original, then quantize the pruned model")
     tokenizer = load_tokenizer(folder)
-    if (text is not None or args.finetune_steps) and tokenizer is None:
-        raise QuantlabError(f"{source} has no tokenizer, which --eval and --finetune-steps need")
+    if (text is not None or args.max_steps) and tokenizer is None:
+        raise QuantlabError(f"{source} has no tokenizer, which --eval and --max-steps need")
     model = load_checkpoint(folder)
     parameters_before = sum(p.numel() for p in model.parameters())
     report_eval: dict[str, Any] = {}
@@ -199,7 +203,8 @@ def prune_checkpoint(
     started = time.perf_counter()
     achieved, layers = _prune(model, pattern, sparsity, args, tokenizer)
     report = PruneReport(
-        model=str(source), output=str(output), pattern=str(pattern), sparsity=sparsity, achieved_sparsity=achieved,
+        model=str(source), output=str(output / FINAL_DIR),
+        pattern=str(pattern), sparsity=sparsity, achieved_sparsity=achieved,
         layers_pruned=layers, parameters_before=parameters_before,
         parameters_after=sum(p.numel() for p in model.parameters()), size_before_bytes=weights_size(source.path),
         size_after_bytes=0, prune_seconds=time.perf_counter() - started,
@@ -208,17 +213,17 @@ def prune_checkpoint(
     if text is not None:
         report.perplexity_pruned = measure_perplexity(model, tokenizer, text, console)
         report.evaluation_text = text.describe()
-    if args.finetune_steps:
+    if args.max_steps:
         _recover(args, model, tokenizer, teacher_source, distillation, output, report, console)
         if text is not None:
             report.perplexity_after = measure_perplexity(model, tokenizer, text, console)
     inputs = [source.path, *([teacher_source.path] if teacher_source else [])]
-    save_model(model, tokenizer, output, args.overwrite, protect=inputs)
-    report.size_after_bytes = weights_size(output)
+    save_model(model, tokenizer, output / FINAL_DIR, protect=inputs)
+    report.size_after_bytes = weights_size(output / FINAL_DIR)
     if pattern.kind != "structured":
         from quantlab.prune import sparse_storage
 
-        report.linear_weights_stored_ratio = sparse_storage(output).ratio()
+        report.linear_weights_stored_ratio = sparse_storage(output / FINAL_DIR).ratio()
     write_report(output, dataclasses.asdict(report))
     return report
 
@@ -263,23 +268,23 @@ def _recover(
     model.train()
     freeze_embeddings(model)
     started = time.perf_counter()
-    with run_directory(args, output) as run_dir:
-        config = training_config(args, args.finetune_steps, run_dir)
-        if teacher_source is None:
-            callbacks = [KeepMasks()] if masked_layers(model) else []
-            trainer = Trainer(model, config, data.train, collator=collator, callbacks=callbacks)
-        else:
-            with float_checkpoint(teacher_source, scratch=output.parent, progress=console.progress) as teacher_dir:
-                teacher = load_checkpoint(teacher_dir)
-                teacher_tokenizer = load_tokenizer(teacher_dir)
-            console.note(f"distilling from {teacher_source} for {args.finetune_steps} steps")
-            trainer = distillation_trainer(
-                model, teacher, config, data.train, distillation=distillation, collator=collator,
-                teacher_tokenizer=teacher_tokenizer, student_tokenizer=tokenizer,
-            )  # fmt: skip
-            report.teacher = str(teacher_source)
-        result = train_run(trainer)
+    config = training_config(args, output, defaults={"progress_bar": console.progress})
+    windows = eval_windows(args, data)
+    if teacher_source is None:
+        callbacks = [KeepMasks()] if masked_layers(model) else []
+        trainer = Trainer(model, config, data.train, eval_windows=windows, collator=collator, callbacks=callbacks)
+    else:
+        with float_checkpoint(teacher_source, scratch=output.parent, progress=console.progress) as teacher_dir:
+            teacher = load_checkpoint(teacher_dir)
+            teacher_tokenizer = load_tokenizer(teacher_dir)
+        console.note(f"distilling from {teacher_source} for {args.max_steps} steps")
+        trainer = distillation_trainer(
+            model, teacher, config, data.train, distillation=distillation, collator=collator, eval_windows=windows,
+            teacher_tokenizer=teacher_tokenizer, student_tokenizer=tokenizer,
+        )  # fmt: skip
+        report.teacher = str(teacher_source)
+    result = train_run(trainer)
     model.eval()
-    report.finetune_steps = args.finetune_steps
+    report.finetune_steps = args.max_steps
     report.finetune_loss = result.loss
     report.finetune_seconds = time.perf_counter() - started

@@ -8,7 +8,7 @@ import quantlab
 from quantlab.cli.main import main
 from quantlab.testing import tiny_llama
 
-TRAIN = ["--train-seq-len", "32", "--batch-size", "2", "--learning-rate", "1e-3"]
+TRAIN = ["--max-seq-length", "32", "--batch-size", "2", "--learning-rate", "1e-3"]
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -19,12 +19,12 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_distill_trains_the_student_and_saves_it(tmp_path, capsys, make_checkpoint):
     teacher, student = make_checkpoint(tmp_path / "teacher", 0), make_checkpoint(tmp_path / "student", 1)
-    argv = ["distill", "--teacher", str(teacher), "--student", str(student), "--steps", "2", *TRAIN]
-    code, out, _ = _run(capsys, *argv, "--output", str(tmp_path / "out"), "--json")
+    argv = ["distill", "--teacher", str(teacher), "--student", str(student), "--max-steps", "2", *TRAIN]
+    code, out, _ = _run(capsys, *argv, "--output-dir", str(tmp_path / "out"), "--json")
     assert code == 0
     report = json.loads(out.strip().splitlines()[-1])
     assert report["steps"] == 2 and report["loss"] > 0
-    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "final")
     original = AutoModelForCausalLM.from_pretrained(student)
     assert not bool((trained.model.layers[0].mlp.up_proj.weight == original.model.layers[0].mlp.up_proj.weight).all())
 
@@ -33,12 +33,12 @@ def test_quantized_student_needs_lora_and_stays_quantized(tmp_path, capsys, make
     teacher = make_checkpoint(tmp_path / "teacher", 0)
     quantized = quantlab.quantize(tiny_llama(1), quantlab.NF4Config(blocksize=32))
     student = make_checkpoint(tmp_path / "student", model=quantized)
-    argv = ["distill", "--teacher", str(teacher), "--student", str(student), "--steps", "2", *TRAIN]
-    code, _, err = _run(capsys, *argv, "--output", str(tmp_path / "out"))
+    argv = ["distill", "--teacher", str(teacher), "--student", str(student), "--max-steps", "2", *TRAIN]
+    code, _, err = _run(capsys, *argv, "--output-dir", str(tmp_path / "out"))
     assert code == 2 and "--lora-r" in err
-    code, _, err = _run(capsys, *argv, "--lora-r", "2", "--output", str(tmp_path / "out"))
+    code, _, err = _run(capsys, *argv, "--lora-r", "2", "--output-dir", str(tmp_path / "out"))
     assert code == 0, err
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "final")
     assert type(merged.model.layers[0].mlp.up_proj).__name__ == "NF4Linear"
 
 
@@ -49,8 +49,43 @@ def test_vocabulary_mismatch_is_a_clear_error(tmp_path, capsys, make_checkpoint)
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(tmp_path / "student")
-    argv = ["distill", "--teacher", str(teacher), "--student", str(tmp_path / "student"), "--steps", "1"]
-    code, _, err = _run(capsys, *argv, "--output", str(tmp_path / "out"))
+    argv = ["distill", "--teacher", str(teacher), "--student", str(tmp_path / "student"), "--max-steps", "1"]
+    code, _, err = _run(capsys, *argv, "--output-dir", str(tmp_path / "out"))
     assert code == 2
     assert "vocabularies differ" in err and "256" in err and "300" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_distill_with_last_release_spellings_runs_warns_and_resumes(tmp_path, capsys, make_checkpoint):
+    """The old flags still drive a whole run (one deprecation line each); the run folder resumes in place."""
+    teacher, student = make_checkpoint(tmp_path / "teacher", 0), make_checkpoint(tmp_path / "student", 1)
+    old = [
+        "distill",
+        "--teacher",
+        str(teacher),
+        "--student",
+        str(student),
+        "--steps",
+        "2",
+        "--output",
+        str(tmp_path / "out"),
+    ]
+    old += ["--train-seq-len", "32", "--grad-accum", "1", "--save-every", "1", "--precision", "fp32"]
+    code, _, err = _run(capsys, *old)
+    assert code == 0, err
+    warned = [line.split()[2] for line in err.splitlines() if "is deprecated" in line]
+    assert warned == ["--steps", "--output", "--train-seq-len", "--grad-accum", "--save-every", "--precision"]
+    assert (tmp_path / "out" / "final" / "config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+    assert (tmp_path / "out" / "log.jsonl").is_file() and (tmp_path / "out" / "quantlab_report.json").is_file()
+
+    new = ["distill", "--teacher", str(teacher), "--student", str(student), "--max-steps", "2"]
+    new += ["--max-seq-length", "32", "--save-steps", "1", "--output-dir", str(tmp_path / "out"), "--json"]
+    code, _, err = _run(capsys, *new)
+    assert code == 2 and "already exists; pass --resume-from-checkpoint" in err
+    first = tmp_path / "out" / "checkpoints" / "step-00000001"
+    code, out, err = _run(capsys, *new, "--resume-from-checkpoint", str(first))
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 2 and "deprecated" not in err
+    log = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in log if "loss" in record] == [1, 2]  # step 2 retrained once, from step 1

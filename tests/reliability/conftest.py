@@ -137,9 +137,9 @@ def train_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def finetune_argv(model: Path, text: Path, output: Path, *extra: str) -> list[str]:
     """A 4-step LoRA run on the tiny Llama with checkpoints at steps 2 and 4, no evaluation."""
     return [
-        "finetune", str(model), "--steps", "4", "--output", str(output), "--data", str(text),
-        "--lora-r", "4", "--seq-len", "32", "--eval-windows", "0", "--lr", "1e-2", "--save-every", "2",
-        "--quiet", *extra,
+        "finetune", str(model), "--max-steps", "4", "--output-dir", str(output), "--data", str(text),
+        "--lora-r", "4", "--max-seq-length", "32", "--eval-windows", "0", "--learning-rate", "1e-2",
+        "--save-steps", "2", "--quiet", *extra,
     ]  # fmt: skip
 
 

@@ -112,8 +112,8 @@ def _prune(model: Path, output: Path, *extra: str) -> list[str]:
 
 
 def _distill(teacher: Path, student: Path, output: Path, *extra: str) -> list[str]:
-    argv = ["distill", "--teacher", str(teacher), "--student", str(student), "--steps", "1", "-o", str(output)]
-    return [*argv, "--train-seq-len", "16", "--quiet", *extra]
+    argv = ["distill", "--teacher", str(teacher), "--student", str(student), "--max-steps", "1", "-o", str(output)]
+    return [*argv, "--max-seq-length", "16", "--quiet", *extra]
 
 
 # case id -> (command for a Setup, fragment of the one error line)
@@ -144,11 +144,11 @@ CASES: dict[str, tuple[Callable[[Setup], list[str]], str]] = {
     ),
     "finetune -o an existing file": (
         lambda s: s.finetune(s.existing("run", kind="file")),
-        "is a file; finetune writes a run folder there",
+        "is a file; the run needs a folder there",
     ),
     "finetune -o an existing folder": (
         lambda s: s.finetune(s.existing("run")),
-        "already exists; pass --resume latest to continue its run, --overwrite to replace it",
+        "already exists; pass --resume-from-checkpoint to continue its run, --overwrite to replace it",
     ),
     "finetune --overwrite of a folder holding the data": (
         lambda s: [
@@ -159,25 +159,38 @@ CASES: dict[str, tuple[Callable[[Setup], list[str]], str]] = {
         ],
         "contains the input",
     ),
-    "prune --run-dir an existing file": (
-        lambda s: _prune(s.llama, s.tmp / "out", "--finetune-steps", "1", "--run-dir", str(s.existing("r", "file"))),
-        "--run-dir",
+    "prune --run-dir (removed)": (
+        lambda s: _prune(s.llama, s.tmp / "out", "--max-steps", "1", "--run-dir", str(s.tmp / "r")),
+        "--run-dir is gone: the run's log and checkpoints now live in --output-dir",
     ),
-    "prune -o an existing folder": (lambda s: _prune(s.llama, s.existing("out")), "already exists; pass --overwrite"),
+    "prune -o an existing file": (
+        lambda s: _prune(s.llama, s.existing("out", "file")),
+        "is a file; the run needs a folder there",
+    ),
+    "prune -o an existing folder": (
+        lambda s: _prune(s.llama, s.existing("out")),
+        "already exists; pass --resume-from-checkpoint",
+    ),
     "distill -o an existing folder": (
         lambda s: _distill(s.llama, s.llama, s.existing("out")),
-        "already exists; pass --overwrite",
+        "already exists; pass --resume-from-checkpoint",
     ),
     "corrupt optimizer state on resume": (
-        lambda s: s.finetune(s.run_copy(_flip_last_byte("optimizer.safetensors")), "--resume", "latest"),
+        lambda s: s.finetune(
+            s.run_copy(_flip_last_byte("optimizer.safetensors")), "--resume-from-checkpoint", "latest"
+        ),
         "optimizer.safetensors does not match the checksum recorded when it was saved",
     ),
     "truncated RNG state on resume": (
-        lambda s: s.finetune(s.run_copy(_truncate("random_states_0.safetensors")), "--resume", "latest"),
+        lambda s: s.finetune(
+            s.run_copy(_truncate("random_states_0.safetensors")), "--resume-from-checkpoint", "latest"
+        ),
         "random_states_0.safetensors is 5092 bytes but was 10184 when saved",
     ),
     "RNG state deleted on resume": (
-        lambda s: s.finetune(s.run_copy(lambda c: (c / "random_states_0.json").unlink()), "--resume", "latest"),
+        lambda s: s.finetune(
+            s.run_copy(lambda c: (c / "random_states_0.json").unlink()), "--resume-from-checkpoint", "latest"
+        ),
         "random_states_0.json is missing",
     ),
 }
@@ -251,7 +264,7 @@ def test_a_full_disk_during_finetune_names_the_checkpoint_to_resume(
     assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["step-00000002"]  # no half-written one
 
     monkeypatch.setattr(state_files, "save_file", save)
-    assert main(finetune_args(llama_dir, train_text, output, "--resume", "latest")) == 0
+    assert main(finetune_args(llama_dir, train_text, output, "--resume-from-checkpoint", "latest")) == 0
     assert (output / "final" / "adapter_model.safetensors").is_file()
 
 
@@ -285,5 +298,5 @@ def test_a_disk_that_fills_up_during_finetune_keeps_the_last_checkpoint(
 
     moved = tmp_path / "run"  # the checkpoint is whole: the run continues once there is room
     shutil.copytree(output, moved)
-    assert main(finetune_args(llama_dir, train_text, moved, "--resume", "latest")) == 0
+    assert main(finetune_args(llama_dir, train_text, moved, "--resume-from-checkpoint", "latest")) == 0
     assert (moved / "final" / "adapter_model.safetensors").is_file()

@@ -106,7 +106,7 @@ def test_sigterm_during_a_training_checkpoint_then_resume_is_bit_identical(
     for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin"):  # accelerate's names: ignored
         (run / "checkpoints" / "step-00000002" / name).write_bytes(pickle_bomb.torch_file)
 
-    resumed = _run("", *finetune_args(llama_dir, train_text, run, "--resume", "latest"))
+    resumed = _run("", *finetune_args(llama_dir, train_text, run, "--resume-from-checkpoint", "latest"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert not pickle_bomb.ran()
     expected = load_file(tmp_path / "straight" / "final" / "adapter_model.safetensors")
@@ -132,7 +132,7 @@ def test_a_pickle_in_a_resumed_finetune_never_runs(
     checkpoint = run / "checkpoints" / "step-00000004"
     (checkpoint / "random_states_0.json").write_bytes(pickle_bomb.torch_file)
     _forge(checkpoint, "random_states_0.json")
-    result = _run("", *finetune_args(llama_dir, train_text, run, "--resume", "latest"))
+    result = _run("", *finetune_args(llama_dir, train_text, run, "--resume-from-checkpoint", "latest"))
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, lines
@@ -153,25 +153,26 @@ def test_a_pickle_in_a_resumed_finetune_prune_and_distill_run_never_runs(
     checkpoint = run / "checkpoints" / "step-00000004"
     (checkpoint / "optimizer.safetensors").write_bytes(pickle_bomb.torch_file)
     _forge(checkpoint, "optimizer.safetensors")
-    finetune = ["finetune", llama_dir, "--steps", "4", "-o", run, "--data", train_text, "--lora-r", "4"]
-    finetune += ["--seq-len", "32", "--eval-windows", "0", "--lr", "1e-2", "--save-every", "2", "--resume", "latest"]
+    finetune = ["finetune", llama_dir, "--max-steps", "4", "-o", run, "--data", train_text, "--lora-r", "4"]
+    finetune += ["--max-seq-length", "32", "--eval-windows", "0", "--learning-rate", "1e-2", "--save-steps", "2"]
+    finetune += ["--resume-from-checkpoint", "latest"]
 
     long_text = tmp_path / "long.txt"  # prune and distill hold out 16 windows of 512 tokens
     long_text.write_text(train_text.read_text() * 4)
-    training = ["--train-seq-len", "16", "--batch-size", "2", "--data", long_text, "--save-every", "1"]
+    training = ["--max-seq-length", "16", "--batch-size", "2", "--data", long_text, "--save-steps", "1"]
     commands = {"finetune": finetune}
     for command in ("prune", "distill"):
         run_dir = tmp_path / f"{command}-run"
         if command == "prune":
-            argv = ["prune", llama_dir, "--pattern", "unstructured", "--sparsity", "0.5", "--finetune-steps", "2"]
+            argv = ["prune", llama_dir, "--pattern", "unstructured", "--sparsity", "0.5", "--max-steps", "2"]
         else:
-            argv = ["distill", "--teacher", llama_dir, "--student", llama_dir, "--steps", "2"]
-        argv = [*map(str, argv), *map(str, training), "--run-dir", str(run_dir), "--quiet"]
-        assert main([*argv, "-o", str(tmp_path / f"{command}-out")]) == 0
+            argv = ["distill", "--teacher", llama_dir, "--student", llama_dir, "--max-steps", "2"]
+        argv = [*map(str, argv), *map(str, training), "-o", str(run_dir), "--quiet"]
+        assert main(argv) == 0
         checkpoint = run_dir / "checkpoints" / "step-00000002"
         (checkpoint / "callbacks.json").write_bytes(pickle_bomb.torch_file)
         _forge(checkpoint, "callbacks.json")
-        commands[command] = [*argv, "-o", str(tmp_path / f"{command}-again"), "--resume"]
+        commands[command] = [*argv, "--resume-from-checkpoint"]
 
     for command, argv in commands.items():
         result = _run("", *argv)

@@ -11,7 +11,18 @@ from safetensors.torch import load_file
 from quantlab.cli.main import main
 from quantlab.testing import tiny_llama, tiny_model_dir
 
-TINY = ["--lora-r", "4", "--seq-len", "32", "--eval-windows", "2", "--eval-seq-len", "64", "--lr", "1e-2"]
+TINY = [
+    "--lora-r",
+    "4",
+    "--max-seq-length",
+    "32",
+    "--eval-windows",
+    "2",
+    "--eval-seq-len",
+    "64",
+    "--learning-rate",
+    "1e-2",
+]
 
 
 @pytest.fixture
@@ -30,9 +41,9 @@ def _last_json(captured: str) -> dict:
 def test_finetune_trains_merges_and_reports(tiny_checkpoint, tmp_path, capsys):
     folder, text = tiny_checkpoint
     output = tmp_path / "run"
-    base = ["finetune", str(folder), "--method", "nf4", "--blocksize", "32", "--output", str(output)]
-    base += ["--data", str(text), *TINY, "--save-every", "3", "--schedule", "constant", "--json"]
-    assert main([*base, "--steps", "6", "--merge", "float"]) == 0
+    base = ["finetune", str(folder), "--method", "nf4", "--blocksize", "32", "--output-dir", str(output)]
+    base += ["--data", str(text), *TINY, "--save-steps", "3", "--lr-scheduler-type", "constant", "--json"]
+    assert main([*base, "--max-steps", "6", "--merge", "float"]) == 0
     report = _last_json(capsys.readouterr().out)
     assert report["steps"] == 6 and report["processes"] == 1
     assert report["base"].startswith("nf4") and "blocksize=32" in report["base"]
@@ -42,7 +53,7 @@ def test_finetune_trains_merges_and_reports(tiny_checkpoint, tmp_path, capsys):
     assert (output / "merged" / "config.json").is_file() and (output / "quantlab_report.json").is_file()
     assert [p.name for p in sorted((output / "checkpoints").iterdir())] == ["step-00000003", "step-00000006"]
 
-    assert main([*base, "--steps", "7", "--resume", "latest"]) == 0  # a constant schedule may run longer
+    assert main([*base, "--max-steps", "7", "--resume-from-checkpoint"]) == 0  # a constant schedule may run longer
     assert _last_json(capsys.readouterr().out)["steps"] == 7
 
 
@@ -52,15 +63,25 @@ def test_finetune_trains_merges_and_reports(tiny_checkpoint, tmp_path, capsys):
         (["--method", "nf4", "--bitsandbytes"], "pass one of them"),
         (["--target-modules", "q_proj,qkv"], "'qkv' matches no Linear layer"),
         (["--optim", "sgd_9bit"], "invalid choice: 'sgd_9bit'"),
-        (["--precision", "fp16"], "use precision='bf16' or 'fp32'"),
-        (["--resume", "latest"], "holds no complete checkpoint"),
+        (["--fp16"], "use precision='bf16' or 'fp32'"),
+        (["--resume-from-checkpoint", "latest"], "holds no complete checkpoint"),
         (["--method", "no_such_method"], "unknown quantization method 'no_such_method'"),
-        (["--steps", "0"], "--steps must be at least 1"),
+        (["--max-steps", "0"], "--max-steps must be at least 1"),
     ],
 )
 def test_bad_input_is_one_clear_line(extra, message, tiny_checkpoint, tmp_path, capsys):
     folder, text = tiny_checkpoint
-    argv = ["finetune", str(folder), "--steps", "2", "--output", str(tmp_path / "run"), "--data", str(text), *TINY]
+    argv = [
+        "finetune",
+        str(folder),
+        "--max-steps",
+        "2",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--data",
+        str(text),
+        *TINY,
+    ]
     assert main([*argv, *extra]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert error[-1].startswith("quantlab: error:") and message in error[-1]
@@ -69,7 +90,18 @@ def test_bad_input_is_one_clear_line(extra, message, tiny_checkpoint, tmp_path, 
 def test_float_base_lora_saves_the_adapter_only(tiny_checkpoint, tmp_path, capsys):
     folder, text = tiny_checkpoint
     output = tmp_path / "run"
-    argv = ["finetune", str(folder), "--steps", "2", "--output", str(output), "--data", str(text), *TINY, "--json"]
+    argv = [
+        "finetune",
+        str(folder),
+        "--max-steps",
+        "2",
+        "--output-dir",
+        str(output),
+        "--data",
+        str(text),
+        *TINY,
+        "--json",
+    ]
     assert main(argv) == 0
     assert _last_json(capsys.readouterr().out)["base"] == "float32"
     saved = load_file(str(output / "final" / "adapter_model.safetensors"))
@@ -80,7 +112,7 @@ def test_quiet_bitsandbytes_run_leaves_out_library_chatter(tiny_checkpoint, tmp_
     """bitsandbytes logs on import when its optional hub kernels are missing, PEFT and transformers
     warn of deprecations: --quiet leaves those out (warnings about results, if any, still show)."""
     folder, text = tiny_checkpoint
-    argv = ["finetune", folder, "--bitsandbytes", "--steps", "1", "--output", tmp_path / "run", "--data", text]
+    argv = ["finetune", folder, "--bitsandbytes", "--max-steps", "1", "--output-dir", tmp_path / "run", "--data", text]
     command = [sys.executable, "-m", "quantlab.cli.main", *map(str, [*argv, *TINY, "--quiet"])]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)

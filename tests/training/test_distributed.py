@@ -11,15 +11,26 @@ from safetensors.torch import load_file
 
 from quantlab.testing import tiny_llama, tiny_model_dir
 
-TINY = ["--lora-r", "4", "--lora-dropout", "0", "--seq-len", "32", "--eval-windows", "2", "--eval-seq-len", "64"]
+TINY = ["--lora-r", "4", "--lora-dropout", "0", "--max-seq-length", "32", "--eval-windows", "2", "--eval-seq-len", "64"]
 
 
 def _finetune(folder, text, output, processes: int, batch_size: int) -> subprocess.CompletedProcess:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
     command = [*launcher, "-m", "quantlab.cli.main"] if processes > 1 else [sys.executable, "-m", "quantlab.cli.main"]
-    arguments = ["finetune", str(folder), "--method", "nf4", "--blocksize", "32", "--steps", "3", "--lr", "1e-2"]
-    arguments += ["--output", str(output), "--data", str(text), "--batch-size", str(batch_size), *TINY]
-    arguments += ["--save-every", "3", "--json"]
+    arguments = [
+        "finetune",
+        str(folder),
+        "--method",
+        "nf4",
+        "--blocksize",
+        "32",
+        "--max-steps",
+        "3",
+        "--learning-rate",
+        "1e-2",
+    ]
+    arguments += ["--output-dir", str(output), "--data", str(text), "--batch-size", str(batch_size), *TINY]
+    arguments += ["--save-steps", "3", "--json"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([*command, *arguments], capture_output=True, text=True, timeout=900, env=environment)
 

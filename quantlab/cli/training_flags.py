@@ -1,0 +1,386 @@
+"""The flags `quantlab finetune`, `prune` and `distill` share, declared once, named after `TrainingArguments`.
+
+Every training command calls `add_training_flags(parser, command)` and gets the same flags,
+with the same help and defaults: `--learning-rate`, `--max-steps`, `--per-device-train-batch-size`
+(short: `--batch-size`), `--output-dir`, `--resume-from-checkpoint [latest|DIR]`, ... Any other
+field passes through with `--training-arg name=value` or `--training-args FILE` (JSON or YAML);
+`quantlab.training.arguments` says what each name means for quantlab's loop and rejects unknown
+ones. Where a value is: the table's default < the command's default (`COMMAND_DEFAULTS`) <
+`--training-args FILE` < `--training-arg` < the dedicated flag.
+
+- `--output-dir DIR` is the run folder in every command: `log.jsonl`, `checkpoints/step-N`, the
+  report, and the command's result in `DIR/final` (finetune: the adapter; prune and distill: the model).
+- `--resume-from-checkpoint` (bare or `latest`) continues from the newest checkpoint of
+  `--output-dir`; with a folder, from that checkpoint or that run folder's newest.
+- `--max-seq-length` is the length of a training example; `--eval-seq-len` x `--eval-windows`
+  are the evaluation windows.
+
+The spellings of the previous release are kept as hidden aliases that print one deprecation line.
+"""
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from quantlab.errors import QuantlabError
+
+TRAINING_COMMANDS = ("finetune", "prune", "distill")
+SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
+
+# Defaults that differ by command: LoRA (finetune) wants a larger learning rate than full-weight recovery.
+COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "finetune": {
+        "learning_rate": 2e-4,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": 0,
+        "activation_checkpointing": True,
+        "eval_windows": 4,
+        "report_to": "tensorboard",
+    },
+    "prune": {
+        "learning_rate": 5e-5,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 0.05,
+        "activation_checkpointing": False,
+        "eval_windows": 16,
+        "max_steps": 0,
+        "report_to": "none",
+    },
+    "distill": {
+        "learning_rate": 1e-4,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 0.05,
+        "activation_checkpointing": False,
+        "eval_windows": 16,
+        "report_to": "none",
+    },
+}
+# Names the CLI itself uses; they are not fields of quantlab's TrainingConfig.
+CLI_ONLY = ("max_seq_length", "eval_windows", "eval_seq_len", "data", "text_field", "overwrite")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingFlag:
+    """One shared flag: `name` is its `TrainingArguments` field (or quantlab's name) and its argparse dest."""
+
+    name: str
+    help: str
+    group: str = "training"
+    type: Callable[[str], Any] | None = None
+    default: Any = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    aliases: tuple[str, ...] = ()
+    kind: str = "value"  # "value", "switch" (store_true), "toggle" (--x/--no-x), "optional" (nargs='?')
+    shown_default: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def default_text(self) -> str:
+        per_command = [
+            f"{_shown(COMMAND_DEFAULTS[command][self.name])} {command}"
+            for command in TRAINING_COMMANDS
+            if self.name in COMMAND_DEFAULTS[command]
+        ]
+        if self.shown_default is not None:
+            return self.shown_default
+        if per_command:
+            return ", ".join(per_command)
+        return "off" if self.default in (None, False, 0) and self.kind != "value" else str(self.default)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _steps_or_fraction(text: str) -> int | float:
+    number = float(text)
+    return int(number) if number.is_integer() else number
+
+
+def _optimizers() -> tuple[str, ...]:
+    from quantlab.training.optimizers import optimizer_names
+
+    return tuple(optimizer_names())
+
+
+def training_flags() -> list[TrainingFlag]:
+    """The shared flags, in the order `--help` lists them."""
+    return [
+        TrainingFlag("output_dir", "run folder: log, checkpoints/, report, and the result in DIR/final",
+                     metavar="DIR", aliases=("-o",), shown_default="required"),
+        TrainingFlag("overwrite", "delete an existing DIR and start a new run in it", kind="switch"),
+        TrainingFlag("max_steps", "optimizer steps (prune: recovery steps after pruning, 0 for none)",
+                     type=int, metavar="N", shown_default="required by finetune and distill, 0 prune"),
+        TrainingFlag("learning_rate", "peak learning rate", type=float, metavar="LR"),
+        TrainingFlag("per_device_train_batch_size", "examples per micro-batch and process", type=int, default=4,
+                     metavar="N", aliases=("--batch-size",)),
+        TrainingFlag("gradient_accumulation_steps", "micro-batches per optimizer step", type=int, default=1,
+                     metavar="K"),
+        TrainingFlag("max_seq_length", "tokens per training example", type=int, default=256, metavar="N"),
+        TrainingFlag("lr_scheduler_type", "learning-rate schedule", choices=SCHEDULES),
+        TrainingFlag("warmup_steps", "warmup steps, or a fraction in [0, 1) of --max-steps", type=_steps_or_fraction,
+                     metavar="N|F"),
+        TrainingFlag("weight_decay", "AdamW weight decay", type=float, default=0.0, metavar="F"),
+        TrainingFlag("max_grad_norm", "gradient clipping norm, 0 turns it off", type=float, default=1.0,
+                     metavar="F"),
+        TrainingFlag("optim", "optimizer, by TrainingArguments name", choices=_optimizers(), default="adamw_torch"),
+        TrainingFlag("bf16", "bfloat16 mixed precision", kind="switch"),
+        TrainingFlag("fp16", "float16 mixed precision", kind="switch"),
+        TrainingFlag("activation_checkpointing", "recompute activations in the backward pass", kind="toggle"),
+        TrainingFlag("torch_compile", "torch.compile the model", kind="switch"),
+        TrainingFlag("torch_empty_cache_steps", "empty the allocator cache every N steps", type=int, default=0,
+                     metavar="N"),
+        TrainingFlag("seed", "seed of the run", type=int, default=0, metavar="N"),
+        TrainingFlag("data", "training text, .txt or .jsonl", metavar="FILE",
+                     shown_default="the bundled WikiText-2 text after its held-out windows"),
+        TrainingFlag("text_field", "JSONL field holding the text", default="text", metavar="NAME"),
+        TrainingFlag("save_steps", "checkpoint every N steps, 0 off", "checkpoints", type=int, default=0,
+                     metavar="N"),
+        TrainingFlag("save_total_limit", "checkpoints kept", "checkpoints", type=int, default=2, metavar="K"),
+        TrainingFlag("resume_from_checkpoint", "continue from the newest checkpoint of --output-dir (latest), "
+                     "or of DIR", "checkpoints", metavar="latest|DIR", kind="optional", shown_default="a new run"),
+        TrainingFlag("logging_steps", "log every N steps", "logging and evaluation", type=int, default=1,
+                     metavar="N"),
+        TrainingFlag("eval_steps", "held-out perplexity every N steps, into the log; 0 off",
+                     "logging and evaluation", type=int, default=0, metavar="N"),
+        TrainingFlag("eval_windows", "held-out evaluation windows", "logging and evaluation", type=int,
+                     metavar="N"),
+        TrainingFlag("eval_seq_len", "tokens per evaluation window", "logging and evaluation", type=int,
+                     default=512, metavar="N"),
+        TrainingFlag("profile_steps", "torch.profiler trace of steps START..STOP-1, into DIR/profile",
+                     "logging and evaluation", metavar="START:STOP", shown_default="off"),
+    ]  # fmt: skip
+
+
+# Old spelling -> (new flag, how its value maps onto the new flag's dest/value).
+def _same(name: str) -> tuple[str, Callable[[Any], dict[str, Any]]]:
+    return name, lambda value: {name: value}
+
+
+def _precision(value: str) -> dict[str, Any]:
+    return {"bf16": value == "bf16", "fp16": value == "fp16"}
+
+
+def _deprecated(command: str) -> dict[str, tuple[str, Callable[[Any], dict[str, Any]], dict[str, Any]]]:
+    """Old flag -> (new flag name, value mapper, argparse options of the old flag) for `command`."""
+    specs = {spec.name: spec for spec in training_flags()}
+
+    def value(name: str) -> dict[str, Any]:
+        return {"type": specs[name].type, "choices": specs[name].choices}
+
+    switch = {"nargs": 0}
+    renames = {
+        "--output": "output_dir", "--grad-accum": "gradient_accumulation_steps", "--save-every": "save_steps",
+        "--keep-last": "save_total_limit", "--log-every": "logging_steps", "--eval-every": "eval_steps",
+        "--empty-cache-every": "torch_empty_cache_steps", "--lr": "learning_rate", "--schedule": "lr_scheduler_type",
+        "--train-seq-len": "max_seq_length",
+    }  # fmt: skip
+    old: dict[str, tuple[str, Callable[[Any], dict[str, Any]], dict[str, Any]]] = {
+        flag: (*_same(name), value(name)) for flag, name in renames.items()
+    }
+    old["--precision"] = ("bf16/--fp16", _precision, {"choices": ("fp32", "bf16", "fp16")})
+    old["--compile"] = ("torch_compile", lambda _: {"torch_compile": True}, switch)
+    old["--warmup-ratio"] = (*_same("warmup_steps"), {"type": float})
+    old["--resume"] = (
+        "resume_from_checkpoint",
+        lambda v: {"resume_from_checkpoint": v},
+        {"nargs": "?", "const": "latest"},
+    )
+    if command == "finetune":
+        old["--steps"] = (*_same("max_steps"), value("max_steps"))
+        old["--seq-len"] = (*_same("max_seq_length"), value("max_seq_length"))
+    else:
+        old["--seq-len"] = (*_same("eval_seq_len"), value("eval_seq_len"))
+        old["--windows"] = (*_same("eval_windows"), value("eval_windows"))
+        old["--steps" if command == "distill" else "--finetune-steps"] = (*_same("max_steps"), value("max_steps"))
+    return old
+
+
+class _DeprecatedFlag(argparse.Action):
+    """An old spelling: sets what the new flag would, and says once on stderr which flag replaces it."""
+
+    def __init__(self, option_strings, dest, replacement: str, mapper: Callable[[Any], dict[str, Any]], **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                         **kwargs)  # fmt: skip
+        self.replacement, self.mapper = replacement, mapper
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = "--" + self.replacement.replace("_", "-")
+        moved = self.replacement == "output_dir" and parser.prog.split()[-1] != "finetune"
+        where = " (DIR is now the run folder; the model goes to DIR/final)" if moved else ""
+        print(f"quantlab: warning: {option_string} is deprecated and will be removed in the next release; "
+              f"use {new}{where}", file=sys.stderr)  # fmt: skip
+        for dest, value in self.mapper(values).items():
+            setattr(namespace, dest, value)
+
+
+class _RemovedFlag(argparse.Action):
+    def __init__(self, option_strings, dest, message: str, **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                         **kwargs)  # fmt: skip
+        self.message = message
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(self.message)
+
+
+def add_training_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """The shared training flags (identical in every training command), then the old spellings, hidden."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for spec in training_flags():
+        group = groups.get(spec.group) or groups.setdefault(spec.group, parser.add_argument_group(spec.group))
+        text = f"{spec.help} (default: {spec.default_text()})"
+        names = (spec.flag, *spec.aliases)
+        if spec.kind == "switch":
+            group.add_argument(*names, dest=spec.name, action="store_true", default=None, help=text)
+        elif spec.kind == "toggle":
+            group.add_argument(*names, dest=spec.name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif spec.kind == "optional":
+            group.add_argument(*names, dest=spec.name, nargs="?", const="latest", metavar=spec.metavar, help=text)
+        else:
+            group.add_argument(*names, dest=spec.name, type=spec.type, choices=spec.choices, metavar=spec.metavar,
+                               help=text)  # fmt: skip
+    passthrough = groups["training"]
+    passthrough.add_argument(
+        "--training-arg", action="append", default=[], metavar="NAME=VALUE", dest="training_arg",
+        help="any other TrainingArguments field, e.g. --training-arg lr_scheduler_kwargs='{\"power\": 2}' (repeatable)",
+    )  # fmt: skip
+    passthrough.add_argument(
+        "--training-args", metavar="FILE", dest="training_args_file",
+        help="TrainingArguments fields from a JSON or YAML file; flags given on the command line win",
+    )  # fmt: skip
+    for old, (replacement, mapper, options) in _deprecated(command).items():
+        parser.add_argument(old, action=_DeprecatedFlag, replacement=replacement, mapper=mapper, **options)
+    parser.add_argument(
+        "--run-dir", action=_RemovedFlag, nargs=1,
+        message="--run-dir is gone: the run's log and checkpoints now live in --output-dir DIR "
+        "(the model in DIR/final)",
+    )  # fmt: skip
+
+
+# -- from flags to values ---------------------------------------------------------------------------
+
+
+def resolve_training_flags(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Every shared value, by name: defaults, command defaults, file, `--training-arg`, then the flags given.
+
+    Sets each on `args` too, and keeps the lot as `args.training_values` for `training_config`.
+    """
+    from quantlab.training.arguments import read_training_arguments_file
+
+    values: dict[str, Any] = {spec.name: spec.default for spec in training_flags()}
+    values.update(COMMAND_DEFAULTS[command])
+    chosen: dict[str, Any] = {}
+    if args.training_args_file:
+        chosen.update(read_training_arguments_file(args.training_args_file))
+    for item in args.training_arg:
+        name, equals, text = item.partition("=")
+        if not equals or not name.strip():
+            raise QuantlabError(f"--training-arg {item!r}: write NAME=VALUE, e.g. --training-arg weight_decay=0.01")
+        chosen[name.strip().replace("-", "_")] = text
+    specs = {spec.name: spec for spec in training_flags()}
+    for name in CLI_ONLY:  # passed through by name: typed as their flag would type them
+        convert = _switch_value if specs[name].kind == "switch" else specs[name].type
+        if isinstance(chosen.get(name), str) and convert is not None:
+            try:
+                chosen[name] = convert(chosen[name])
+            except ValueError as error:
+                raise QuantlabError(f"training argument {name}={chosen[name]!r}: {error}") from error
+    for spec in specs.values():
+        if getattr(args, spec.name, None) is not None:
+            chosen[spec.name] = getattr(args, spec.name)
+    _check_passthrough(chosen)
+    values.update(chosen)
+    if values["output_dir"] is None:
+        raise QuantlabError("--output-dir DIR is required: the run folder (log, checkpoints, the result in DIR/final)")
+    if values.get("bf16") and values.get("fp16"):
+        raise QuantlabError("--bf16 and --fp16 both given; choose one")
+    for name, value in values.items():
+        setattr(args, name, value)
+    args.training_values = values
+    return values
+
+
+def _switch_value(text: str) -> bool:
+    words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+    if text.strip().lower() not in words:
+        raise ValueError("expects true or false")
+    return words[text.strip().lower()]
+
+
+def _check_passthrough(chosen: dict[str, Any]) -> None:
+    """Unknown names fail now, before any model is loaded (one line, exit 2)."""
+    from quantlab.training.arguments import training_config_values
+
+    training_config_values(
+        {name: value for name, value in chosen.items() if name not in CLI_ONLY and value is not None}
+    )
+
+
+def training_config(args: argparse.Namespace, run_dir: Path, defaults: dict[str, Any] | None = None, **fixed: Any):
+    """`TrainingConfig` for the run in `run_dir`.
+
+    `defaults` (e.g. `progress_bar`) apply unless a value sets them; `fixed` (what the command
+    decides itself, e.g. `eval_every` from `--eval-steps` and its evaluation windows) always applies.
+    """
+    from quantlab.training import TrainingConfig
+    from quantlab.training.arguments import training_config_values
+
+    given = {name: value for name, value in args.training_values.items() if name not in CLI_ONLY and value is not None}
+    given["output_dir"] = run_dir
+    fields = training_config_values(given)
+    return TrainingConfig(**{**(defaults or {}), **fields, **fixed})
+
+
+def check_training_values(args: argparse.Namespace, steps_required: bool) -> None:
+    """Refuse bad shared values before any model is loaded."""
+    if args.max_steps is None and steps_required:
+        raise QuantlabError("--max-steps N is required: the number of optimizer steps")
+    if args.max_steps is not None and args.max_steps < (1 if steps_required else 0):
+        raise QuantlabError(f"--max-steps must be at least {1 if steps_required else 0}")
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "eval_seq_len"):
+        if getattr(args, name) < 1:
+            raise QuantlabError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_seq_length < 2:
+        raise QuantlabError("--max-seq-length must be at least 2")
+    if args.eval_windows < 0:
+        raise QuantlabError("--eval-windows must be 0 (no evaluation) or more")
+    if args.data is not None and not Path(args.data).expanduser().is_file():
+        raise QuantlabError(f"--data {args.data}: no such file")
+
+
+def prepare_run_folder(output: Path, args: argparse.Namespace, inputs: list[Path]) -> None:
+    """The run folder: continued with --resume-from-checkpoint, replaced with --overwrite, else it must be new.
+
+    `inputs` (the models and data read) are never deleted by `--overwrite`.
+    """
+    import os
+    import shutil
+
+    from quantlab.utils.atomic import OutputExistsError, check_replaceable, make_staging
+
+    for path in inputs:
+        if output.resolve() == Path(path).resolve():
+            raise QuantlabError(f"--output-dir {output} is one of the inputs; write somewhere else")
+    if output.exists() and not output.is_dir():
+        raise QuantlabError(f"--output-dir {output} is a file; the run needs a folder there, so pick a folder path")
+    if args.resume_from_checkpoint or not output.exists():
+        return
+    if not args.overwrite:
+        raise OutputExistsError(
+            f"output {output} already exists; pass --resume-from-checkpoint to continue its run, --overwrite to "
+            f"replace it, or pick another"
+        )
+    check_replaceable(output, overwrite=True, protect=inputs)
+    if os.environ.get("RANK", "0") == "0":
+        retired = make_staging(output.parent, output.name, "old")
+        os.replace(output, retired / output.name)
+        shutil.rmtree(retired, ignore_errors=True)

@@ -1,0 +1,196 @@
+"""The training commands' one vocabulary: identical shared flags, old spellings that warn, `--training-arg`."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+from transformers import TrainingArguments
+
+from quantlab.cli.main import build_parser, main, parse
+from quantlab.cli.training_flags import (
+    TRAINING_COMMANDS,
+    resolve_training_flags,
+    training_config,
+    training_flags,
+)
+from quantlab.training.arguments import RENAMED, TRANSLATED
+
+BASE = {
+    "finetune": ["finetune"],
+    "prune": ["prune", "--pattern", "2:4"],
+    "distill": ["distill", "--teacher", "t", "--student", "s"],
+}
+SHARED_DESTS = {spec.name for spec in training_flags()} | {"training_arg", "training_args_file"}
+ISSUE_FLAGS = [
+    "--learning-rate", "--max-steps", "--per-device-train-batch-size", "--gradient-accumulation-steps",
+    "--lr-scheduler-type", "--warmup-steps", "--save-steps", "--save-total-limit", "--logging-steps",
+    "--eval-steps", "--bf16", "--fp16", "--optim", "--resume-from-checkpoint", "--output-dir",
+    "--activation-checkpointing",
+]  # fmt: skip
+
+
+def _command_parser(command: str) -> argparse.ArgumentParser:
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    raise AssertionError("no subcommands")
+
+
+def _shared_actions(command: str) -> dict[str, tuple]:
+    """Every visible shared flag of `command`, with what a user sees and gets from it."""
+    described = {}
+    for action in _command_parser(command)._actions:
+        if action.dest in SHARED_DESTS and action.help != argparse.SUPPRESS:
+            described[action.option_strings[0]] = (
+                tuple(action.option_strings), action.dest, action.default, action.help, action.type,
+                tuple(action.choices) if action.choices else None, action.nargs, action.const, action.metavar,
+                type(action).__name__,
+            )  # fmt: skip
+    return described
+
+
+def test_shared_flags_are_identical_in_every_training_command():
+    finetune = _shared_actions("finetune")
+    assert finetune == _shared_actions("prune") == _shared_actions("distill")
+    assert set(ISSUE_FLAGS) <= set(finetune)
+    assert len(finetune) == len(SHARED_DESTS)  # one visible flag per shared value
+    assert "--batch-size" in finetune["--per-device-train-batch-size"][0]
+
+
+def test_shared_flags_are_named_after_training_arguments_fields():
+    fields = {field.name for field in dataclasses.fields(TrainingArguments)}
+    assert set(RENAMED) | set(TRANSLATED) <= fields
+    for spec in training_flags():
+        if spec.name in RENAMED or spec.name in TRANSLATED:
+            assert spec.flag == "--" + spec.name.replace("_", "-")
+
+
+def test_no_visible_flag_is_spelled_two_ways():
+    for command in TRAINING_COMMANDS:
+        visible = [a for a in _command_parser(command)._actions if a.help != argparse.SUPPRESS]
+        dests = [a.dest for a in visible if a.dest in SHARED_DESTS and a.dest not in ("bf16", "fp16")]
+        assert len(dests) == len(set(dests)), command
+
+
+# (command, old spelling with its value, new dest, value it sets)
+OLD_SPELLINGS = [
+    ("finetune", ["--lr", "0.1"], "learning_rate", 0.1),
+    ("finetune", ["--steps", "3"], "max_steps", 3),
+    ("finetune", ["--seq-len", "64"], "max_seq_length", 64),
+    ("finetune", ["--schedule", "cosine"], "lr_scheduler_type", "cosine"),
+    ("finetune", ["--keep-last", "3"], "save_total_limit", 3),
+    ("finetune", ["--log-every", "5"], "logging_steps", 5),
+    ("finetune", ["--eval-every", "2"], "eval_steps", 2),
+    ("finetune", ["--empty-cache-every", "4"], "torch_empty_cache_steps", 4),
+    ("finetune", ["--compile"], "torch_compile", True),
+    ("finetune", ["--warmup-ratio", "0.1"], "warmup_steps", 0.1),
+    ("finetune", ["--resume", "latest"], "resume_from_checkpoint", "latest"),
+    ("finetune", ["--precision", "bf16"], "bf16", True),
+    ("prune", ["--finetune-steps", "2"], "max_steps", 2),
+    ("prune", ["--train-seq-len", "32"], "max_seq_length", 32),
+    ("prune", ["--seq-len", "128"], "eval_seq_len", 128),
+    ("prune", ["--windows", "3"], "eval_windows", 3),
+    ("prune", ["--grad-accum", "2"], "gradient_accumulation_steps", 2),
+    ("prune", ["--resume"], "resume_from_checkpoint", "latest"),
+    ("distill", ["--steps", "2"], "max_steps", 2),
+    ("distill", ["--save-every", "1"], "save_steps", 1),
+    ("distill", ["--precision", "fp16"], "fp16", True),
+    ("distill", ["--seq-len", "128"], "eval_seq_len", 128),
+]
+
+
+@pytest.mark.parametrize(("command", "old", "dest", "value"), OLD_SPELLINGS, ids=lambda x: str(x))
+def test_old_spellings_still_work_and_warn_once(command, old, dest, value, capsys):
+    args = parse([*BASE[command], "-o", "run", *old])
+    assert getattr(args, dest) == value
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"quantlab: warning: {old[0]} is deprecated"), lines
+    assert "--" + dest.replace("_", "-") in lines[0] or dest in ("bf16", "fp16")
+
+
+@pytest.mark.parametrize("command", TRAINING_COMMANDS)
+def test_old_output_spelling_sets_the_run_folder(command, capsys):
+    args = parse([*BASE[command], "--output", "run"])
+    assert args.output_dir == "run"
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "use --output-dir" in lines[0]
+    assert ("DIR/final" in lines[0]) == (command != "finetune")  # where prune and distill now put the model
+
+
+def test_removed_run_dir_is_one_line_exit_2(tmp_path, capsys):
+    assert main([*BASE["prune"], "-o", str(tmp_path / "x"), "--run-dir", str(tmp_path / "r")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "--run-dir is gone" in error[0] and "--output-dir" in error[0]
+
+
+def _config(command: str, *extra: str):
+    args = parse([*BASE[command], "-o", "run", "--max-steps", "5", *extra])
+    resolve_training_flags(args, command)
+    return training_config(args, args.output_dir)
+
+
+def test_training_arg_passes_fields_through_and_flags_win(tmp_path):
+    config = _config(
+        "distill",
+        "--training-arg", "weight_decay=0.01",
+        "--training-arg", 'lr_scheduler_kwargs={"power": 2.0}',
+        "--training-arg", "max_grad_norm=0",
+        "--training-arg", "learning_rate=1e-2",
+        "--learning-rate", "3e-3",
+        "--training-arg", "bf16=true",
+        "--training-arg", "profile_steps=1:3",
+    )  # fmt: skip
+    assert config.weight_decay == 0.01 and config.scheduler_args == {"power": 2.0}
+    assert config.max_grad_norm is None  # TrainingArguments' 0 = no clipping
+    assert config.learning_rate == 3e-3  # the dedicated flag wins over --training-arg
+    assert config.precision == "bf16" and config.profile_steps == (1, 3)
+
+
+def test_training_arg_sets_the_cli_values_too_typed():
+    args = parse(
+        [*BASE["prune"], "-o", "run", "--training-arg", "max_seq_length=64", "--training-arg", "eval_windows=3"]
+    )
+    resolve_training_flags(args, "prune")
+    assert (args.max_seq_length, args.eval_windows) == (64, 3)
+
+
+def test_command_defaults_and_warmup_in_steps():
+    prune, finetune = _config("prune"), _config("finetune")
+    assert (prune.learning_rate, prune.lr_scheduler, prune.warmup_ratio) == (5e-5, "cosine", 0.05)
+    assert (finetune.learning_rate, finetune.activation_checkpointing) == (2e-4, True)
+    assert _config("prune", "--warmup-steps", "3").warmup_ratio == 0.0  # steps replace the command's default ratio
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_training_args_file_json_or_yaml(suffix, tmp_path):
+    path = tmp_path / f"args{suffix}"
+    values = {"gradient_accumulation_steps": 3, "optim": "adafactor", "warmup_steps": 0.1}
+    text = json.dumps(values) if suffix == ".json" else "\n".join(f"{k}: {v}" for k, v in values.items())
+    path.write_text(text)
+    config = _config("finetune", "--training-args", str(path), "--training-arg", "gradient_accumulation_steps=2")
+    assert (config.grad_accum, config.optim, config.warmup_ratio) == (2, "adafactor", 0.1)
+
+
+@pytest.mark.parametrize(
+    ("item", "fragment"),
+    [
+        ("learning_rat=1e-3", "unknown training argument 'learning_rat'; did you mean learning_rate"),
+        ("label_smoothing_factor=0.1", "TrainingArguments.label_smoothing_factor has no equivalent in quantlab"),
+        ("warmup_steps=abc", "training argument warmup_steps='abc'"),
+        ("no_equals_sign", "write NAME=VALUE"),
+        ("report_to=wandb", "quantlab's loop logs to log.jsonl and TensorBoard only"),
+    ],
+)
+@pytest.mark.parametrize("command", TRAINING_COMMANDS)
+def test_bad_training_arg_is_one_line_exit_2_before_any_work(command, item, fragment, tmp_path, capsys):
+    output = tmp_path / "run"
+    assert main([*BASE[command], "-o", str(output), "--training-arg", item]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("quantlab: error:") and fragment in error[0], error
+    assert not output.exists()
+
+
+def test_output_dir_is_required(capsys):
+    assert main(BASE["finetune"]) == 2
+    assert "--output-dir DIR is required" in capsys.readouterr().err
