@@ -1,0 +1,261 @@
+"""Quantized embedding tables and output heads (`embedding_bits`): tied and untied, on every path."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+import quantlab
+from quantlab.convert import quantized_layers
+from quantlab.errors import CheckpointError, ConfigError, QuantizationError
+from quantlab.formats import packing
+from quantlab.kernels.reference import dequantize_matmul
+from quantlab.nn.quantized_embedding import (
+    QuantizedEmbedding,
+    QuantizedOutputHead,
+    TiedOutputHead,
+    unpack_arithmetic,
+)
+from quantlab.testing import tiny_bert, tiny_llama
+
+IDS = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+def _logits(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _tensor_names(directory) -> list[str]:
+    with safe_open(directory / "model.safetensors", "pt") as handle:
+        return sorted(handle.keys())
+
+
+@pytest.mark.parametrize("bits", [8, 6, 4])
+def test_table_is_each_row_rounded_on_its_grid(bits):
+    """Every stored row decodes within half a step of the float row: the layout's round-to-nearest bound."""
+    model = tiny_llama()
+    table = model.model.embed_tokens.weight.detach().clone()
+    quantlab.quantize(model, quantlab.CustomBitsConfig(embedding_bits=bits, embedding_group_size=32))
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, QuantizedEmbedding)
+    assert embedding.layout.codec == ("int8" if bits == 8 else "affine") and embedding.layout.group_size == 32
+    decoded = embedding.dequantize_weight()
+    step = embedding.weight_scale.float().repeat_interleave(32, dim=1)[:, : table.shape[1]]
+    assert ((decoded - table).abs() <= step / 2 + 1e-6).all()
+    # A lookup decodes the gathered rows exactly as the whole table decodes.
+    assert torch.equal(embedding(IDS), decoded[IDS])
+
+
+def test_tied_head_reads_the_embedding_codes_and_the_file_holds_them_once(tmp_path):
+    tiny_llama(tie_word_embeddings=True).save_pretrained(tmp_path / "float")
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", quantization_config=quantlab.NF4Config(embedding_bits=8)
+    )
+    assert isinstance(model.lm_head, TiedOutputHead) and model.lm_head.embedding is model.model.embed_tokens
+    assert dict(model.lm_head.named_buffers()) == {} and dict(model.lm_head.named_parameters()) == {}
+    hidden = torch.randn(3, 64)
+    reference = hidden @ model.model.embed_tokens.dequantize_weight().T
+    torch.testing.assert_close(model.lm_head(hidden), reference, rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path / "quantized")
+    vocabulary = [n for n in _tensor_names(tmp_path / "quantized") if "embed" in n or "lm_head" in n]
+    assert vocabulary == ["model.embed_tokens.weight", "model.embed_tokens.weight_scale"]
+    # The table in 8 bits: 256 x 64 codes plus one float16 scale per 64.
+    assert model.model.embed_tokens.stored_bytes() == 256 * 64 + 256 * 2
+
+
+def test_untied_head_stores_its_own_table_outside_the_linear_layers(tmp_path):
+    model = quantlab.quantize(tiny_llama(tie_word_embeddings=False), quantlab.NF4Config(embedding_bits=8))
+    assert isinstance(model.lm_head, QuantizedOutputHead)
+    assert "lm_head" not in quantized_layers(model)  # bits per weight of the Linear layers leave it out
+    model.save_pretrained(tmp_path)
+    names = _tensor_names(tmp_path)
+    assert {"lm_head.weight", "lm_head.weight_scale", "model.embed_tokens.weight"} <= set(names)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_quantize_and_quantize_on_load_agree_and_reload_bit_identically_in_a_fresh_process(tied, tmp_path):
+    config = quantlab.CustomBitsConfig(bits=4, group_size=64, symmetric=True, embedding_bits=6)
+    tiny_llama(tie_word_embeddings=tied).save_pretrained(tmp_path / "float")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
+    converted = quantlab.quantize(tiny_llama(tie_word_embeddings=tied), config)
+    expected = _logits(loaded)
+    assert torch.equal(_logits(converted), expected)
+    loaded.save_pretrained(tmp_path / "quantized")
+    torch.save(IDS, tmp_path / "ids.pt")
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "quantized")!r})
+        head = type(model.lm_head).__name__
+        assert type(model.model.embed_tokens).__name__ == "QuantizedEmbedding", type(model.model.embed_tokens)
+        with torch.no_grad():
+            torch.save((head, model(torch.load({str(tmp_path / "ids.pt")!r})).logits), {str(tmp_path / "out.pt")!r})
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    head, logits = torch.load(tmp_path / "out.pt")
+    assert head == ("TiedOutputHead" if tied else "QuantizedOutputHead")
+    assert torch.equal(logits, expected)
+
+
+def test_calibrated_solver_calibrates_on_the_float_embedding_then_rounds_it():
+    config = quantlab.CustomBitsConfig(bits=4, symmetric=True, solver="gptq", embedding_bits=8)
+    windows = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    model = quantlab.quantize(tiny_llama(tie_word_embeddings=True), config, calibration=windows, progress=False)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, TiedOutputHead)
+    assert len(quantized_layers(model)) == 14
+    # The table is round-to-nearest, exactly as without calibration.
+    plain = quantlab.quantize(tiny_llama(tie_word_embeddings=True), quantlab.CustomBitsConfig(embedding_bits=8))
+    assert torch.equal(model.model.embed_tokens.weight, plain.model.embed_tokens.weight)
+
+
+def test_tie_weights_again_and_dequantize_give_the_float_tied_model_back():
+    model = quantlab.quantize(tiny_llama(tie_word_embeddings=True), quantlab.Int8SymmetricConfig(embedding_bits=8))
+    expected = _logits(model)
+    model.tie_weights()  # recomputes transformers' tying map: must leave the quantized head as it is
+    assert torch.equal(_logits(model), expected)
+    quantlab.dequantize(model)
+    assert type(model.model.embed_tokens) is nn.Embedding and type(model.lm_head) is nn.Linear
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_native_head_kernel_matches_the_reference():
+    model = quantlab.quantize(tiny_llama(tie_word_embeddings=True), quantlab.NF4Config(embedding_bits=5))
+    hidden = torch.randn(4, 64)
+    expected = dequantize_matmul(model.model.embed_tokens, hidden)
+    torch.testing.assert_close(model.lm_head(hidden), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_arithmetic_unpacking_equals_bit_unpacking(bits):
+    codes = torch.randint(0, 1 << bits, (3, 2, 61), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    assert torch.equal(unpack_arithmetic(packing.pack(codes, bits), bits, 61), codes)
+
+
+def _saved(tmp_path, tied: bool):
+    model = quantlab.quantize(tiny_llama(tie_word_embeddings=tied), quantlab.NF4Config(embedding_bits=8))
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _edit(directory, edit) -> None:
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def _nan_scale(tensors):
+    tensors["model.embed_tokens.weight_scale"] = tensors["model.embed_tokens.weight_scale"].clone()
+    tensors["model.embed_tokens.weight_scale"][3, 0] = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_nan_scale, r"model\.embed_tokens\.weight_scale holds 1 NaN/Inf"),
+        (lambda t: t.pop("model.embed_tokens.weight_scale"), r"model\.embed_tokens\.weight_scale is missing"),
+        (
+            lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"][:, :, :32].clone()}),
+            r"model\.embed_tokens\.weight in model\.safetensors is int8 \[256, 1, 32\] but its layout needs "
+            r"int8 \[256, 1, 64\]",
+        ),
+    ],
+    ids=["nan-scale", "scale-deleted", "codes-cut"],
+)
+def test_damaged_embedding_table_is_refused(edit, message, tmp_path):
+    directory = _saved(tmp_path, tied=True)
+    AutoModelForCausalLM.from_pretrained(directory)  # intact: loads
+    _edit(directory, edit)
+    with pytest.raises(CheckpointError, match=message):
+        AutoModelForCausalLM.from_pretrained(directory)
+
+
+def test_damaged_untied_head_is_refused(tmp_path):
+    directory = _saved(tmp_path, tied=False)
+    _edit(directory, lambda t: t.pop("lm_head.weight_scale"))
+    with pytest.raises(CheckpointError, match=r"lm_head\.weight_scale is missing"):
+        AutoModelForCausalLM.from_pretrained(directory)
+
+
+def test_lora_trains_the_projections_while_the_quantized_embedding_stays_frozen():
+    from quantlab.training import add_lora, prepare_for_kbit_training
+
+    model = quantlab.quantize(tiny_llama(tie_word_embeddings=True), quantlab.NF4Config(embedding_bits=8))
+    prepare_for_kbit_training(model, activation_checkpointing=True)
+    model = add_lora(model, r=4, alpha=8, init_lora_weights=False)
+    codes_before = model.base_model.model.model.embed_tokens.weight.clone()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert torch.equal(model.base_model.model.model.embed_tokens.weight, codes_before)
+
+
+def test_onnx_export_gathers_the_stored_codes(tmp_path):
+    import onnx_ir as ir
+
+    from quantlab.export import to_onnx
+    from quantlab.export.runtime import OnnxCausalLM
+
+    model = quantlab.quantize(tiny_llama(tie_word_embeddings=True), quantlab.NF4Config(embedding_bits=8))
+    to_onnx(model, tmp_path / "model.onnx")
+    initializers = ir.load(tmp_path / "model.onnx").graph.initializers
+    tables = {name: value.const_value.dtype for name, value in initializers.items() if "embed" in name}
+    assert tables == {
+        "model.model.embed_tokens.weight": ir.DataType.INT8,
+        "model.model.embed_tokens.weight_scale": ir.DataType.FLOAT16,
+    }
+    assert not any("lm_head" in name for name in initializers)
+    mask = torch.ones_like(IDS)
+    with torch.no_grad():
+        expected = model(input_ids=IDS, attention_mask=mask).logits
+    assert (OnnxCausalLM(tmp_path / "model.onnx")(IDS, mask) - expected).abs().max() <= 1e-4
+
+
+def test_encoder_embeddings_are_quantized_too():
+    model = quantlab.quantize(tiny_bert(), quantlab.Int8SymmetricConfig(embedding_bits=8))
+    assert isinstance(model.embeddings.word_embeddings, QuantizedEmbedding)
+    assert type(model.embeddings.position_embeddings) is nn.Embedding  # only the vocabulary table
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"embedding_bits": 3}, r"embedding_bits=3 is not valid; use a whole number from 4 to 8"),
+        ({"embedding_bits": 9}, r"embedding_bits=9 is not valid"),
+        ({"embedding_bits": True}, r"embedding_bits=True is not valid"),
+        ({"embedding_bits": "8"}, r"embedding_bits='8' is not valid"),
+        ({"embedding_bits": 8, "embedding_group_size": 48}, r"embedding_group_size=48 is not valid"),
+    ],
+)
+def test_bad_embedding_options_are_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        quantlab.NF4Config(**options)
+
+
+def test_a_model_without_input_embeddings_is_refused():
+    with pytest.raises(QuantizationError, match="has none"):
+        quantlab.quantize(nn.Sequential(nn.Linear(64, 64)), quantlab.Int8SymmetricConfig(embedding_bits=8))
+
+
+def test_default_keeps_the_tables_in_float():
+    model = quantlab.quantize(tiny_llama(tie_word_embeddings=True), quantlab.NF4Config())
+    assert type(model.model.embed_tokens) is nn.Embedding and type(model.lm_head) is nn.Linear
