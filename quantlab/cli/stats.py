@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.quantized_embedding import QuantizedTable
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,12 @@ def layer_summary(model: nn.Module) -> LayerSummary:
 
 
 def parameter_count(model: nn.Module) -> int:
-    """Parameters of the float model: float parameters plus the weights quantized layers encode."""
+    """Parameters of the float model: float parameters plus the weights quantized layers and tables encode
+    (a tied head encodes none of its own, as a tied float head adds no parameter)."""
     floats = sum(parameter.numel() for parameter in model.parameters())
-    encoded = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantizedLinear))
+    encoded = sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedTable))
+    )
     return floats + encoded
 
 

@@ -259,3 +259,19 @@ def test_a_model_without_input_embeddings_is_refused():
 def test_default_keeps_the_tables_in_float():
     model = quantlab.quantize(tiny_llama(tie_word_embeddings=True), quantlab.NF4Config())
     assert type(model.model.embed_tokens) is nn.Embedding and type(model.lm_head) is nn.Linear
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_checkpoint_bits_count_the_linear_layers_and_the_file_the_tables(tied, tmp_path):
+    from quantlab.eval.size import checkpoint_storage
+
+    storages = {}
+    for bits in (None, 8):
+        model = quantlab.quantize(tiny_llama(tie_word_embeddings=tied), quantlab.NF4Config(embedding_bits=bits))
+        model.save_pretrained(tmp_path / str(bits))
+        storages[bits] = checkpoint_storage(tmp_path / str(bits))  # shapes from config.json, on meta
+    plain, embedded = storages[None], storages[8]
+    assert embedded.layers.keys() == plain.layers.keys() and "lm_head" not in embedded.layers
+    assert embedded.bits_per_weight == plain.bits_per_weight
+    tables = 1 if tied else 2
+    assert plain.other_bytes - embedded.other_bytes == tables * (256 * 64 * 4 - (256 * 64 + 256 * 2))
