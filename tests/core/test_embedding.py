@@ -275,3 +275,23 @@ def test_checkpoint_bits_count_the_linear_layers_and_the_file_the_tables(tied, t
     assert embedded.bits_per_weight == plain.bits_per_weight
     tables = 1 if tied else 2
     assert plain.other_bytes - embedded.other_bytes == tables * (256 * 64 * 4 - (256 * 64 + 256 * 2))
+
+
+def test_merging_lora_keeps_or_dequantizes_the_table_with_the_rest():
+    from quantlab.training import add_lora, merge_to_float, merge_to_quantized
+
+    def adapted():
+        model = quantlab.quantize(tiny_llama(tie_word_embeddings=True), quantlab.NF4Config(embedding_bits=8))
+        torch.manual_seed(1)  # the same random adapter each time
+        return add_lora(model, r=4, alpha=8, dropout=0.0, init_lora_weights=False)
+
+    expected = _logits(adapted())
+    merged = merge_to_quantized(adapted())
+    assert isinstance(merged.model.embed_tokens, QuantizedEmbedding) and isinstance(merged.lm_head, TiedOutputHead)
+    as_float = merge_to_float(adapted())
+    assert (
+        type(as_float.model.embed_tokens) is nn.Embedding
+        and as_float.lm_head.weight is as_float.model.embed_tokens.weight
+    )
+    assert not hasattr(as_float.config, "quantization_config")
+    torch.testing.assert_close(_logits(as_float), expected, rtol=1e-4, atol=1e-4)
