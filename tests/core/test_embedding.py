@@ -295,3 +295,29 @@ def test_merging_lora_keeps_or_dequantizes_the_table_with_the_rest():
     )
     assert not hasattr(as_float.config, "quantization_config")
     torch.testing.assert_close(_logits(as_float), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_calibrated_quantize_on_load_quantizes_the_table_after_the_blocks(tmp_path):
+    from quantlab.testing import tiny_llama_checkpoint
+
+    directory = tiny_llama_checkpoint(tmp_path / "float", model=tiny_llama(tie_word_embeddings=True))
+    config = quantlab.CustomBitsConfig(
+        bits=4, symmetric=True, solver="gptq", calibration_samples=4, calibration_seq_len=32, embedding_bits=8
+    )
+    model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=config)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, TiedOutputHead)
+    assert len(quantized_layers(model)) == 14
+    expected = _logits(model)
+    model.save_pretrained(tmp_path / "quantized")
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "quantized")), expected)
+
+
+def test_generate_decodes_through_the_tied_quantized_head():
+    model = quantlab.quantize(tiny_llama(tie_word_embeddings=True), quantlab.NF4Config(embedding_bits=8))
+    prompt = IDS[:1, :6]
+    generated = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    tokens = prompt
+    for _ in range(6):  # greedy by hand, recomputing the whole sequence each step
+        with torch.no_grad():
+            tokens = torch.cat([tokens, model(tokens).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, tokens)
