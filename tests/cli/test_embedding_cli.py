@@ -23,7 +23,8 @@ def test_embedding_bits_shrinks_the_file_not_the_linear_layers_bits(cli, llama_d
     # Two 256 x 64 float32 tables (embedding and untied head) become int8 plus float16 scales per 64.
     saved = 2 * (256 * 64 * 4 - (256 * 64 + 256 * 2))
     assert plain["size_after_bytes"] - embedded["size_after_bytes"] == pytest.approx(saved, abs=2048)
-    assert embedded["layers_kept"] == []
+    assert embedded["layers_kept"] == [] and plain["tables_quantized"] == []
+    assert embedded["tables_quantized"] == ["model.embed_tokens (8-bit)", "lm_head (8-bit)"]
 
     inspected = cli.run("inspect", tmp_path / "embedded", "--reference", llama_dir, "--json")
     assert inspected.returncode == 0, inspected.stderr
@@ -45,6 +46,7 @@ def test_embedding_bits_shrinks_the_file_not_the_linear_layers_bits(cli, llama_d
     assert evaluated.returncode == 0, evaluated.stderr
     assert evaluated.json()["bits_per_quantized_weight"] == plain["bits_per_quantized_weight"]
     assert evaluated.json()["size_bytes"] == embedded["size_after_bytes"]
+    assert evaluated.json()["tables_quantized"] == embedded["tables_quantized"]
 
 
 def test_bad_embedding_bits_is_one_line_and_exit_2(cli, llama_dir: Path, tmp_path: Path) -> None:
