@@ -209,21 +209,30 @@ def test_lora_trains_the_projections_while_the_quantized_embedding_stays_frozen(
     assert torch.equal(model.base_model.model.model.embed_tokens.weight, codes_before)
 
 
-def test_onnx_export_gathers_the_stored_codes(tmp_path):
+@pytest.mark.parametrize(
+    ("tied", "bits", "codes"), [(True, 8, "INT8"), (False, 5, "UINT8")], ids=["tied-int8", "untied-5bit"]
+)
+def test_onnx_export_gathers_the_stored_codes(tied, bits, codes, tmp_path):
     import onnx_ir as ir
 
     from quantlab.export import to_onnx
     from quantlab.export.runtime import OnnxCausalLM
 
-    model = quantlab.quantize(tiny_llama(tie_word_embeddings=True), quantlab.NF4Config(embedding_bits=8))
+    config = quantlab.NF4Config(embedding_bits=bits)
+    model = quantlab.quantize(tiny_llama(tie_word_embeddings=tied), config)
     to_onnx(model, tmp_path / "model.onnx")
     initializers = ir.load(tmp_path / "model.onnx").graph.initializers
     tables = {name: value.const_value.dtype for name, value in initializers.items() if "embed" in name}
     assert tables == {
-        "model.model.embed_tokens.weight": ir.DataType.INT8,
+        "model.model.embed_tokens.weight": getattr(ir.DataType, codes),
         "model.model.embed_tokens.weight_scale": ir.DataType.FLOAT16,
     }
-    assert not any("lm_head" in name for name in initializers)
+    head = {name: value.const_value.dtype for name, value in initializers.items() if name.endswith("lm_head.weight")}
+    assert head == ({} if tied else {"model.lm_head.weight": getattr(ir.DataType, codes)})
+    # No float copy of a table anywhere in the file.
+    assert not any(
+        v.const_value.dtype.is_floating_point() and v.const_value.size >= 256 * 64 for v in initializers.values()
+    )
     mask = torch.ones_like(IDS)
     with torch.no_grad():
         expected = model(input_ids=IDS, attention_mask=mask).logits
