@@ -104,16 +104,18 @@ def builtin_variants() -> list[Variant]:
             for symmetric in (False, True):
                 for solver, awq in SOLVERS:
                     variants.append(_custom_bits(bits, group, symmetric, solver, awq))
+    # 3-bit g32 symmetric also stores 3.5 bits per weight: a uniform rival of mixed precision at 3.5.
+    variants.append(_custom_bits(3, 32, True, "gptq", False))
     variants += embedding_variants()
-    for target in (4.25, 3.5, 3.0, 2.5):
+    for target in (4.25, 3.5, 3.25, 3.0, 2.5):
         variants.append(
             Variant(
                 f"mixed {target} bits/weight gptq",
                 "quantlab",
                 lambda target=target: quantlab.CustomBitsConfig(
-                    bits=4, group_size=64, symmetric=True, solver="gptq", target_bits=target
+                    bits=3, group_size=64, solver="gptq", target_bits=target
                 ),
-                quick=target in (4.25, 3.5),
+                quick=target in (4.25, 3.5, 3.25),
             )
         )
     return variants
@@ -135,7 +137,13 @@ def embedding_variants() -> list[Variant]:
 
 
 SOLVERS = (("rtn", False), ("mse", False), ("gptq", False), ("gptq", True))
-QUICK_CUSTOM_BITS = {(4, 64, False, "rtn", False), (4, 64, True, "gptq", False), (3, 64, True, "gptq", False)}
+QUICK_CUSTOM_BITS = {
+    (4, 64, False, "rtn", False),
+    (4, 64, True, "gptq", False),
+    (3, 64, True, "gptq", False),
+    (3, 64, False, "gptq", False),
+    (3, 32, True, "gptq", False),
+}
 
 
 def _custom_bits(bits: int, group: int, symmetric: bool, solver: str, awq: bool) -> Variant:
@@ -407,6 +415,7 @@ def acceptance(rows: list[Row]) -> list[dict[str, Any]]:
 
     check("4-bit at <= 4.25 bits/weight", best("custom_bits 4-bit", 4.25) or best("nf4", 4.25), 40.85)
     check("3-bit at <= 3.25 bits/weight", best("custom_bits 3-bit", 3.25), 54.1)
+    check("mixed precision at <= 3.25 bits/weight", best("mixed 3.25", 3.25), 54.1)
     check("int8 gptq", by_name.get("int8 (per channel) gptq"), 36.09)
     check("data-free nf4 (mse) below NF4+DQ", by_name.get("nf4 b64 + double quant mse"), 45.61)
     mixed = by_name.get("mixed 3.5 bits/weight gptq")

@@ -1,16 +1,17 @@
-"""Mixed precision: each layer's width and group size, chosen to minimise predicted error under a budget.
+"""Mixed precision: each layer's width, group size and zero points, chosen to minimise predicted loss on a budget.
 
 A measurement pass runs the float model block by block over the calibration windows and, for
 every quantizable layer and every candidate of the method (`config.allocation_candidates()`:
-widths 2-8 at group sizes 32-128 for custom bits), predicts the loss as the layer's relative
-output error `sum_j E[x_j^2] ||W_:,j - Q_:,j||^2 / trace(W E[x x^T] W^T)` (round to nearest on
-the candidate's grid, columns weighted by the calibration inputs, in the spirit of EXL2's
-measurement pass) and counts the candidate's stored bytes (codes, scales, zero points:
-`StorageLayout.stored_bytes`). The assignment minimising the summed loss with total bytes at
-most `target_bits * weights / 8` is a multiple-choice knapsack, solved exactly by dynamic
-programming over the budget cut into `BUDGET_STEPS` units (each candidate's bytes rounded up
-to whole units, so the budget always holds).
-"""
+widths 2-8 at group sizes 32-128, with and without zero points, for custom bits), predicts the
+loss the layer would add as `F_l / 2 * sum_j E[x_j^2] ||W_:,j - Q_:,j||^2`: its output error
+(round to nearest on the candidate's grid, columns weighted by the calibration inputs, in the
+spirit of EXL2's measurement pass) times the layer's empirical Fisher `F_l`, the mean squared
+gradient of the loss at its output (`sensitivity.output_fisher`; an encoder with no loss uses the
+error relative to the layer's output instead). It counts each candidate's stored bytes (codes,
+scales, zero points: `StorageLayout.stored_bytes`). The assignment minimising the summed loss with
+total bytes at most `target_bits * weights / 8` is a multiple-choice knapsack, solved exactly by
+dynamic programming over the budget cut into `BUDGET_STEPS` units (each candidate's bytes rounded
+up to whole units, so the budget always holds)."""
 
 import dataclasses
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quantlab.calibration.blocks import BlockInputs, find_blocks, first_block_inputs
+from quantlab.calibration.sensitivity import output_fisher
 from quantlab.calibration.sequential import BATCH_SIZE, collect_input_stats, selected_linears
 from quantlab.config import QuantlabConfig
 from quantlab.errors import ConfigError
@@ -64,10 +66,15 @@ def measure_layers(
 ) -> tuple[dict[str, list[Candidate]], int]:
     """Each selected layer's candidates with predicted loss and bytes, and the number of weights."""
     prefix, blocks = find_blocks(model)
+    layer_names = [
+        name for i, block in enumerate(blocks) for name in selected_linears(block, f"{prefix}.{i}", selected).values()
+    ]
+    fisher = output_fisher(model, windows, layer_names)
     batches = first_block_inputs(model, blocks[0], windows, BATCH_SIZE)
     measured: dict[str, list[Candidate]] = {}
     weights = 0
-    candidates = [dataclasses.replace(config, layer_options=None, target_bits=None, **o) for o in _options(config)]
+    options = config.allocation_candidates()
+    candidates = [(o, dataclasses.replace(config, layer_options=None, target_bits=None, **o)) for o in options]
     for index, block in enumerate(tqdm(blocks, desc="measuring layers", disable=not progress)):
         names = selected_linears(block, f"{prefix}.{index}", selected)
         outputs: list[torch.Tensor] = []
@@ -76,9 +83,12 @@ def measure_layers(
         for relative, full_name in names.items():
             weight = block.get_submodule(relative).weight.detach().float()
             weights += weight.numel()
-            energy = float((weight @ stats[relative].hessian * weight).sum()) or 1.0  # ||W x||^2 per token
-            importance = stats[relative].channel_weights() / energy
-            measured[full_name] = [_candidate(module_class, c, weight, importance) for c in candidates]
+            if fisher is None:  # no loss to differentiate (encoders): the error relative to the layer's output
+                cost = 1.0 / (float((weight @ stats[relative].hessian * weight).sum()) or 1.0)  # 1 / ||W x||^2
+            else:  # the loss the layer's output error adds, to second order
+                cost = fisher[full_name] / 2
+            importance = stats[relative].channel_weights() * cost
+            measured[full_name] = [_candidate(module_class, c, o, weight, importance) for o, c in candidates]
     return measured, weights
 
 
@@ -117,12 +127,12 @@ def choose(measured: dict[str, list[Candidate]], budget: int, target_bits: float
     return chosen
 
 
-def _options(config: QuantlabConfig) -> list[dict[str, Any]]:
-    return config.allocation_candidates()
-
-
 def _candidate(
-    module_class: type[QuantizedLinear], config: QuantlabConfig, weight: torch.Tensor, importance: torch.Tensor
+    module_class: type[QuantizedLinear],
+    config: QuantlabConfig,
+    options: dict[str, Any],
+    weight: torch.Tensor,
+    importance: torch.Tensor,
 ) -> Candidate:
     layout = module_class.layout_for(weight.shape[1], weight.shape[0], config)
     grouped = grouping.group(weight, layout.group_size)
@@ -131,5 +141,4 @@ def _candidate(
     zero = None if params.zero is None else params.zero.unsqueeze(-1)
     error = grouping.ungroup(layout.decode(codes, params.scale.unsqueeze(-1), zero), weight.shape[1]) - weight
     loss = float((error.square().sum(dim=0) * importance).sum())
-    options = tuple((name, getattr(config, name)) for name in ("bits", "group_size"))
-    return Candidate(options, layout.stored_bytes(), loss)
+    return Candidate(tuple(options.items()), layout.stored_bytes(), loss)

@@ -9,7 +9,6 @@ came from, `||W - W_q|| / ||W||` (Frobenius norms, float64).
 
 import argparse
 import json
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -193,36 +192,13 @@ def _add_table_errors(rows: list[LayerRow], model: nn.Module, reference: nn.Modu
 def _describe(name: str, module: nn.Module) -> LayerRow:
     shape = [module.out_features, module.in_features]
     if isinstance(module, QuantizedLinear):
-        group_size = _group_size(module)
-        stored = module.stored_bytes()
-        method, bits = module.config.method, _code_bits(module, group_size)
+        layout = module.layout
+        group_size, stored = layout.group_size, module.stored_bytes()
+        method, bits = module.config.method, layout.bits
     else:
         group_size, stored = None, module.weight.numel() * module.weight.element_size()
         method, bits = "float", 8 * module.weight.element_size()
     return LayerRow(name, method, bits, group_size, shape, stored, 8 * stored / (shape[0] * shape[1]))
-
-
-def _group_size(module: QuantizedLinear) -> int | None:
-    """The config's group size, else read from the codes' `[out, groups, bytes]` layout.
-
-    Group sizes are powers of two and the last group is padded, so the group size is the
-    smallest power of two that cuts a row into that many groups; one group is per channel.
-    """
-    for option in ("group_size", "blocksize", "block_size"):
-        if hasattr(module.config, option):
-            return getattr(module.config, option)
-    groups = module.weight.shape[1]
-    if groups == 1:
-        return None
-    return 1 << (math.ceil(module.in_features / groups) - 1).bit_length()
-
-
-def _code_bits(module: QuantizedLinear, group_size: int | None) -> float:
-    bits = getattr(module.config, "bits", None)
-    if isinstance(bits, int):
-        return bits
-    codes_per_group = module.in_features if group_size is None else group_size
-    return round(8 * module.weight.shape[-1] * module.weight.element_size() / codes_per_group, 2)
 
 
 def _add_errors(rows: list[LayerRow], model: nn.Module, reference: nn.Module, name: str, console: Console) -> None:

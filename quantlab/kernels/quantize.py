@@ -50,6 +50,12 @@ def offset_to_signed(codes: torch.Tensor) -> torch.Tensor:
     return native if native is not None else (codes.to(torch.int16) - INT8_OFFSET).to(torch.int8)
 
 
+def count_nonfinite(values: torch.Tensor) -> int:
+    """How many NaN/Inf values a float tensor holds (natively one pass and no temporary mask)."""
+    native = _run("count_nonfinite", values, values)
+    return native if native is not None else int((~torch.isfinite(values)).sum())
+
+
 def _run(name: str, tensor: torch.Tensor, *args):
     op = quantize_op(name, tensor.device.type)
     return None if op is None else op(*args)

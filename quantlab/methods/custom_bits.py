@@ -19,6 +19,7 @@ MIN_BITS, MAX_BITS = 2, 8
 # What mixed precision (`target_bits`) chooses from for each layer.
 ALLOCATION_BITS = (2, 3, 4, 5, 6, 8)
 ALLOCATION_GROUP_SIZES = (32, 64, 128)
+ALLOCATION_SYMMETRY = (True, False)  # a zero point per group is often worth more than a wider code at 3 bits
 
 
 @dataclasses.dataclass(repr=False)
@@ -43,8 +44,13 @@ class CustomBitsConfig(QuantlabConfig):
             raise ConfigError(f"{self.method}: symmetric={self.symmetric!r} is not valid; use true or false")
 
     def allocation_candidates(self) -> list[dict]:
-        """Widths 2-8 at group sizes 32-128, with this config's symmetry and scale dtype."""
-        return [{"bits": b, "group_size": g} for b in ALLOCATION_BITS for g in ALLOCATION_GROUP_SIZES]
+        """Widths 2-8 at group sizes 32-128, each with and without zero points, at this config's scale dtype."""
+        return [
+            {"bits": b, "group_size": g, "symmetric": s}
+            for b in ALLOCATION_BITS
+            for g in ALLOCATION_GROUP_SIZES
+            for s in ALLOCATION_SYMMETRY
+        ]
 
 
 class CustomBitsLinear(QuantizedLinear):

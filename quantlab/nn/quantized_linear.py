@@ -111,7 +111,9 @@ class QuantizedLinear(nn.Module):
         """
         if weight.dim() != 2:
             raise QuantizationError(f"{layer}: expected a 2-D Linear weight, got shape {tuple(weight.shape)}")
-        bad = (~torch.isfinite(weight)).sum().item()
+        from quantlab.kernels.quantize import count_nonfinite
+
+        bad = count_nonfinite(weight)
         if bad:
             raise QuantizationError(
                 f"{layer}: weight has {bad} NaN/Inf value(s) and cannot be quantized; repair the checkpoint, "

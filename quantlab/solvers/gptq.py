@@ -28,6 +28,7 @@ from quantlab.formats import grouping
 from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.solvers.base import InputStats, Solution, Solver
 from quantlab.solvers.mse import search_grid
+from quantlab.utils.threads import single_thread
 
 # static_groups None: static with act order. grid "mse": each group's grid from the input-weighted
 # clipping search of the mse solver (GPTQ's reference code has the same option); "minmax": min-max.
@@ -47,6 +48,20 @@ class GptqSolver(Solver):
             raise QuantizationError("the gptq solver needs calibration inputs; pass calibration data")
         damp, act_order, block_size, static, grid = _options(options)
         static = static or act_order or layout.double_quant
+        with single_thread():  # thousands of small steps: a second thread costs more than it gives
+            return self._solve(weight, layout, stats, damp, act_order, block_size, static, grid)
+
+    def _solve(
+        self,
+        weight: torch.Tensor,
+        layout: StorageLayout,
+        stats: InputStats,
+        damp: float,
+        act_order: bool,
+        block_size: int,
+        static: bool,
+        grid: str,
+    ) -> Solution:
         W = weight.detach().float().clone()
         H = stats.hessian.double()
         dead = H.diagonal() == 0
@@ -55,21 +70,24 @@ class GptqSolver(Solver):
         order = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(layout.in_features)
         grids = _Grids(layout, W, order, static, stats.channel_weights() if grid == "mse" else None)
         inverse = _inverse_cholesky(H[order][:, order], damp).float()
-        W = W[:, order]
-        codes = torch.empty(W.shape, dtype=torch.uint8)
+        # Columns of W as contiguous rows: each step reads and updates whole rows.
+        columns = W[:, order].T.contiguous()
+        codes = torch.empty(columns.shape, dtype=torch.uint8)
         for start in range(0, layout.in_features, block_size):
             end = min(start + block_size, layout.in_features)
-            block = W[:, start:end].clone()
+            block = columns[start:end].clone()
             errors = torch.empty_like(block)
             block_inverse = inverse[start:end, start:end]
             for i in range(end - start):
-                scale, zero = grids.at(start + i, block[:, i:], W[:, end:])
-                q = layout.encode(block[:, i], scale, zero)
-                codes[:, start + i] = q
-                error = (block[:, i] - layout.decode(q, scale, zero)) / block_inverse[i, i]
-                block[:, i:] -= error.unsqueeze(1) * block_inverse[i, i:].unsqueeze(0)
-                errors[:, i] = error
-            W[:, end:] -= errors @ inverse[start:end, end:]
+                scale, zero = grids.at(start + i, block[i:], columns[end:])
+                column = block[i]
+                q = layout.encode(column, scale, zero)
+                codes[start + i] = q
+                error = (column - layout.decode(q, scale, zero)) / block_inverse[i, i]
+                block[i:].addr_(block_inverse[i, i:], error, alpha=-1)
+                errors[i] = error
+            columns[end:].sub_(inverse[start:end, end:].T @ errors)
+        codes = codes.T
         unpermuted = torch.empty_like(codes)
         unpermuted[:, order] = codes
         return Solution(grouping.group(unpermuted, layout.group_size), grids.collected())
@@ -87,6 +105,10 @@ class _Grids:
         self.importance = importance  # E[x_j^2] per input channel for the mse grid search, None for min-max
         self.static = self._fit(grouping.group(W, layout.group_size), 0) if static else None
         self.fitted: list[GroupParams] = []
+        if self.static is not None:  # each position's grid as a contiguous row, looked up once
+            self.column_scale = self.static.scale[:, self.group_of].T.contiguous()
+            zero = self.static.zero
+            self.column_zero = None if zero is None else zero[:, self.group_of].T.contiguous()
 
     def _fit(self, grouped: torch.Tensor, first_column: int) -> GroupParams:
         if self.importance is None:
@@ -101,15 +123,14 @@ class _Grids:
         self, column: int, in_block: torch.Tensor, after_block: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Scale and zero `[out]` of the column at position `column`, whose current weights onwards
-        are `in_block` (the rest of its block) then `after_block` (the later columns)."""
+        are `in_block` (the rest of its block) then `after_block` (the later columns), one row per column."""
         if self.static is not None:
-            group = self.group_of[column]
-            zero = None if self.static.zero is None else self.static.zero[:, group]
-            return self.static.scale[:, group], zero
+            zero = None if self.column_zero is None else self.column_zero[column]
+            return self.column_scale[column], zero
         length = self.layout.group_length
         if column % length == 0:
             count = min(length, self.layout.in_features - column)
-            values = torch.cat([in_block, after_block[:, : max(0, count - in_block.shape[1])]], dim=1)[:, :count]
+            values = torch.cat([in_block, after_block[: max(0, count - in_block.shape[0])]], dim=0)[:count].T
             self.fitted.append(self._fit(grouping.group(values, length), column))
         latest = self.fitted[-1]
         return latest.scale[:, 0], None if latest.zero is None else latest.zero[:, 0]

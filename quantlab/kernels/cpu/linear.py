@@ -7,9 +7,10 @@ each block of 4 output features is decoded once per block of 4 rows, and on the 
 measured on (AMD Zen 5, MKL's fp32 GEMM runs its AVX2 path) the fused kernel is about twice
 as fast as dequantize-then-matmul with torch's GEMM at 128 rows (`benchmarks/kernels.py`).
 
-Gradients flow to the input through an autograd function whose backward decodes the weight
-again (nothing weight-sized is saved between passes), as the reference kernel does. When the
-native library cannot be built, every call goes to the reference kernel.
+The kernels run as torch operators (`ops.py`, `csrc/torch_ops.cpp`) when the extension builds,
+else through ctypes. Either way gradients flow to the input through a backward pass that decodes
+the weight again (nothing weight-sized is saved between passes), as the reference kernel does.
+When the native library cannot be built, every call goes to the reference kernel.
 """
 
 import ctypes
@@ -17,7 +18,7 @@ import ctypes
 import torch
 
 from quantlab.kernels import register_kernel
-from quantlab.kernels.cpu import native
+from quantlab.kernels.cpu import native, ops
 from quantlab.kernels.cpu.weights import _DESCRIBERS, NativeWeight, describable, native_weight
 from quantlab.kernels.reference import dequantize_matmul
 
@@ -76,16 +77,32 @@ class _NativeLinear(torch.autograd.Function):
 
 
 def native_linear(module, x: torch.Tensor) -> torch.Tensor:
-    """The layer's output through the native kernels, or the reference kernel if they are unavailable."""
-    lib = native.library()
-    if lib is None or not x.is_cpu or not x.is_floating_point() or not describable(module.layout):
+    """The layer's output through the native kernels, or the reference kernel if they are unavailable.
+
+    The kernels run as the torch operator `quantlab::linear` when its extension is available
+    (one dispatcher call, traced by torch.compile), else through ctypes.
+    """
+    if not x.is_cpu or not x.is_floating_point() or not describable(module.layout):
         return dequantize_matmul(module, x)
-    weight = native_weight(module)
-    needs_grad = torch.is_grad_enabled() and x.requires_grad
-    out = _NativeLinear.apply(x, weight) if needs_grad else _forward(weight, x, lib)
+    if ops.available():
+        return ops.linear_op(x, *ops.linear_arguments(module))
+    out = ctypes_linear(module, x)
+    if out is None:
+        return dequantize_matmul(module, x)
     if module.bias is not None:
         out = out + module.bias.to(out.dtype)
     return out
+
+
+def ctypes_linear(module, x: torch.Tensor) -> torch.Tensor | None:
+    """`x @ W.T` through the C library called by ctypes (no bias), or None when it is unavailable."""
+    lib = native.library()
+    if lib is None:
+        return None
+    weight = native_weight(module)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _NativeLinear.apply(x, weight)
+    return _forward(weight, x, lib)
 
 
 for _codec in _DESCRIBERS:

@@ -2,12 +2,14 @@
 
 The library is plain C (no Python or torch headers), so any C compiler builds it, and it
 does not depend on the torch ABI. The sources compile in parallel in a few seconds (the
-AVX-512 unit takes longest). It is built once
-per machine into a cache folder (`$QUANTLAB_CACHE/kernels`, default `~/.cache/quantlab`),
-never into the installed package: a read-only or shared installation keeps working, and
-the file name carries a hash of the source, compiler and flags, so an upgraded quantlab
-never loads a stale build. `python -m quantlab.kernels.cpu.build` builds it ahead of time
-(for images and CI); `QUANTLAB_CPU_KERNELS=/path/lib.so` points at a prebuilt one.
+AVX-512 unit takes longest). It is built once per machine into a private cache folder
+(`$QUANTLAB_CACHE/kernels`, default `~/.cache/quantlab`, created 0700), never into the installed
+package: a read-only or shared installation keeps working, and the build's name carries a hash
+of the source, compiler and flags, so an upgraded quantlab never loads a stale build. Every load
+is verified first (`quantlab.kernels.trusted`: owner, permissions, the SHA-256 recorded at build
+time); a library that fails is refused with a warning. `python -m quantlab.kernels.cpu.build`
+builds it ahead of time (for images and CI); `QUANTLAB_CPU_KERNELS=/path/lib.so` points at a
+prebuilt one (owned by the user or root, writable by no one else).
 
 Without a C compiler, or with `QUANTLAB_NATIVE_KERNELS=0`, `library()` returns None and
 the layers run on the reference kernel: slower, never wrong.
@@ -29,6 +31,8 @@ import sysconfig
 import tempfile
 import warnings
 from pathlib import Path
+
+from quantlab.kernels import trusted
 
 logger = logging.getLogger(__name__)
 
@@ -94,38 +98,56 @@ def sources() -> list[Path]:
     return sorted(SOURCES.glob("*.c"))
 
 
-def library_path(cc: str) -> Path:
-    """Where the build of these sources with this compiler and flags lives in the cache."""
+def build_key(cc: str) -> str:
+    """Hash of the sources, compiler and flags: a new quantlab or compiler never reuses an old build."""
     digest = hashlib.sha256()
     for source in sorted(SOURCES.glob("*.[ch]")):
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     for part in (_compiler_identity(cc), " ".join(_COMPILE + _LINK), sys.platform):
         digest.update(part.encode() + b"\0")
-    return cache_dir() / f"libquantlab_cpu-{digest.hexdigest()[:16]}.so"
+    return f"libquantlab_cpu-{digest.hexdigest()[:16]}"
+
+
+def library_path(cc: str) -> Path:
+    """Where the build of these sources with this compiler and flags lives in the cache."""
+    key = build_key(cc)
+    return cache_dir() / key / f"{key}.so"
 
 
 def build(target: Path | None = None) -> Path:
     """Compile the library and return its path (at once if this build already exists).
 
-    Each source compiles in its own process, all at once, in a temporary folder next to the
-    target; the linked library is renamed into place, so processes building at the same time
-    never load a half-written one.
+    Into the cache (`target` None), the build goes through `quantlab.kernels.trusted.install`:
+    a private 0700 folder per build, its SHA-256 recorded, renamed into place whole, so
+    processes building at the same time never load a half-written or mixed one. An explicit
+    `target` (`python -m quantlab.kernels.cpu.build --output`) is written 0755 and renamed
+    into place, for images that ship a prebuilt library.
     """
     cc = compiler()
     if cc is None:
         raise NativeBuildError("no C compiler found (set CC, or install gcc or clang)")
-    path = target or library_path(cc)
-    if path.exists():
+    if target is None:
+        path = library_path(cc)
+        if not path.parent.exists():
+            trusted.install(functools.partial(_compile, cc), path.parent, path.name)
+            logger.info("built %s", path)
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{path.name}.build-", dir=path.parent) as work:
+    target = Path(target).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{target.name}.build-", dir=target.parent) as work:
+        staging = Path(work) / target.name
+        _compile(cc, staging)
+        os.chmod(staging, 0o755)  # readable by the image's users, writable only by its owner
+        os.replace(staging, target)
+    return target
+
+
+def _compile(cc: str, library: Path) -> None:
+    """Compile every source in its own process, all at once, and link them into `library`."""
+    with tempfile.TemporaryDirectory(prefix=".objects-", dir=library.parent) as work:
         objects = [Path(work) / f"{source.stem}.o" for source in sources()]
         _run_all([[cc, *_COMPILE, "-c", str(s), "-o", str(o)] for s, o in zip(sources(), objects, strict=True)])
-        staging = Path(work) / path.name
-        _run_all([[cc, *_LINK, *map(str, objects), "-o", str(staging)]])
-        os.replace(staging, path)
-    logger.info("built %s", path)
-    return path
+        _run_all([[cc, *_LINK, *map(str, objects), "-o", str(library)]])
 
 
 def _run_all(commands: list[list[str]]) -> None:
@@ -137,15 +159,6 @@ def _run_all(commands: list[list[str]]) -> None:
             failures.append(f"$ {' '.join(command)}\n{errors.strip()}")
     if failures:
         raise NativeBuildError("compiling the quantlab CPU kernels failed:\n" + "\n".join(failures))
-
-
-def _existing_build() -> Path | None:
-    override = os.environ.get("QUANTLAB_CPU_KERNELS")
-    if override:
-        return Path(override)
-    cc = compiler()
-    path = library_path(cc) if cc else None
-    return path if path is not None and path.exists() else None
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -205,12 +218,19 @@ def _choose_threads(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _open_library() -> ctypes.CDLL:
+    """The user's chosen library, else the cache's build (built now if missing), each verified first."""
+    chosen = os.environ.get("QUANTLAB_CPU_KERNELS")
+    if chosen:
+        return trusted.load_chosen(Path(chosen), "QUANTLAB_CPU_KERNELS")
+    return trusted.load_from_cache(build())
+
+
 @functools.cache
 def _load() -> ctypes.CDLL | None:
     try:
-        path = _existing_build() or build()
-        return _choose_threads(_bind(ctypes.CDLL(str(path))))
-    except (NativeBuildError, OSError) as error:
+        return _choose_threads(_bind(_open_library()))
+    except (NativeBuildError, trusted.UntrustedLibraryError, OSError) as error:
         warnings.warn(
             f"quantlab's native CPU kernels are unavailable, quantized layers use the slower reference kernel: {error}",
             RuntimeWarning,

@@ -1,0 +1,167 @@
+"""The native kernels as torch operators: opcheck on every built-in codec, the same results as the
+ctypes path and the reference, gradients, and torch.compile of a quantized model without graph breaks."""
+
+import warnings
+
+import pytest
+import torch
+
+import quantlab
+from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
+from quantlab.kernels.cpu import extension, ops
+from quantlab.kernels.cpu.linear import ctypes_linear, native_dequantize, native_linear
+from quantlab.kernels.cpu.weights import native_weight
+from quantlab.kernels.reference import dequantize_matmul
+from quantlab.testing.models import tiny_llama
+
+CODECS = [
+    *(CustomBitsConfig(bits=bits, group_size=32, symmetric=s) for bits in range(2, 9) for s in (True, False)),
+    Int8SymmetricConfig(),
+    Int8SymmetricConfig(group_size=32, scale_dtype="bfloat16"),
+    NF4Config(blocksize=32, double_quant=True),
+    NF4Config(blocksize=32, double_quant=False),
+]
+
+
+def config_id(config) -> str:
+    options = {k: v for k, v in vars(config).items() if k in ("bits", "symmetric", "group_size", "double_quant")}
+    return f"{config.method}-" + "-".join(f"{k}={v}" for k, v in options.items())
+
+
+def quantized(config, in_features: int = 80, out_features: int = 24, seed: int = 0):
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features)
+    return quantlab.get_method(config.method).module_class.from_linear(linear, config)
+
+
+@pytest.fixture(scope="module")
+def operators():
+    if not ops.available():
+        pytest.skip("quantlab's torch operators could not be built here (no C/C++ compiler?)")
+    return ops
+
+
+@pytest.mark.parametrize("config", CODECS, ids=config_id)
+def test_opcheck(operators, config):
+    layer = quantized(config)  # 80 inputs: no group size divides them (the last group is padded)
+    weight = operators.weight_arguments(layer)
+    for x in (torch.randn(3, 80, requires_grad=True), torch.randn(2, 3, 80).to(torch.bfloat16)):
+        for bias in (layer.bias, None):
+            torch.library.opcheck(operators.linear_op, (x, bias, *weight))
+    torch.library.opcheck(operators.dequantize_op, weight)
+
+
+@pytest.mark.parametrize("config", CODECS, ids=config_id)
+def test_operators_compute_what_the_ctypes_path_and_the_reference_compute(operators, config):
+    layer = quantized(config)
+    assert torch.equal(operators.dequantize_op(*operators.weight_arguments(layer)), layer.dequantize_weight())
+    assert torch.equal(
+        operators.dequantize_op(*operators.weight_arguments(layer)), native_dequantize(native_weight(layer))
+    )
+    x = torch.randn(2, 5, 80)
+    with torch.no_grad():
+        out = native_linear(layer, x)
+        assert torch.equal(out, ctypes_linear(layer, x) + layer.bias)  # the same C kernel behind both
+        torch.testing.assert_close(out, dequantize_matmul(layer, x), rtol=0, atol=1e-4 * out.abs().max().item())
+
+
+@pytest.mark.parametrize("config", [CODECS[7], CODECS[-2]], ids=config_id)
+def test_gradients_for_input_and_bias_match_the_reference(operators, config):
+    layer = quantized(config)
+    layer.bias.requires_grad_(True)
+    x = torch.randn(2, 4, 80)
+    grads = []
+    for kernel in (native_linear, dequantize_matmul):
+        leaf = x.clone().requires_grad_(True)
+        layer.bias.grad = None
+        kernel(layer, leaf).square().sum().backward()
+        grads.append((leaf.grad, layer.bias.grad.clone()))
+    for fast, reference in zip(*grads, strict=True):
+        torch.testing.assert_close(fast, reference, rtol=0, atol=1e-4 * reference.abs().max().item())
+    assert all(tensor.grad is None for tensor in layer.stored_tensors().values())
+
+
+def test_without_a_cxx_compiler_warns_once_and_keeps_the_ctypes_path(operators, monkeypatch, tmp_path):
+    monkeypatch.setenv("QUANTLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(extension, "cxx_compiler", lambda: None)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        assert extension.load.__wrapped__() is None
+    monkeypatch.setenv("QUANTLAB_TORCH_OPS", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert extension.load.__wrapped__() is None  # switched off: no build, no warning
+
+
+def _quantized_llama(config):
+    model = tiny_llama()
+    quantlab.quantize(model, config)
+    return model
+
+
+@pytest.mark.parametrize(
+    "config", [CustomBitsConfig(bits=3, group_size=32), NF4Config(blocksize=32), Int8SymmetricConfig()], ids=config_id
+)
+def test_compiled_forward_has_no_graph_break(operators, config):
+    model = _quantized_llama(config)
+    ids = torch.arange(3, 15).view(1, 12)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(lambda ids: model(input_ids=ids, use_cache=False).logits)(ids)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    targets = {str(node.target) for graph in explanation.graphs for node in graph.graph.nodes}
+    assert "quantlab.linear.default" in targets
+
+
+def test_compiled_model_generates_the_eager_tokens(operators):
+    model = _quantized_llama(CustomBitsConfig(bits=4, group_size=32))
+
+    def forward(ids):
+        return model(input_ids=ids, use_cache=False).logits
+
+    def greedy(step, ids, tokens: int = 6):
+        for _ in range(tokens):
+            ids = torch.cat([ids, step(ids)[:, -1:].argmax(-1)], dim=1)
+        return ids
+
+    torch._dynamo.reset()
+    prompt = torch.arange(3, 15).view(1, 12)
+    with torch.no_grad():
+        eager = greedy(forward, prompt)
+        compiled = greedy(torch.compile(forward, fullgraph=True, dynamic=True), prompt)
+    assert torch.equal(compiled, eager)
+
+
+def test_compiled_training_step_matches_eager_gradients(operators):
+    """QLoRA's case: the gradient flows through a frozen quantized layer to what feeds it."""
+    layer = quantized(NF4Config(blocksize=32), 64, 48)
+    feed = torch.nn.Linear(16, 64)
+
+    def loss(x):
+        return layer(feed(x)).square().mean()
+
+    x = torch.randn(4, 16)
+    gradients = []
+    torch._dynamo.reset()
+    for step in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        feed.zero_grad()
+        step(x).backward()
+        gradients.append(feed.weight.grad.clone())
+    torch.testing.assert_close(gradients[1], gradients[0], rtol=1e-5, atol=1e-6)
+
+
+BAD_ARGUMENTS = {  # what is wrong: (index into the weight arguments, value)
+    "bits": (7, 0),
+    "absmax_codes too short": (3, lambda t: t[:-1]),
+    "absmax_scale empty": (4, lambda t: t[:0]),
+    "float codes": (0, lambda t: t.float()),
+    "features": (8, 81),
+}
+
+
+@pytest.mark.parametrize("wrong", list(BAD_ARGUMENTS))
+def test_inconsistent_arguments_are_refused_not_read_out_of_bounds(operators, wrong):
+    arguments = list(operators.weight_arguments(quantized(NF4Config(blocksize=32))))
+    index, value = BAD_ARGUMENTS[wrong]
+    arguments[index] = value(arguments[index]) if callable(value) else value
+    with pytest.raises(RuntimeError, match="quantlab"):
+        operators.linear_op(torch.randn(2, 80), None, *arguments)
