@@ -72,8 +72,10 @@ class QuantizedTable(nn.Module):
         self.out_features = rows
         self.in_features = width
         self.config = config
-        for name, (shape, dtype) in self.storage_spec(width, rows, config).items():
+        spec = self.storage_spec(width, rows, config)
+        for name, (shape, dtype) in spec.items():
             self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device))
+        self.stored_names = tuple(spec)  # read on every lookup: a plain tuple traces without a guard
         self.register_parameter("bias", None)
 
     @classmethod
@@ -124,7 +126,7 @@ class QuantizedTable(nn.Module):
         return self.layout.codec
 
     def stored_tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in self.layout.tensors}
+        return {name: self._buffers[name] for name in self.stored_names}
 
     def stored_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.stored_tensors().values())
@@ -155,10 +157,10 @@ class QuantizedTable(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ table.T` (+ bias) through the kernel table, as a quantized Linear layer computes it.
 
-        While torch traces the model (`torch.compile`, ONNX export) the table is dequantized
-        in torch operations instead, which a graph can hold (the native kernels are opaque calls).
+        While torch exports the model (ONNX) the table is dequantized in torch operations
+        instead, which an ONNX graph can hold (it has no quantlab kernel).
         """
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_exporting():
             out = F.linear(x, self.dequantize_weight(x.dtype))
             return out if self.bias is None else out + self.bias.to(out.dtype)
         return select_kernel(self.format, x.device.type)(self, x)
@@ -168,7 +170,7 @@ class QuantizedTable(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> "QuantizedTable":
         # Stored tensors follow device moves but never dtype casts (`model.half()` must not round scales).
-        stored = {name: self._buffers.pop(name) for name in self.layout.tensors}
+        stored = {name: self._buffers.pop(name) for name in self.stored_names}
         try:
             super()._apply(fn, recurse)
         finally:

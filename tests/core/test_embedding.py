@@ -330,3 +330,17 @@ def test_generate_decodes_through_the_tied_quantized_head():
         with torch.no_grad():
             tokens = torch.cat([tokens, model(tokens).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(generated, tokens)
+
+
+def test_compiled_lookup_and_tied_head_run_in_one_graph():
+    from quantlab.kernels.cpu import ops
+
+    if not ops.available():
+        pytest.skip("the kernels are not built as torch operators here (ctypes calls break graphs)")
+    model = quantlab.quantize(tiny_llama(tie_word_embeddings=True), quantlab.NF4Config(embedding_bits=8))
+    hidden = torch.randn(3, 64)
+    with torch.no_grad():
+        head = torch.compile(model.lm_head, fullgraph=True)(hidden)
+        rows = torch.compile(model.model.embed_tokens, fullgraph=True)(IDS)
+        torch.testing.assert_close(head, model.lm_head(hidden), rtol=1e-5, atol=1e-5)
+        assert torch.equal(rows, model.model.embed_tokens(IDS))
