@@ -5,7 +5,9 @@ a quantlab checkpoint anywhere else would (without this hook) run its integer co
 weights. `quantlab_autoload.pth`, installed beside this file, imports it at interpreter start.
 It costs one entry on `sys.meta_path` and imports nothing heavy: quantlab itself is imported
 only right after `transformers.modeling_utils` finishes loading, i.e. only in processes that
-are about to build a transformers model. Set `QUANTLAB_AUTOLOAD=0` to turn it off.
+are about to build a transformers model (`import peft` is one of them). Importing quantlab
+also adapts PEFT to its layers (`quantlab.integrations.peft`), so the QLoRA recipe runs on a
+quantlab checkpoint without `import quantlab`. Set `QUANTLAB_AUTOLOAD=0` to turn it off.
 """
 
 import os

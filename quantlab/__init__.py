@@ -2,7 +2,8 @@
 
 from quantlab.config import QuantlabConfig
 from quantlab.convert import dequantize, quantize
-from quantlab.errors import ConfigError, QuantizationError, QuantlabError, UnknownMethodError
+from quantlab.errors import ConfigError, QuantizationError, QuantlabError, RequantizationWarning, UnknownMethodError
+from quantlab.integrations import peft as _peft_integration  # noqa: F401  (PEFT knows quantlab's layers; no call needed)
 from quantlab.methods.builtin import register_builtin_methods
 from quantlab.methods.custom_bits import CustomBitsConfig
 from quantlab.methods.int8 import Int8SymmetricConfig
@@ -25,6 +26,7 @@ __all__ = [
     "QuantizedLinear",
     "QuantlabConfig",
     "QuantlabError",
+    "RequantizationWarning",
     "UnknownMethodError",
     "dequantize",
     "get_method",

@@ -26,3 +26,7 @@ class QuantizationError(QuantlabError, ValueError):
 
 class CheckpointError(QuantlabError, ValueError):
     """A quantized checkpoint does not hold what its config says: a tensor missing, misshapen or not finite."""
+
+
+class RequantizationWarning(UserWarning):
+    """Merging a LoRA adapter into a quantized base rounded the merged weights again (see the message)."""

@@ -12,7 +12,6 @@ This module also holds the training options `quantlab prune --finetune-steps` sh
 import argparse
 import contextlib
 import dataclasses
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from quantlab.cli.models import (
     read_config,
     resolve_model,
     save_checkpoint,
+    train_run,
     weights_size,
 )
 from quantlab.cli.output import add_output_dir_arguments, check_output, write_report
@@ -90,12 +90,15 @@ def run_directory(args: argparse.Namespace, output: Path) -> Iterator[Path]:
     """`--run-dir`, or a temporary folder beside the output that is removed afterwards."""
     if args.run_dir:
         path = Path(args.run_dir).expanduser()
+        if path.exists() and not path.is_dir():
+            raise QuantlabError(f"--run-dir {path} is a file; the run's log and checkpoints need a folder")
         path.mkdir(parents=True, exist_ok=True)
         yield path
         return
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{output.name}.run-", dir=output.parent) as folder:
-        yield Path(folder)
+    from quantlab.utils.atomic import scratch_directory
+
+    with scratch_directory(output.parent, output.name) as folder:
+        yield folder
 
 
 def training_config(args: argparse.Namespace, steps: int, run_dir: Path):
@@ -152,15 +155,18 @@ def freeze_embeddings(model: Any) -> None:
             module.requires_grad_(False)
 
 
-def save_model(model: Any, tokenizer: Any, output: Path, overwrite: bool) -> None:
-    """Sparse storage when the model carries pruning masks, `save_pretrained` otherwise (atomically)."""
+def save_model(model: Any, tokenizer: Any, output: Path, overwrite: bool, protect: list[Path]) -> None:
+    """Sparse storage when the model carries pruning masks, `save_pretrained` otherwise (atomically).
+
+    `protect`: the input models, which `overwrite` must never delete.
+    """
     from quantlab.prune import masked_layers, save_sparse
     from quantlab.utils.atomic import atomic_directory
 
     if masked_layers(model):
-        save_sparse(model, output, tokenizer=tokenizer, overwrite=overwrite)
+        save_sparse(model, output, tokenizer=tokenizer, overwrite=overwrite, protect=protect)
         return
-    with atomic_directory(output, overwrite=overwrite) as staging:
+    with atomic_directory(output, overwrite=overwrite, protect=protect) as staging:
         save_checkpoint(model, tokenizer, staging)
 
 
@@ -286,13 +292,13 @@ def distill_checkpoints(
             trainable, teacher, config, data.train, distillation=distillation,
             collator=CausalLMCollator.for_tokenizer(tokenizer),
         )  # fmt: skip
-        result = trainer.train()
+        result = train_run(trainer)
     report.loss, report.train_seconds = result.loss, time.perf_counter() - started
     student = _finish_student(trainable, args.lora_r, quantized_student)
     del teacher
     if text is not None:
         report.perplexity_after = measure_perplexity(student, tokenizer, text, console)
-    save_model(student, tokenizer, output, args.overwrite)
+    save_model(student, tokenizer, output, args.overwrite, protect=[teacher_folder, student_folder])
     report.size_bytes = weights_size(output)
     write_report(output, dataclasses.asdict(report))
     return report

@@ -14,6 +14,8 @@ the first process prints and writes.
 
 import argparse
 import dataclasses
+import os
+import shutil
 import statistics
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from quantlab.cli.models import (
     quantization_method_of,
     read_config,
     resolve_model,
+    train_run,
 )
 from quantlab.cli.options import add_method_argument, config_from_args
 from quantlab.cli.output import write_report
@@ -51,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bitsandbytes", action="store_true", help="quantize the base with bitsandbytes NF4 instead")
     parser.add_argument("--steps", type=int, required=True, metavar="N", help="optimizer steps")
     parser.add_argument("--output", "-o", required=True, metavar="DIR", help="run folder (log, checkpoints, adapter)")
+    parser.add_argument("--overwrite", action="store_true", help="delete an existing DIR and start a new run in it")
 
     lora = parser.add_argument_group("LoRA")
     lora.add_argument("--lora-r", type=int, default=16, metavar="R", help="adapter rank (default: 16)")
@@ -155,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     quantization = config_from_args(args) if args.method else None
     output = Path(args.output).expanduser()
     source = resolve_model(args.model)
+    _prepare_output(output, args, source)
     with float_checkpoint(source, scratch=output.parent, progress=console.progress) as folder:
         config = read_config(folder)
         cls = model_class(config)
@@ -181,6 +186,31 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise QuantlabError(f"--data {args.data}: no such file")
     if args.eval_windows < 0:
         raise QuantlabError("--eval-windows must be 0 (no evaluation) or more")
+
+
+def _prepare_output(output: Path, args: argparse.Namespace, source: Any) -> None:
+    """The run folder: continued with --resume, replaced with --overwrite, otherwise it must be new."""
+    from quantlab.utils.atomic import OutputExistsError, check_replaceable, make_staging
+
+    if output.exists() and not output.is_dir():
+        raise QuantlabError(f"--output {output} is a file; finetune writes a run folder there, so pick a folder path")
+    if args.resume or not output.exists():
+        return
+    if not args.overwrite:
+        raise OutputExistsError(
+            f"output {output} already exists; pass --resume latest to continue its run, --overwrite to replace it, "
+            f"or pick another"
+        )
+    inputs = [source.path] + ([Path(args.data).expanduser()] if args.data else [])
+    check_replaceable(output, overwrite=True, protect=inputs)
+    if _is_main_process():
+        retired = make_staging(output.parent, output.name, "old")
+        os.replace(output, retired / output.name)
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+def _is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _load_base(folder: Path, cls: type, config: Any, quantization: Any, args: argparse.Namespace):
@@ -243,7 +273,7 @@ def _train(
         eval_windows=data.eval_windows,
         collator=CausalLMCollator.for_tokenizer(tokenizer),
     )
-    result = trainer.train()
+    result = train_run(trainer)
     if not trainer.accelerator.is_main_process:
         return None
     log = read_log(output)

@@ -12,11 +12,15 @@ its traceback.
 """
 
 import argparse
+import contextlib
 import errno
 import importlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from types import ModuleType
+from typing import Any
 
 from quantlab.cli import options
 from quantlab.cli.console import Console
@@ -89,12 +93,37 @@ def parse(argv: list[str], prog: str = "quantlab") -> argparse.Namespace:
     return args
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the command is, so its cleanup runs (temporary folders removed) as for Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While a command runs, SIGTERM raises `Terminated` instead of killing the process on the spot."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command, turning user errors into one line on stderr."""
     module: ModuleType = args.command_module
     Console.from_args(args).configure_libraries()
     try:
-        return module.run(args)
+        with _sigterm_raises():
+            return module.run(args)
+    except Terminated:
+        print("quantlab: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except QuantlabError as error:
         return _fail(str(error))
     except OSError as error:

@@ -87,16 +87,15 @@ def float_checkpoint(source: ModelSource, scratch: Path | None = None, progress:
         yield source.folder
         return
     from quantlab.eval.models import convert_gguf
+    from quantlab.utils.atomic import scratch_directory
 
-    if scratch is not None:
-        scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".quantlab-gguf-", dir=scratch) as folder:
+    with scratch_directory(scratch if scratch is not None else Path(tempfile.gettempdir()), "quantlab-gguf") as folder:
         try:
-            with _gguf_progress(progress), io_errors_as_os_errors(Path(folder)):
-                convert_gguf(source.path, Path(folder))
+            with _gguf_progress(progress), io_errors_as_os_errors(folder):
+                convert_gguf(source.path, folder)
         except (ValueError, KeyError) as error:  # transformers/gguf reject the file's contents
             raise QuantlabError(f"cannot read {source.path} as a GGUF causal language model: {error}") from error
-        yield Path(folder)
+        yield folder
 
 
 @contextlib.contextmanager
@@ -122,10 +121,27 @@ def read_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(folder, local_files_only=True)
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, KeyError, OSError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise QuantlabError(f"{folder} is not a model transformers can load: {first_line}") from error
+    _check_quantization_method(config, folder)
+    return config
+
+
+def _check_quantization_method(config: Any, folder: Path) -> None:
+    """A `quant_method` neither transformers nor a quantlab method knows would load as garbage: refuse it."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    import quantlab  # noqa: F401  (registers quantlab's methods with transformers)
+
+    method = quantization_method_of(config)
+    if method is not None and method not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        known = ", ".join(sorted(AUTO_QUANTIZATION_CONFIG_MAPPING))
+        raise QuantlabError(
+            f"{folder / 'config.json'} names quant_method={method!r}, which no installed method reads "
+            f"(known: {known}); install the plugin that wrote it, or fix the config"
+        )
 
 
 def model_class(config: Any) -> type:
@@ -190,6 +206,28 @@ def save_checkpoint(model: Any, tokenizer: Any | None, folder: Path) -> None:
         model.save_pretrained(folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
+
+
+def train_run(trainer: Any) -> Any:
+    """`trainer.train()`; a full disk is one line naming the checkpoint a `--resume` continues from."""
+    import errno
+
+    from quantlab.training import latest_checkpoint
+
+    run_dir = Path(trainer.config.output_dir)
+    try:
+        with io_errors_as_os_errors(run_dir):
+            return trainer.train()
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        latest = latest_checkpoint(run_dir)
+        where = (
+            f"its last complete checkpoint, {latest}, is intact: free some space and resume the run"
+            if latest is not None
+            else "no checkpoint was completed: free some space or write elsewhere"
+        )
+        raise QuantlabError(f"no space left on the device while training into {run_dir}; {where}") from error
 
 
 @contextlib.contextmanager

@@ -21,14 +21,19 @@ def add_output_dir_arguments(parser: argparse.ArgumentParser, help: str = "folde
 
 
 def check_output(output: Path, overwrite: bool, *inputs: Path) -> None:
-    """Refuse an existing `output` without `--overwrite`, and an `output` that is one of the `inputs`."""
-    from quantlab.utils.atomic import OutputExistsError
+    """Before any work: refuse an existing `output` without `--overwrite`, an `output` that is one of the
+    `inputs`, and an `--overwrite` that would delete an input or the current directory.
 
-    if output.exists() and not overwrite:
-        raise OutputExistsError(f"output {output} already exists; pass --overwrite to replace it, or pick another")
+    `atomic_directory` checks again when it renames the result into place.
+    """
+    from quantlab.utils.atomic import OutputExistsError, check_replaceable
+
     for path in inputs:
         if output.resolve() == path.resolve():
             raise QuantlabError(f"--output {output} is one of the input models; write somewhere else")
+    if output.exists() and not overwrite:
+        raise OutputExistsError(f"output {output} already exists; pass --overwrite to replace it, or pick another")
+    check_replaceable(output, overwrite, inputs)
 
 
 def write_report(output: Path, report: dict[str, Any]) -> None:

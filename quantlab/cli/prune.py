@@ -40,6 +40,7 @@ from quantlab.cli.models import (
     float_checkpoint,
     load_tokenizer,
     resolve_model,
+    train_run,
     weights_size,
 )
 from quantlab.cli.output import add_output_dir_arguments, check_output, write_report
@@ -211,7 +212,8 @@ def prune_checkpoint(
         _recover(args, model, tokenizer, teacher_source, distillation, output, report, console)
         if text is not None:
             report.perplexity_after = measure_perplexity(model, tokenizer, text, console)
-    save_model(model, tokenizer, output, args.overwrite)
+    inputs = [source.path, *([teacher_source.path] if teacher_source else [])]
+    save_model(model, tokenizer, output, args.overwrite, protect=inputs)
     report.size_after_bytes = weights_size(output)
     if pattern.kind != "structured":
         from quantlab.prune import sparse_storage
@@ -276,7 +278,7 @@ def _recover(
                 teacher_tokenizer=teacher_tokenizer, student_tokenizer=tokenizer,
             )  # fmt: skip
             report.teacher = str(teacher_source)
-        result = trainer.train()
+        result = train_run(trainer)
     model.eval()
     report.finetune_steps = args.finetune_steps
     report.finetune_loss = result.loss

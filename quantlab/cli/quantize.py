@@ -146,9 +146,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_output(output: Path, source: ModelSource, overwrite: bool) -> None:
-    check_output(output, overwrite)
     if output.resolve() == source.path.resolve():
         raise QuantlabError(f"--output {output} is the model being quantized; write the checkpoint somewhere else")
+    check_output(output, overwrite, source.path)
 
 
 def quantize_to_checkpoint(
@@ -176,7 +176,7 @@ def quantize_to_checkpoint(
         if not layers.quantized:
             raise QuantlabError(f"no Linear layer of {source} was quantized; check --modules-to-not-convert")
         quantized_at = time.perf_counter()
-        with atomic_directory(output, overwrite=overwrite) as staging:
+        with atomic_directory(output, overwrite=overwrite, protect=[source.path]) as staging:
             save_checkpoint(model, tokenizer, staging)
             saved_at = time.perf_counter()
             report = QuantizeReport(

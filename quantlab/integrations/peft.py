@@ -1,38 +1,61 @@
-"""PEFT integration: LoRA on every quantlab method, with no call needed from the user.
+"""PEFT (and transformers' parameter counts) know quantlab's quantized layers, with no call needed.
 
-PEFT wraps only layer types it knows (`get_peft_model` raises "Target module ... is not
-supported" otherwise). Its hook for other layers, `LoraConfig._register_custom_module`, is
-per config instance, so quantlab wraps `LoraConfig.__post_init__`: every `LoraConfig` built
-in the process, including the one `PeftModel.from_pretrained` reads back from
-`adapter_config.json`, maps `QuantizedLinear` (any method, plugins too) to
-`QuantizedLoraLinear`. Saved adapters therefore reload wherever quantlab is imported.
+Installed by `import quantlab`, which the start-up hook (`_quantlab_autoload.py`) performs in
+every process that loads transformers' model code, `import peft` included: the standard
+QLoRA recipe runs unchanged on a quantlab model in a script that never imports quantlab.
+Nothing here imports PEFT: each adaptation runs when the PEFT module it concerns has been
+imported (`quantlab.utils.import_hooks`), or at once if it already is; the adaptations live
+in `parameter_count`, `peft_targets`, `peft_kbit`, `peft_merge` and `peft_lora` beside this file.
 
-`install()` is cheap: it patches PEFT at once if PEFT is already loaded, and otherwise puts a
-finder on `sys.meta_path` that patches `peft.tuners.lora.config` right after it is first
-imported, so `import quantlab` never imports PEFT. Set `QUANTLAB_PEFT=0` to leave PEFT alone.
+Public hooks used (nothing patched):
+- transformers' quantizer registry (`register_quantization_config`/`register_quantizer`) and
+  the attributes its `HfQuantizer` sets (`is_quantized`, `quantization_method`, `hf_quantizer`),
+  which PEFT and `Trainer` read; `HfQuantizer.is_trainable` lets `Trainer` train adapters;
+- PEFT's custom-layer API, `LoraConfig._register_custom_module({QuantizedLinear: QuantizedLoraLinear})`
+  (experimental, per config instance: `LoraConfig.__post_init__` is wrapped so every config,
+  including the one `PeftModel.from_pretrained` reads back, gets the mapping);
+- PEFT's per-layer `merge`/`unmerge`/`get_delta_weight` contract, which `merge_and_unload`,
+  `unload` and `merge_adapter` call on `QuantizedLoraLinear`.
+
+Wrapped, where PEFT or transformers has no hook (each wrapper calls the original first and
+only adds to its result, so models without quantlab layers behave exactly as before):
+- `peft.tuners.tuners_utils._maybe_include_all_linear_layers`: "all-linear" adds quantized layers;
+- `peft.prepare_model_for_kbit_training`: gradient checkpointing as for bitsandbytes;
+- `PreTrainedModel.num_parameters` / `get_memory_footprint`, `PeftModel.get_nb_trainable_parameters`:
+  quantized weights count as parameters;
+- `LoraModel.merge_and_unload` / `merge_adapter`: one warning with the measured re-quantization error.
+
+Set `QUANTLAB_PEFT=0` to leave PEFT and transformers untouched.
 """
 
 import functools
 import os
-import sys
-import warnings
-from importlib.machinery import PathFinder
-from types import ModuleType
 from typing import Any
 
-_LORA_CONFIG_MODULE = "peft.tuners.lora.config"
+from quantlab.integrations.parameter_count import (
+    patch_peft_counts,
+    patch_peft_mixed_counts,
+    patch_transformers_counts,
+)
+from quantlab.integrations.peft_kbit import patch_prepare_model_for_kbit_training
+from quantlab.integrations.peft_merge import patch_lora_merges
+from quantlab.integrations.peft_targets import patch_all_linear
+from quantlab.utils.import_hooks import after_import
+
 _PATCHED = "_quantlab_registers_lora_layers"
 
 
 def install() -> None:
-    """Register quantlab's LoRA layer with PEFT now if PEFT is loaded, else when it loads."""
+    """Adapt PEFT and transformers now where they are loaded, else as soon as they load."""
     if os.environ.get("QUANTLAB_PEFT", "1") == "0":
         return
-    module = sys.modules.get(_LORA_CONFIG_MODULE)
-    if module is not None and hasattr(module, "LoraConfig"):
-        patch_lora_config(module.LoraConfig)
-    elif not any(isinstance(finder, _PatchAfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterImport())
+    after_import("peft.tuners.lora.config", "LoraConfig", lambda module: patch_lora_config(module.LoraConfig))
+    after_import("peft.tuners.tuners_utils", "_maybe_include_all_linear_layers", patch_all_linear)
+    after_import("peft.utils.other", "prepare_model_for_kbit_training", patch_prepare_model_for_kbit_training)
+    after_import("peft.tuners.lora.model", "LoraModel", patch_lora_merges)
+    after_import("peft.peft_model", "PeftModel", patch_peft_counts)
+    after_import("peft.mixed_model", "PeftMixedModel", patch_peft_mixed_counts)
+    after_import("transformers.modeling_utils", "PreTrainedModel", patch_transformers_counts)
 
 
 def register_with_peft() -> None:
@@ -63,29 +86,6 @@ def patch_lora_config(lora_config_class: type) -> None:
 
     setattr(__post_init__, _PATCHED, True)
     lora_config_class.__post_init__ = __post_init__
-
-
-class _PatchAfterImport:
-    """A meta-path finder that patches `LoraConfig` once its module has executed."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != _LORA_CONFIG_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_patch(module: ModuleType) -> None:
-            exec_module(module)
-            try:
-                patch_lora_config(module.LoraConfig)
-            except Exception as error:  # PEFT changed shape: LoRA on quantlab layers is off, PEFT still works
-                warnings.warn(f"quantlab could not register its LoRA layers with PEFT: {error}", stacklevel=2)
-
-        spec.loader.exec_module = exec_then_patch
-        return spec
 
 
 install()

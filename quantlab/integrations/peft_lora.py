@@ -7,7 +7,8 @@ and `B` train.
 
 Merging dequantizes the base, adds `scaling * B @ A` and re-quantizes with the layer's own
 method and options, so the merged model is a checkpoint of the same method; the rounding of
-that last step is the error a merge adds (see `quantlab.training.merge` for the report).
+that last step is the error a merge adds, measured and reported as a `RequantizationWarning`
+(`quantlab.integrations.peft_merge`).
 Imported lazily by `quantlab.integrations.peft`, because it needs PEFT itself.
 """
 
@@ -20,6 +21,7 @@ from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
 from quantlab.errors import QuantlabError
+from quantlab.integrations.peft_merge import record_rounding
 from quantlab.nn import QuantizedLinear
 
 
@@ -104,12 +106,15 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
             return
         base = self.get_base_layer()
         weight = base.dequantize_weight(torch.float32)
-        for adapter in adapters:
-            weight = weight + self.get_delta_weight(adapter).to(weight.device)
+        with torch.no_grad():
+            update = sum(self.get_delta_weight(adapter).to(weight.device) for adapter in adapters)
+            weight = weight + update
         if safe_merge and not torch.isfinite(weight).all():
             raise QuantlabError(f"merging adapter(s) {adapters} gives NaN/Inf weights: the adapter is broken")
         self.base_layer = requantized_like(base, weight)
         self.merged_adapters.extend(adapters)
+        merged = self.base_layer.dequantize_weight(torch.float32)
+        record_rounding(self, base.config.method, weight, update, merged)
 
     def unmerge(self) -> None:
         """Subtract merged adapters again; the base is re-quantized, so it does not return bit-exactly."""

@@ -144,6 +144,18 @@ class GradualPruning(KeepMasks):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "sparsity": self.sparsity}
 
+    def settings(self) -> dict[str, Any]:
+        return {
+            "pattern": str(self.pattern),
+            "initial_sparsity": self.initial_sparsity,
+            "final_sparsity": self.final_sparsity,
+            "start_step": self.start_step,
+            "end_step": self.end_step,
+            "frequency": self.frequency,
+            "scope": self.scope,
+            "modules": self.modules,
+        }
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.sparsity = state.get("sparsity")

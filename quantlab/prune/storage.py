@@ -33,6 +33,7 @@ fails with "no file named model.safetensors" instead of loading a model with mis
 import dataclasses
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +87,17 @@ class SparseStorage:
 # -- saving -------------------------------------------------------------------------------------
 
 
-def save_sparse(model: nn.Module, directory: str | os.PathLike, tokenizer: Any = None, overwrite: bool = False) -> Path:
+def save_sparse(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    tokenizer: Any = None,
+    overwrite: bool = False,
+    protect: Iterable[str | os.PathLike] = (),
+) -> Path:
     """Save `model` like `save_pretrained`, storing its sparse weights compactly; returns the folder.
 
-    Written atomically: the folder appears complete or not at all.
+    Written atomically: the folder appears complete or not at all; `overwrite` never deletes a
+    `protect`ed input (see `quantlab.utils.atomic`).
     """
     if hasattr(model, "peft_config"):
         raise QuantlabError(
@@ -99,7 +107,7 @@ def save_sparse(model: nn.Module, directory: str | os.PathLike, tokenizer: Any =
     if not hasattr(model, "save_pretrained"):
         raise QuantlabError(f"{type(model).__name__} has no save_pretrained; save_sparse needs a transformers model")
     directory = Path(directory)
-    with atomic_directory(directory, overwrite=overwrite) as staging:
+    with atomic_directory(directory, overwrite=overwrite, protect=protect) as staging:
         model.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)

@@ -205,13 +205,14 @@ class MethodContract:
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
         model.save_pretrained(tmp_path / "quantized")
         tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+        expected_file = str(tmp_path / "expected.pt")
         with torch.no_grad():
-            torch.save({"tokens": tokens, "logits": model(tokens).logits}, tmp_path / "expected.pt")
+            torch.save({"tokens": tokens, "logits": model(tokens).logits}, expected_file)
         script = textwrap.dedent(
             f"""
             import sys, torch
             from transformers import AutoModelForCausalLM
-            expected = torch.load({str(tmp_path / "expected.pt")!r})
+            expected = torch.load({expected_file!r}, weights_only=True)
             model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "quantized")!r})
             with torch.no_grad():
                 same = torch.equal(model(expected["tokens"]).logits, expected["logits"])

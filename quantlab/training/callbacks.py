@@ -47,6 +47,13 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def settings(self) -> dict[str, Any] | None:
+        """Options that change the trained result (a pruning schedule's), for the run's fingerprint.
+
+        A resume with other settings is refused. `None` (the default): nothing to compare.
+        """
+        return None
+
 
 class CallbackList:
     """Calls one hook on every callback, in the order given."""

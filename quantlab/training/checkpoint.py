@@ -3,15 +3,18 @@
 A run folder holds `checkpoints/step-00000050/`, one per saved step. Each is written into a
 hidden staging folder and renamed into place once complete (`quantlab.utils.atomic`), so a
 crash or a full disk mid-write leaves the previous checkpoint as the latest usable one.
-Inside: accelerate's state (optimizer, scheduler, gradient scaler, each process's RNG
-states, callback states), `trainable.safetensors` (only the parameters that train: LoRA
-adapters stay small, the frozen base is not copied) and `trainer_state.json` (step, data
-position, and the run's fingerprint). Resuming checks the fingerprint first, so a folder
-of another model, adapter layout, data set or batch layout is refused with the differences
-named, instead of being loaded into the wrong run.
+Inside: `trainable.safetensors` (only the parameters that train: LoRA adapters stay small,
+the frozen base is not copied), the optimizer, scheduler, gradient scaler, callback and
+per-process RNG states as JSON + safetensors (`checkpoint_files`; never pickles), and
+`trainer_state.json` (step, data position, the run's fingerprint, and the size and SHA-256
+of every other file). Resuming checks the fingerprint first, so a folder of another model,
+adapter layout, data set, batch layout or hyperparameters is refused with the differences
+named, then the checksums, so a truncated or edited file is refused instead of resuming a
+run that is no longer the same.
 """
 
 import dataclasses
+import enum
 import hashlib
 import json
 import re
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -28,6 +32,16 @@ from quantlab.errors import QuantlabError
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 _NAME = re.compile(r"^step-(\d+)$")
+# Schedules whose shape does not depend on the run's length: such a run may be resumed with more steps.
+SCHEDULES_WITHOUT_LENGTH = ("constant", "constant_with_warmup")
+# Adapter options that do not change a resumed run (the weights come from the checkpoint) or are bookkeeping.
+_ADAPTER_FIELDS_WITHOUT_EFFECT = (
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "peft_version",
+    "init_lora_weights",
+)
 
 
 class ResumeError(QuantlabError):
@@ -43,13 +57,35 @@ class TrainerState:
     batch_in_epoch: int = 0
     tokens_seen: int = 0
     fingerprint: dict[str, Any] = dataclasses.field(default_factory=dict)
+    files: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> {"bytes", "sha256"} of every state file
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
     @classmethod
     def read(cls, checkpoint: Path) -> "TrainerState":
-        return cls(**json.loads((checkpoint / STATE_FILE).read_text()))
+        """The state saved in `checkpoint`; a damaged, edited or pre-manifest file is a `ResumeError`."""
+        path = Path(checkpoint) / STATE_FILE
+        try:
+            values = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ResumeError(f"cannot read {path}: {error}; resume from another checkpoint") from error
+        fields = {field.name: field.type for field in dataclasses.fields(cls)}
+        if isinstance(values, dict) and set(values) == set(fields) - {"files"}:
+            raise ResumeError(
+                f"{checkpoint} was written by an earlier quantlab that stored optimizer and RNG state as pickles, "
+                f"which are never read (they can run code); start a new run"
+            )
+        if not isinstance(values, dict) or set(values) != set(fields):
+            found = sorted(values) if isinstance(values, dict) else type(values).__name__
+            raise ResumeError(
+                f"{path} is not a quantlab trainer state (fields {found}); resume from another checkpoint"
+            )
+        for name, value in values.items():
+            expected = dict if name in ("fingerprint", "files") else int
+            if not isinstance(value, expected) or isinstance(value, bool) or (expected is int and value < 0):
+                raise ResumeError(f"{path}: {name}={value!r} is not a valid value; resume from another checkpoint")
+        return cls(**values)
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -99,11 +135,17 @@ def rotate(run_dir: Path, keep_last: int) -> None:
 
 
 def remove_staging_leftovers(run_dir: Path) -> None:
-    """Remove half-written checkpoints a killed process left behind (hidden `.step-*` folders)."""
+    """Remove half-written checkpoints a killed process left behind (hidden `.step-*` folders).
+
+    A staging folder of a process that is still running is left alone (`quantlab.utils.atomic`).
+    """
+    from quantlab.utils.atomic import is_staging_of_live_process
+
     folder = Path(run_dir) / CHECKPOINTS
     if folder.is_dir():
         for leftover in folder.glob(".step-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            if not is_staging_of_live_process(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 # -- trainable parameters -------------------------------------------------------------------
@@ -120,7 +162,10 @@ def save_trainable(model: nn.Module, path: Path) -> None:
 
 def load_trainable(model: nn.Module, path: Path) -> None:
     """Copy saved trainable parameters into `model`; the name sets must match exactly."""
-    saved = load_file(str(path))
+    try:
+        saved = load_file(str(path))
+    except (OSError, SafetensorError) as error:
+        raise ResumeError(f"cannot read {path}: {error}; resume from another checkpoint") from error
     current = trainable_parameters(model)
     missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
     if missing or unexpected:
@@ -155,7 +200,38 @@ def model_fingerprint(model: nn.Module) -> dict[str, Any]:
         "frozen_weights": frozen_weights_digest(model),
         "trainable_parameters": len(layout),
         "trainable_layout": _digest(json.dumps(layout)),
+        **adapter_settings(model),
     }
+
+
+def adapter_settings(model: nn.Module) -> dict[str, Any]:
+    """The PEFT adapters' options (rank, alpha, dropout, targets, ...), one fingerprint entry each."""
+    settings = {}
+    for adapter, config in (getattr(model, "peft_config", None) or {}).items():
+        for key, value in config.to_dict().items():
+            if key not in _ADAPTER_FIELDS_WITHOUT_EFFECT:
+                settings[f"adapter.{adapter}.{key}"] = value
+    return settings
+
+
+def settings_of(obj: Any) -> dict[str, Any]:
+    """A loss's settings for the fingerprint: its class and its dataclass config, if any."""
+    config = getattr(obj, "config", obj)
+    values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else {}
+    return {"class": type(obj).__name__, **values}
+
+
+def as_json_values(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` as they read back from JSON (tuples as lists, sets sorted), so saved and current compare equal."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (set, frozenset)):
+            return sorted(value, key=str)
+        if isinstance(value, enum.Enum):
+            return value.value
+        return str(value)
+
+    return json.loads(json.dumps(values, default=plain, sort_keys=True))
 
 
 def frozen_weights_digest(model: nn.Module, samples: int = 1024) -> str:

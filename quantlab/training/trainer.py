@@ -2,8 +2,9 @@
 
 Built on accelerate: the `Accelerator` owns device placement, DDP (gloo on CPU), mixed
 precision and fp16 loss scaling, gradient accumulation (`accumulate`, no gradient sync on
-the inner micro-batches), gradient clipping, and checkpoint state (`save_state` /
-`load_state`, with hooks that store only the trainable parameters). The loop adds what a
+the inner micro-batches) and gradient clipping. Checkpoints are the loop's own (not
+accelerate's `save_state`, whose state files are pickles): only the trainable parameters,
+and every state in JSON + safetensors with its checksum (`checkpoint_files`). The loop adds what a
 fine-tuning run needs around it: exact token-weighted losses across micro-batches and
 processes, schedules in optimizer steps, a data order that resumes bit-identically, held-out
 evaluation, logging, atomic rotating checkpoints, and hooks for extensions.
@@ -27,6 +28,7 @@ from torch.utils.data import Dataset
 
 from quantlab.errors import QuantlabError
 from quantlab.training import checkpoint as ckpt
+from quantlab.training import checkpoint_files as ckpt_files
 from quantlab.training.callbacks import Callback, CallbackList, EmptyCacheEvery, ProfilerWindow
 from quantlab.training.config import TrainingConfig
 from quantlab.training.data import CausalLMCollator, ShardedBatches
@@ -36,6 +38,7 @@ from quantlab.training.loss import CausalLMLoss, LossFunction, predicted_tokens
 from quantlab.training.memory import MIB, current_memory_bytes, peak_memory_bytes
 from quantlab.training.optimizers import build_optimizer, build_scheduler, check_optimizer_name, optimizer_state_bytes
 from quantlab.training.reporting import RunLog
+from quantlab.training.state_files import write_state
 from quantlab.utils.atomic import atomic_directory
 
 FINAL_DIR = "final"
@@ -109,7 +112,6 @@ class Trainer:
             seed=config.seed,
         )
         self.fingerprint = self._fingerprint()
-        self._register_checkpoint_hooks()
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -142,6 +144,7 @@ class Trainer:
         return frozen, trainable
 
     def _fingerprint(self) -> dict[str, Any]:
+        """What a resumed run must share with the saved one to continue it exactly."""
         config = self.config
         model = self.accelerator.unwrap_model(self.model)
         fingerprint = ckpt.model_fingerprint(model)
@@ -155,30 +158,22 @@ class Trainer:
             processes=self.accelerator.num_processes,
             seed=config.seed,
             optim=config.optim,
+            optim_args=config.optim_args,
             precision=config.precision,
+            learning_rate=config.learning_rate,
+            weight_decay=config.weight_decay,
+            max_grad_norm=config.max_grad_norm,
+            lr_scheduler=config.lr_scheduler,
+            scheduler_args=config.scheduler_args,
+            warmup_steps=config.num_warmup_steps,
+            loss=ckpt.settings_of(self.loss_fn),
         )
-        return fingerprint
-
-    def _register_checkpoint_hooks(self) -> None:
-        """accelerate saves optimizer, scheduler, scaler and RNG; the hooks replace its full model copy."""
-        accelerator = self.accelerator
-
-        def save_trainable(models: list[nn.Module], weights: list[dict], output_dir: str) -> None:
-            weights.clear()
-            if accelerator.is_main_process:
-                for index, module in enumerate(models):
-                    ckpt.save_trainable(accelerator.unwrap_model(module), Path(output_dir) / _trainable_file(index))
-
-        def load_trainable(models: list[nn.Module], input_dir: str) -> None:
-            for index, module in enumerate(models):
-                ckpt.load_trainable(accelerator.unwrap_model(module), Path(input_dir) / _trainable_file(index))
-            models.clear()
-
-        accelerator.register_save_state_pre_hook(save_trainable)
-        accelerator.register_load_state_pre_hook(load_trainable)
-        for callback in self.callbacks.callbacks:
-            if type(callback).state_dict is not Callback.state_dict:
-                accelerator.register_for_checkpointing(_CallbackState(callback))
+        if config.lr_scheduler not in ckpt.SCHEDULES_WITHOUT_LENGTH:
+            fingerprint["max_steps"] = config.max_steps  # the schedule's shape depends on its length
+        configured = [c for c in self.callbacks.callbacks if c.settings() is not None]
+        for index, callback in enumerate(configured):
+            fingerprint[f"callback_{index}"] = {"callback": type(callback).__name__, **callback.settings()}
+        return ckpt.as_json_values(fingerprint)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -338,13 +333,28 @@ class Trainer:
             set_seed(config.seed, device_specific=True)
 
     def resume(self, checkpoint: Path) -> None:
-        """Load model/adapters, optimizer, scheduler, RNG, callback states and data position from `checkpoint`."""
+        """Load adapters, optimizer, scheduler, RNG, callback states and data position from `checkpoint`.
+
+        Every file is checked against the size and checksum recorded when it was saved before
+        it is read, and none is a pickle: a damaged or foreign checkpoint is refused, never run.
+        """
         saved = ckpt.TrainerState.read(checkpoint)
         ckpt.check_fingerprint(saved.fingerprint, self.fingerprint, checkpoint)
-        rng_file = checkpoint / f"random_states_{self.accelerator.process_index}.pkl"
-        if not rng_file.is_file():
-            raise ckpt.ResumeError(f"{checkpoint} has no RNG state for process {self.accelerator.process_index}")
-        self.accelerator.load_state(str(checkpoint))
+        files, unwrap = saved.files, self.accelerator.unwrap_model
+        try:
+            for index, module in enumerate(self._trained_modules):
+                ckpt_files.verify_file(checkpoint, _trainable_file(index), files)
+                ckpt.load_trainable(unwrap(module), checkpoint / _trainable_file(index))
+            for name, target in self._stateful_objects().items():
+                _load_into(target, ckpt_files.read(checkpoint, name, files), checkpoint / name)
+            ckpt_files.check_optimizer_state(self.optimizer, checkpoint)
+            callbacks = ckpt_files.read(checkpoint, ckpt_files.CALLBACKS, files)
+            self._load_callback_states(callbacks, checkpoint)
+            rank = self.accelerator.process_index
+            rng_name = ckpt_files.rng_name(rank)
+            ckpt_files.restore_rng(ckpt_files.read(checkpoint, rng_name, files), checkpoint / f"{rng_name}.json")
+        except ckpt_files.DamagedCheckpointError as error:
+            raise ckpt.ResumeError(str(error)) from error
         self.state = saved
 
     def save_checkpoint(self) -> Path:
@@ -355,20 +365,55 @@ class Trainer:
         output_dir = Path(self.config.output_dir)
         target = ckpt.checkpoint_dir(output_dir, self.state.step)
         self.state.fingerprint = self.fingerprint
+        rng_name = ckpt_files.rng_name(accelerator.process_index)
         if accelerator.is_main_process:
             with atomic_directory(target, overwrite=True) as staging:
                 broadcast_object_list([str(staging)])
-                accelerator.save_state(str(staging))
+                self._write_shared_state(staging)
+                write_state(ckpt_files.capture_rng(), staging, rng_name)
+                accelerator.wait_for_everyone()  # every process has written its RNG state
+                self.state.files = ckpt_files.manifest(staging, exclude=ckpt.STATE_FILE)
                 (staging / ckpt.STATE_FILE).write_text(self.state.to_json())
-                accelerator.wait_for_everyone()
             ckpt.rotate(output_dir, self.config.keep_last)
         else:
             staging = broadcast_object_list([None])[0]
-            accelerator.save_state(staging)
+            write_state(ckpt_files.capture_rng(), Path(staging), rng_name)
             accelerator.wait_for_everyone()
         accelerator.wait_for_everyone()
         self.callbacks.call("on_save", self, target)
         return target
+
+    def _write_shared_state(self, staging: Path) -> None:
+        """What every process shares: trained weights, optimizer, scheduler, scaler, callback states."""
+        for index, module in enumerate(self._trained_modules):
+            ckpt.save_trainable(self.accelerator.unwrap_model(module), staging / _trainable_file(index))
+        for name, source in self._stateful_objects().items():
+            write_state(source.state_dict(), staging, name)
+        states = [{"callback": type(c).__name__, "state": c.state_dict()} for c in self._stateful_callbacks()]
+        write_state(states, staging, ckpt_files.CALLBACKS)
+
+    def _stateful_objects(self) -> dict[str, Any]:
+        objects = {ckpt_files.OPTIMIZER: self.optimizer, ckpt_files.SCHEDULER: self.scheduler}
+        if self.accelerator.scaler is not None:
+            objects[ckpt_files.SCALER] = self.accelerator.scaler
+        return objects
+
+    def _stateful_callbacks(self) -> list[Callback]:
+        return [c for c in self.callbacks.callbacks if type(c).state_dict is not Callback.state_dict]
+
+    def _load_callback_states(self, saved: Any, checkpoint: Path) -> None:
+        callbacks = self._stateful_callbacks()
+        names = [type(c).__name__ for c in callbacks]
+        found = [entry.get("callback") for entry in saved] if isinstance(saved, list) else None
+        if found is None or any(not isinstance(entry, dict) or "state" not in entry for entry in saved):
+            raise ckpt_files.DamagedCheckpointError(f"{checkpoint / 'callbacks.json'} does not hold callback states")
+        if found != names:
+            raise ckpt.ResumeError(
+                f"{checkpoint} holds the states of callbacks {found}, this run has {names}; "
+                f"resume with the same callbacks (pruning schedule, mask keeping) or start a new run"
+            )
+        for callback, entry in zip(callbacks, saved, strict=True):
+            _load_into(callback, entry["state"] or {}, checkpoint / "callbacks.json")
 
     def _save_final(self, output_dir: Path) -> Path | None:
         """The trained model (or adapter) in its own format, for use outside the loop."""
@@ -383,17 +428,15 @@ class Trainer:
         return final if hasattr(model, "save_pretrained") else None
 
 
-class _CallbackState:
-    """Adapts a callback's state to accelerate's `register_for_checkpointing`."""
-
-    def __init__(self, callback: Callback) -> None:
-        self.callback = callback
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.callback.state_dict() or {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.callback.load_state_dict(state)
+def _load_into(target: Any, state: Any, source: Path) -> None:
+    """`target.load_state_dict(state)`; a state of the wrong form is a damaged checkpoint, not a traceback."""
+    try:
+        target.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as error:
+        raise ckpt_files.DamagedCheckpointError(
+            f"{source} does not fit this run's {type(target).__name__} ({type(error).__name__}: {error}); "
+            f"resume from another checkpoint or start a new run"
+        ) from error
 
 
 def make_accelerator(config: TrainingConfig):

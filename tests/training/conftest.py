@@ -20,7 +20,13 @@ def default_configs() -> list:
 
 
 def qlora_model(
-    config=None, seed: int = 0, r: int = 4, dropout: float = 0.0, checkpointing: bool = False, lora_seed: int = 1
+    config=None,
+    seed: int = 0,
+    r: int = 4,
+    dropout: float = 0.0,
+    checkpointing: bool = False,
+    lora_seed: int = 1,
+    alpha: float | None = None,
 ):
     """A tiny Llama, quantized with `config` (float if None), with LoRA on every projection."""
     torch.manual_seed(seed)
@@ -31,7 +37,7 @@ def qlora_model(
     else:
         model.requires_grad_(False)
     torch.manual_seed(lora_seed)
-    return add_lora(model, r=r, alpha=2 * r, dropout=dropout, init_lora_weights=False)
+    return add_lora(model, r=r, alpha=2 * r if alpha is None else alpha, dropout=dropout, init_lora_weights=False)
 
 
 def token_data(count: int = 48, low: int = 6, high: int = 33, seed: int = 0) -> TokenSequences:

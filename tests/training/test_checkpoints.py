@@ -58,7 +58,7 @@ def test_rotation_keeps_the_last_k(make_qlora, make_data, make_config, tmp_path)
     Trainer(make_qlora(), make_config(tmp_path, max_steps=5, save_every=1, keep_last=2), make_data()).train()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004", "step-00000005"]
     files = {p.name for p in (tmp_path / "checkpoints" / "step-00000005").iterdir()}
-    assert {"trainable.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= files
+    assert {"trainable.safetensors", "optimizer.json", "scheduler.safetensors", "random_states_0.json"} <= files
     assert ckpt.TrainerState.read(tmp_path / "checkpoints" / "step-00000005").step == 5
 
 
@@ -88,19 +88,22 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_usable(
 def test_a_killed_writer_leaves_a_hidden_folder_that_is_ignored_and_cleaned(
     make_qlora, make_data, make_config, tmp_path
 ):
-    Trainer(make_qlora(), make_config(tmp_path, max_steps=2, save_every=2), make_data()).train()
+    Trainer(
+        make_qlora(), make_config(tmp_path, max_steps=2, save_every=2, lr_scheduler="constant"), make_data()
+    ).train()
     leftover = tmp_path / "checkpoints" / ".step-00000004.tmp-abc"
     leftover.mkdir()
-    (leftover / "optimizer.bin").write_bytes(b"half")
+    (leftover / "optimizer.json").write_bytes(b"half")
     assert ckpt.latest_checkpoint(tmp_path).name == "step-00000002"
-    Trainer(make_qlora(), make_config(tmp_path, max_steps=3, save_every=2, resume_from="latest"), make_data()).train()
+    config = make_config(tmp_path, max_steps=3, save_every=2, resume_from="latest", lr_scheduler="constant")
+    Trainer(make_qlora(), config, make_data()).train()
     assert not leftover.exists()
 
 
 def test_resume_refuses_a_checkpoint_of_another_adapter_layout(make_qlora, make_data, make_config, tmp_path):
     Trainer(make_qlora(r=4), make_config(tmp_path, max_steps=2, save_every=2), make_data()).train()
     config = make_config(tmp_path, max_steps=3, resume_from="latest")
-    with pytest.raises(ResumeError, match="belongs to another run: trainable_layout"):
+    with pytest.raises(ResumeError, match=r"belongs to another run: .*trainable_layout"):
         Trainer(make_qlora(r=8), config, make_data()).train()
 
 
@@ -115,6 +118,28 @@ def test_resume_refuses_a_checkpoint_of_another_model_or_data(make_qlora, make_d
     with pytest.raises(ResumeError, match="data"):
         config = make_config(tmp_path, max_steps=3, resume_from="latest")
         Trainer(make_qlora(), config, make_data(seed=1)).train()
+
+
+@pytest.mark.parametrize(
+    ("model_options", "config_options", "difference"),
+    [
+        ({"alpha": 16}, {}, "adapter.default.lora_alpha: checkpoint 8, this run 16"),
+        ({"dropout": 0.1}, {}, "adapter.default.lora_dropout: checkpoint 0.0, this run 0.1"),
+        ({}, {"learning_rate": 5e-3}, "learning_rate: checkpoint 0.01, this run 0.005"),
+        ({}, {"weight_decay": 0.1}, "weight_decay"),
+        ({}, {"max_grad_norm": 0.5}, "max_grad_norm"),
+        ({}, {"lr_scheduler": "cosine"}, "lr_scheduler"),
+        ({}, {"max_steps": 5}, "max_steps: checkpoint 4, this run 5"),  # the linear decay's length
+    ],
+)
+def test_resume_refuses_other_hyperparameters(
+    model_options, config_options, difference, make_qlora, make_data, make_config, tmp_path
+):
+    Trainer(make_qlora(), make_config(tmp_path, max_steps=4, save_every=2), make_data()).train()
+    config = make_config(tmp_path, **{"max_steps": 4, "resume_from": "latest", **config_options})
+    with pytest.raises(ResumeError, match="belongs to another run") as refused:
+        Trainer(make_qlora(**model_options), config, make_data()).train()
+    assert difference in str(refused.value)
 
 
 def test_resume_latest_without_a_checkpoint_says_so(make_qlora, make_data, make_config, tmp_path):

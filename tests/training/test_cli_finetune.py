@@ -31,7 +31,7 @@ def test_finetune_trains_merges_and_reports(tiny_checkpoint, tmp_path, capsys):
     folder, text = tiny_checkpoint
     output = tmp_path / "run"
     base = ["finetune", str(folder), "--method", "nf4", "--blocksize", "32", "--output", str(output)]
-    base += ["--data", str(text), *TINY, "--save-every", "3", "--json"]
+    base += ["--data", str(text), *TINY, "--save-every", "3", "--schedule", "constant", "--json"]
     assert main([*base, "--steps", "6", "--merge", "float"]) == 0
     report = _last_json(capsys.readouterr().out)
     assert report["steps"] == 6 and report["processes"] == 1
@@ -42,7 +42,7 @@ def test_finetune_trains_merges_and_reports(tiny_checkpoint, tmp_path, capsys):
     assert (output / "merged" / "config.json").is_file() and (output / "quantlab_report.json").is_file()
     assert [p.name for p in sorted((output / "checkpoints").iterdir())] == ["step-00000003", "step-00000006"]
 
-    assert main([*base, "--steps", "7", "--resume", "latest"]) == 0
+    assert main([*base, "--steps", "7", "--resume", "latest"]) == 0  # a constant schedule may run longer
     assert _last_json(capsys.readouterr().out)["steps"] == 7
 
 

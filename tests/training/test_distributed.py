@@ -39,7 +39,7 @@ def test_two_processes_match_one_and_write_one_checkpoint(tmp_path, tokenizer):
     reports = [json.loads(line) for line in two.stdout.splitlines() if line.startswith("{")]
     assert len(reports) == 1 and reports[0]["processes"] == 2  # only the main process reports
     checkpoint = tmp_path / "two" / "checkpoints" / "step-00000003"
-    assert {"random_states_0.pkl", "random_states_1.pkl", "trainable.safetensors"} <= {
+    assert {"random_states_0.json", "random_states_1.json", "trainable.safetensors"} <= {
         p.name for p in checkpoint.iterdir()
     }
     log = [json.loads(line) for line in (tmp_path / "two" / "log.jsonl").read_text().splitlines()]

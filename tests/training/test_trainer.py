@@ -184,7 +184,8 @@ class Recorder(Callback):
 
 def test_callbacks_run_in_order_and_keep_their_state(make_qlora, make_data, make_config, tmp_path):
     recorder = Recorder()
-    Trainer(make_qlora(), make_config(tmp_path, max_steps=2, save_every=2), make_data(), callbacks=[recorder]).train()
+    config = make_config(tmp_path, max_steps=2, save_every=2, lr_scheduler="constant")  # constant: may run longer
+    Trainer(make_qlora(), config, make_data(), callbacks=[recorder]).train()
     assert recorder.events == [
         "begin",
         "step",
@@ -199,7 +200,7 @@ def test_callbacks_run_in_order_and_keep_their_state(make_qlora, make_data, make
         "end",
     ]
     resumed = Recorder()
-    config = make_config(tmp_path, max_steps=3, save_every=2, resume_from="latest")
+    config = make_config(tmp_path, max_steps=3, save_every=2, resume_from="latest", lr_scheduler="constant")
     Trainer(make_qlora(), config, make_data(), callbacks=[resumed]).train()
     assert resumed.counted == 3
 

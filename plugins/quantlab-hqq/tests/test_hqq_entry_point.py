@@ -58,7 +58,8 @@ def test_from_pretrained_by_method_name_in_a_fresh_process(tmp_path):
     then reloads in another process that imports neither quantlab nor the plugin."""
     tiny_llama().save_pretrained(tmp_path / "float")
     tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
-    torch.save(tokens, tmp_path / "tokens.pt")
+    tokens_file, logits_file = str(tmp_path / "tokens.pt"), str(tmp_path / "logits.pt")
+    torch.save(tokens, tokens_file)
     quantized = run_fresh(
         f"""
         import json, torch, quantlab
@@ -67,8 +68,8 @@ def test_from_pretrained_by_method_name_in_a_fresh_process(tmp_path):
         model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "float")!r}, quantization_config=config)
         model.save_pretrained({str(tmp_path / "hqq")!r})
         with torch.no_grad():
-            logits = model(torch.load({str(tmp_path / "tokens.pt")!r})).logits
-        torch.save(logits, {str(tmp_path / "logits.pt")!r})
+            logits = model(torch.load({tokens_file!r}, weights_only=True)).logits
+        torch.save(logits, {logits_file!r})
         print(json.dumps({{"layer": type(model.model.layers[0].mlp.down_proj).__name__}}))
         """,
         tmp_path,
@@ -80,8 +81,8 @@ def test_from_pretrained_by_method_name_in_a_fresh_process(tmp_path):
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "hqq")!r})
         with torch.no_grad():
-            logits = model(torch.load({str(tmp_path / "tokens.pt")!r})).logits
-        same = torch.equal(logits, torch.load({str(tmp_path / "logits.pt")!r}))
+            logits = model(torch.load({tokens_file!r}, weights_only=True)).logits
+        same = torch.equal(logits, torch.load({logits_file!r}, weights_only=True))
         print(json.dumps({{"same": same, "layer": type(model.model.layers[0].mlp.down_proj).__name__}}))
         """,
         tmp_path,

@@ -1,0 +1,216 @@
+"""Every file a resume reads, damaged, truncated, edited or replaced by a pickle payload: refused, never run.
+
+A checkpoint holds no pickle (state is JSON + safetensors) and records the size and SHA-256 of
+each file in `trainer_state.json`. Each case edits one file the way a truncated copy, a bit
+flip or a hostile sender would, with the recorded checksum left alone or forged to match,
+and expects a `ResumeError` (exit 2 in the CLI) whose message names the fault; a planted
+payload must never run. An intact copy resumes bit-identically.
+"""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantlab.training import ResumeError
+
+STATE_FILES = [
+    "trainable.safetensors",
+    "optimizer.json",
+    "optimizer.safetensors",
+    "scheduler.json",
+    "scheduler.safetensors",
+    "callbacks.json",
+    "callbacks.safetensors",
+    "random_states_0.json",
+    "random_states_0.safetensors",
+]
+
+
+def test_the_checkpoint_holds_no_pickle(saved_run):
+    names = {path.name for path in saved_run.checkpoint.iterdir()}
+    assert names == {*STATE_FILES, "trainer_state.json"}
+    for name in names:  # each one is plain JSON or safetensors, formats that cannot carry code
+        path = saved_run.checkpoint / name
+        json.loads(path.read_text()) if name.endswith(".json") else load_file(str(path))
+
+
+def test_an_intact_copy_resumes_bit_identically(run_copy):
+    trainer = run_copy.resume()
+    got = {n: p for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters() if p.requires_grad}
+    assert got.keys() == run_copy.final.keys()
+    assert all(torch.equal(got[name], run_copy.final[name]) for name in got)
+
+
+# -- pickle payloads --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [*STATE_FILES, "trainer_state.json"])
+@pytest.mark.parametrize("checksum", ["kept", "forged"])
+def test_a_pickle_payload_in_place_of_a_state_file_never_runs(name, checksum, run_copy, pickle_bomb, forge):
+    if checksum == "forged" and name == "trainer_state.json":
+        pytest.skip("the manifest lives in trainer_state.json")
+    target = run_copy.checkpoint / name
+    target.write_bytes(pickle_bomb.torch_file)
+    if checksum == "forged":
+        forge(run_copy.checkpoint, name)
+    expected = "cannot read" if checksum == "forged" or name == "trainer_state.json" else "bytes but was"
+    with pytest.raises(ResumeError, match=expected) as refused:
+        run_copy.resume()
+    assert name in str(refused.value)
+    assert not pickle_bomb.ran()
+
+
+def test_accelerates_pickle_file_names_are_never_read(run_copy, pickle_bomb):
+    """The names accelerate's `save_state` used: planted beside an intact checkpoint, they are ignored."""
+    for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin", "scheduler.bin", "scaler.pt"):
+        (run_copy.checkpoint / name).write_bytes(pickle_bomb.torch_file)
+    run_copy.resume()
+    assert not pickle_bomb.ran()
+
+
+# -- damaged and edited files -----------------------------------------------------------------
+
+
+def _truncate(name: str, keep: float = 0.5) -> Callable[[Path], None]:
+    def edit(checkpoint: Path) -> None:
+        data = (checkpoint / name).read_bytes()
+        (checkpoint / name).write_bytes(data[: int(len(data) * keep)])
+
+    return edit
+
+
+def _flip_a_byte(name: str) -> Callable[[Path], None]:
+    def edit(checkpoint: Path) -> None:
+        data = bytearray((checkpoint / name).read_bytes())
+        data[-1] ^= 0xFF
+        (checkpoint / name).write_bytes(bytes(data))
+
+    return edit
+
+
+def _edit_tensors(name: str, change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def edit(checkpoint: Path) -> None:
+        tensors = load_file(str(checkpoint / name))
+        change(tensors)
+        save_file(tensors, str(checkpoint / name))
+
+    return edit
+
+
+def _edit_json(name: str, change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def edit(checkpoint: Path) -> None:
+        values = json.loads((checkpoint / name).read_text())
+        change(values)
+        (checkpoint / name).write_text(json.dumps(values))
+
+    return edit
+
+
+def _transpose_a_moment(tensors: dict) -> None:
+    for key, tensor in tensors.items():
+        if tensor.dim() == 2 and tensor.shape[0] != tensor.shape[1]:
+            tensors[key] = tensor.t().contiguous()
+            return
+
+
+def _drop_a_parameter(values: dict) -> None:
+    values["param_groups"][0]["params"].pop()
+
+
+def _add_a_callback(values: list) -> None:
+    values.append({"callback": "GradualPruning", "state": {}})
+
+
+def _delete(name: str) -> Callable[[Path], None]:
+    return lambda checkpoint: (checkpoint / name).unlink()
+
+
+def _cut_torch_rng(checkpoint: Path) -> None:
+    """The torch generator's state shortened to 100 bytes, in an otherwise valid file."""
+    key = json.loads((checkpoint / "random_states_0.json").read_text())["torch"]["__tensor__"]
+    _edit_tensors("random_states_0.safetensors", lambda t: t.update({key: t[key][:100].clone()}))(checkpoint)
+
+
+# (case, edit, file whose checksum is forged afterwards or None, expected message)
+DAMAGE = [
+    ("RNG state truncated", _truncate("random_states_0.safetensors"), None, "bytes but was 10184"),
+    (
+        "RNG state JSON truncated, checksum forged",
+        _truncate("random_states_0.json"),
+        "random_states_0.json",
+        "cannot read",
+    ),
+    (
+        "torch RNG state cut short, checksum forged",
+        _cut_torch_rng,
+        "random_states_0.safetensors",
+        "not hold a valid random-number state",
+    ),
+    ("optimizer moments flipped", _flip_a_byte("optimizer.safetensors"), None, "does not match the checksum"),
+    (
+        "optimizer moment transposed, checksum forged",
+        _edit_tensors("optimizer.safetensors", _transpose_a_moment),
+        "optimizer.safetensors",
+        "has shape",
+    ),
+    (
+        "optimizer parameter dropped, checksum forged",
+        _edit_json("optimizer.json", _drop_a_parameter),
+        "optimizer.json",
+        "does not fit this run's",
+    ),
+    (
+        "optimizer JSON not JSON, checksum forged",
+        lambda c: (c / "optimizer.json").write_text("{"),
+        "optimizer.json",
+        "cannot read",
+    ),
+    ("scheduler state deleted", _delete("scheduler.json"), None, "scheduler.json is missing"),
+    ("adapter weights truncated", _truncate("trainable.safetensors", 0.9), None, "bytes but was"),
+    (
+        "adapter weights garbage, checksum forged",
+        lambda c: (c / "trainable.safetensors").write_bytes(b"\0" * 64),
+        "trainable.safetensors",
+        "cannot read",
+    ),
+    (
+        "callbacks of another run, checksum forged",
+        _edit_json("callbacks.json", _add_a_callback),
+        "callbacks.json",
+        "holds the states of callbacks",
+    ),
+    ("trainer state truncated", _truncate("trainer_state.json"), None, "cannot read"),
+    (
+        "step not a number",
+        _edit_json("trainer_state.json", lambda v: v.update(step="one")),
+        None,
+        "step='one' is not a valid value",
+    ),
+    (
+        "manifest missing (older quantlab)",
+        _edit_json("trainer_state.json", lambda v: v.pop("files")),
+        None,
+        "earlier quantlab",
+    ),
+]
+
+
+@pytest.mark.parametrize(("edit", "forged", "message"), [c[1:] for c in DAMAGE], ids=[c[0] for c in DAMAGE])
+def test_a_damaged_or_edited_state_file_is_refused(edit, forged, message, run_copy, forge):
+    edit(run_copy.checkpoint)
+    if forged is not None:
+        forge(run_copy.checkpoint, forged)
+    with pytest.raises(ResumeError, match=message):
+        run_copy.resume()
+
+
+@pytest.mark.parametrize(
+    ("options", "difference"), [({"alpha": 16.0}, "lora_alpha"), ({"dropout": 0.0}, "lora_dropout")]
+)
+def test_resume_refuses_another_lora_alpha_or_dropout(options, difference, run_copy):
+    with pytest.raises(ResumeError, match=f"belongs to another run: adapter.default.{difference}"):
+        run_copy.resume(model_options=options)

@@ -1,0 +1,200 @@
+"""Signals at set points of quantize, save and checkpoint, in a process of their own.
+
+Each run is the real command (`quantlab.cli.main.main`) with one function wrapped so the
+process signals itself at that point: while the checkpoint is being written, or while a
+training checkpoint is. Afterwards the previous output must be intact, no temporary folder
+left behind (or, after SIGKILL, removed by the next run), a pickle planted in a run folder
+must not have run, and a resumed run must end bit-identical to an uninterrupted one.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.subprocess
+
+
+def _run(script: str, *argv: str | os.PathLike, signal_number: int = 0, when: str = "") -> subprocess.CompletedProcess:
+    """Run `main(argv)` in a fresh process, after `script` wrapped its function to send `signal_number`."""
+    code = (
+        textwrap.dedent(
+            """
+        import os, sys
+        from quantlab.cli.main import main
+        SIGNAL, WHEN = int(sys.argv[1]), sys.argv[2]
+
+        def signalling(function):
+            def wrapped(*args, **kwargs):
+                result = function(*args, **kwargs)
+                if SIGNAL and WHEN in " ".join(map(str, args)):
+                    os.kill(os.getpid(), SIGNAL)
+                return result
+            return wrapped
+        """
+        )
+        + textwrap.dedent(script)
+        + "\nsys.exit(main(sys.argv[3:]))\n"
+    )
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", code, str(signal_number), when, *map(str, argv)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
+
+
+QUANTIZE_SAVE = """
+import quantlab.cli.quantize as quantize
+quantize.save_checkpoint = signalling(quantize.save_checkpoint)
+"""
+CHECKPOINT_SAVE = """
+import quantlab.training.checkpoint as checkpoint
+checkpoint.save_trainable = signalling(checkpoint.save_trainable)
+"""
+
+
+def _quantize_argv(model: Path, output: Path) -> list[str]:
+    return ["quantize", str(model), "--method", "int8", "--output", str(output), "--overwrite", "--quiet"]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(("signal_number", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_while_quantize_saves_leaves_the_previous_output(signal_number, exit_code, llama_dir, tmp_path):
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "previous").write_text("the previous checkpoint")
+    result = _run(QUANTIZE_SAVE, *_quantize_argv(llama_dir, output), signal_number=signal_number, when="out.tmp-")
+    assert result.returncode == exit_code, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert _files(output) == {"previous": b"the previous checkpoint"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the staging folder is gone
+
+
+def test_sigkill_leaves_a_staging_folder_that_the_next_run_removes(llama_dir, tmp_path):
+    output = tmp_path / "out"
+    result = _run(QUANTIZE_SAVE, *_quantize_argv(llama_dir, output), signal_number=signal.SIGKILL, when="out.tmp-")
+    assert result.returncode == -signal.SIGKILL
+    leftovers = [p.name for p in tmp_path.iterdir()]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".out.tmp-"), leftovers
+    assert _run("", *_quantize_argv(llama_dir, output)).returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (output / "config.json").is_file()
+
+
+@pytest.mark.slow  # three training runs in fresh processes
+def test_sigterm_during_a_training_checkpoint_then_resume_is_bit_identical(
+    llama_dir, train_text, finetune_args, pickle_bomb, tmp_path
+):
+    straight = _run("", *finetune_args(llama_dir, train_text, tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    run = tmp_path / "run"
+    killed = _run(
+        CHECKPOINT_SAVE, *finetune_args(llama_dir, train_text, run), signal_number=signal.SIGTERM, when="step-00000004"
+    )
+    assert killed.returncode == 143, killed.stderr[-2000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002"]  # no half-written step 4
+    for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin"):  # accelerate's names: ignored
+        (run / "checkpoints" / "step-00000002" / name).write_bytes(pickle_bomb.torch_file)
+
+    resumed = _run("", *finetune_args(llama_dir, train_text, run, "--resume", "latest"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert not pickle_bomb.ran()
+    expected = load_file(tmp_path / "straight" / "final" / "adapter_model.safetensors")
+    got = load_file(run / "final" / "adapter_model.safetensors")
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def _forge(checkpoint: Path, name: str) -> None:
+    from quantlab.training.checkpoint_files import file_digest
+
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state["files"][name] = file_digest(checkpoint / name)
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+
+
+def test_a_pickle_in_a_resumed_finetune_never_runs(
+    llama_dir, train_text, finetune_run, finetune_args, pickle_bomb, tmp_path
+):
+    """The quick version of the next test: one payload, its checksum forged, one fresh process."""
+    run = tmp_path / "run"
+    shutil.copytree(finetune_run, run)
+    checkpoint = run / "checkpoints" / "step-00000004"
+    (checkpoint / "random_states_0.json").write_bytes(pickle_bomb.torch_file)
+    _forge(checkpoint, "random_states_0.json")
+    result = _run("", *finetune_args(llama_dir, train_text, run, "--resume", "latest"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"quantlab: error: cannot read {checkpoint / 'random_states_0.json'}: "), lines
+    assert lines[0].endswith("resume from another checkpoint or start a new run"), lines
+    assert not pickle_bomb.ran()
+
+
+@pytest.mark.slow  # two training runs, then three commands in fresh processes
+def test_a_pickle_in_a_resumed_finetune_prune_and_distill_run_never_runs(
+    llama_dir, train_text, finetune_run, pickle_bomb, tmp_path
+):
+    """Payloads in the files each command's resume reads, checksums forged to match: exit 2, one line."""
+    from quantlab.cli.main import main
+
+    run = tmp_path / "finetune"
+    shutil.copytree(finetune_run, run)
+    checkpoint = run / "checkpoints" / "step-00000004"
+    (checkpoint / "optimizer.safetensors").write_bytes(pickle_bomb.torch_file)
+    _forge(checkpoint, "optimizer.safetensors")
+    finetune = ["finetune", llama_dir, "--steps", "4", "-o", run, "--data", train_text, "--lora-r", "4"]
+    finetune += ["--seq-len", "32", "--eval-windows", "0", "--lr", "1e-2", "--save-every", "2", "--resume", "latest"]
+
+    long_text = tmp_path / "long.txt"  # prune and distill hold out 16 windows of 512 tokens
+    long_text.write_text(train_text.read_text() * 4)
+    training = ["--train-seq-len", "16", "--batch-size", "2", "--data", long_text, "--save-every", "1"]
+    commands = {"finetune": finetune}
+    for command in ("prune", "distill"):
+        run_dir = tmp_path / f"{command}-run"
+        if command == "prune":
+            argv = ["prune", llama_dir, "--pattern", "unstructured", "--sparsity", "0.5", "--finetune-steps", "2"]
+        else:
+            argv = ["distill", "--teacher", llama_dir, "--student", llama_dir, "--steps", "2"]
+        argv = [*map(str, argv), *map(str, training), "--run-dir", str(run_dir), "--quiet"]
+        assert main([*argv, "-o", str(tmp_path / f"{command}-out")]) == 0
+        checkpoint = run_dir / "checkpoints" / "step-00000002"
+        (checkpoint / "callbacks.json").write_bytes(pickle_bomb.torch_file)
+        _forge(checkpoint, "callbacks.json")
+        commands[command] = [*argv, "-o", str(tmp_path / f"{command}-again"), "--resume"]
+
+    for command, argv in commands.items():
+        result = _run("", *argv)
+        assert result.returncode == 2, (command, result.stderr[-2000:])
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert lines[-1].startswith("quantlab: error: cannot read"), (command, lines)
+        assert "Traceback" not in result.stderr
+        assert not pickle_bomb.ran(), command
+
+
+def test_two_quantize_processes_writing_one_output_one_wins_whole(llama_dir, tmp_path):
+    """Without --overwrite, the second writer is refused at its start or at its rename, never replaces."""
+    output = tmp_path / "out"
+    argv = ["quantize", str(llama_dir), "--method", "int8", "--output", str(output), "--quiet"]
+    code = "import sys; from quantlab.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    writers = [
+        subprocess.Popen([sys.executable, "-c", code, *argv], stderr=subprocess.PIPE, text=True, env=environment)
+        for _ in range(2)
+    ]
+    results = [(writer.wait(timeout=600), writer.stderr.read()) for writer in writers]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(stderr for code, stderr in results if code == 2)
+    assert "already exists" in refused or "appeared while this command ran" in refused, refused
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert {"config.json", "model.safetensors"} <= {p.name for p in output.iterdir()}
