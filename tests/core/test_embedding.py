@@ -344,3 +344,12 @@ def test_compiled_lookup_and_tied_head_run_in_one_graph():
         rows = torch.compile(model.model.embed_tokens, fullgraph=True)(IDS)
         torch.testing.assert_close(head, model.lm_head(hidden), rtol=1e-5, atol=1e-5)
         assert torch.equal(rows, model.model.embed_tokens(IDS))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_parameter_counts_equal_the_float_models(tied):
+    float_model = tiny_llama(tie_word_embeddings=tied)
+    expected = {flag: float_model.num_parameters(exclude_embeddings=flag) for flag in (False, True)}
+    model = quantlab.quantize(tiny_llama(tie_word_embeddings=tied), quantlab.NF4Config(embedding_bits=8))
+    assert {flag: model.num_parameters(exclude_embeddings=flag) for flag in (False, True)} == expected
+    assert model.num_parameters(only_trainable=True) == sum(p.numel() for p in model.parameters() if p.requires_grad)
