@@ -353,3 +353,16 @@ def test_parameter_counts_equal_the_float_models(tied):
     model = quantlab.quantize(tiny_llama(tie_word_embeddings=tied), quantlab.NF4Config(embedding_bits=8))
     assert {flag: model.num_parameters(exclude_embeddings=flag) for flag in (False, True)} == expected
     assert model.num_parameters(only_trainable=True) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_peft_recipe_counts_and_trains_with_a_quantized_tied_table(tmp_path):
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    tiny_llama(tie_word_embeddings=True).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantlab.NF4Config(embedding_bits=8))
+    model = get_peft_model(prepare_model_for_kbit_training(model), LoraConfig(r=4, target_modules="all-linear"))
+    trainable, total = model.get_nb_trainable_parameters()
+    assert total - trainable == tiny_llama(tie_word_embeddings=True).num_parameters()
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    with_grad = {name for name, p in model.named_parameters() if p.grad is not None}
+    assert len(with_grad) == 28 and all("lora_" in name for name in with_grad)  # 14 projections, A and B
