@@ -106,6 +106,7 @@ def builtin_variants() -> list[Variant]:
                     variants.append(_custom_bits(bits, group, symmetric, solver, awq))
     # 3-bit g32 symmetric also stores 3.5 bits per weight: a uniform rival of mixed precision at 3.5.
     variants.append(_custom_bits(3, 32, True, "gptq", False))
+    variants += embedding_variants()
     for target in (4.25, 3.5, 3.25, 3.0, 2.5):
         variants.append(
             Variant(
@@ -118,6 +119,21 @@ def builtin_variants() -> list[Variant]:
             )
         )
     return variants
+
+
+def embedding_variants() -> list[Variant]:
+    """The embedding table and tied head in 8 bits too (`embedding_bits`): the whole-file size of llama.cpp's files."""
+
+    def gptq(embedding_bits: int) -> Callable[[], Any]:
+        return lambda: quantlab.CustomBitsConfig(
+            bits=4, group_size=64, symmetric=True, solver="gptq", embedding_bits=embedding_bits
+        )
+
+    return [
+        Variant("nf4 b64 + double quant, embedding int8", "quantlab", lambda: quantlab.NF4Config(embedding_bits=8)),
+        Variant("custom_bits 4-bit g64 sym gptq, embedding int8", "quantlab", gptq(8), quick=True),
+        Variant("custom_bits 4-bit g64 sym gptq, embedding 6-bit", "quantlab", gptq(6)),
+    ]
 
 
 SOLVERS = (("rtn", False), ("mse", False), ("gptq", False), ("gptq", True))
@@ -405,6 +421,9 @@ def acceptance(rows: list[Row]) -> list[dict[str, Any]]:
     mixed = by_name.get("mixed 3.5 bits/weight gptq")
     uniform = best("custom_bits 3-bit", mixed.bits_per_weight if mixed and mixed.bits_per_weight else 3.5)
     check("mixed 3.5 below every uniform 3-bit storing no more", mixed, uniform.perplexity if uniform else None)
+    small = [r for r in by_name.values() if r.checkpoint_mb is not None and r.checkpoint_mb <= 100 and r.perplexity]
+    best_small = min(small, key=lambda r: r.perplexity, default=None)
+    check("whole file <= 100 MB below llama.cpp Q3_K_M (41.66, 93.5 MB)", best_small, 41.66)
     return results
 
 

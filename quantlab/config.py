@@ -18,6 +18,8 @@ from quantlab.errors import ConfigError
 FORMAT_VERSION = 1
 TRANSFORMERS_PREFIX = "quantlab_"
 DEFAULT_SOLVER = "rtn"
+EMBEDDING_BITS = (4, 8)  # the widths embedding_bits accepts, inclusive
+EMBEDDING_GROUP_SIZE = 64
 SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -32,6 +34,12 @@ class QuantlabConfig(QuantizationConfigMixin):
 
     `modules_to_not_convert`: module names (or name suffixes) kept in float. `None` keeps
     transformers' own choice: the output head and tied embeddings.
+
+    `embedding_bits`: also store the input embedding table and the output head in this many bits
+    (8: int8; 4-7: symmetric integer codes), in groups of `embedding_group_size` along each row
+    with float16 scales. A head tied to the embeddings computes its logits from the same stored
+    codes, so the table is stored once. `None` keeps both in float. These two options, not
+    `modules_to_not_convert`, decide what happens to the embedding table and the output head.
 
     `solver` chooses how codes are found (`quantlab.solvers`): `rtn` and `mse` need no data
     and run while `from_pretrained` streams the weights in; `gptq` (and `awq`) calibrate
@@ -67,6 +75,14 @@ class QuantlabConfig(QuantizationConfigMixin):
     )
     layer_options: dict[str, dict[str, Any]] | None = dataclasses.field(
         default=None, metadata={"help": "per-layer option overrides as JSON: {layer name: {option: value}}"}
+    )
+    embedding_bits: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "store the embedding table and output head (tied: once) in 4-8 bits; none keeps float"},
+    )
+    embedding_group_size: int | None = dataclasses.field(
+        default=EMBEDDING_GROUP_SIZE,
+        metadata={"help": "weights per scale along each embedding row with --embedding-bits (channel: one per row)"},
     )
 
     def __post_init__(self) -> None:
@@ -111,7 +127,18 @@ class QuantlabConfig(QuantizationConfigMixin):
                 raise ConfigError(f"{self.method}: target_bits={self.target_bits!r} is not valid; use a number")
             if not self.allocation_candidates():
                 raise ConfigError(f"{self.method}: target_bits is not supported; use custom_bits for mixed precision")
+        self._validate_embedding()
         self._validate_layer_options()
+
+    def _validate_embedding(self) -> None:
+        low, high = EMBEDDING_BITS
+        bits = self.embedding_bits
+        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or not low <= bits <= high):
+            raise ConfigError(
+                f"{self.method}: embedding_bits={bits!r} is not valid; use a whole number from {low} to {high}, "
+                f"or None to keep the embedding table in float"
+            )
+        check_group_size(self.method, "embedding_group_size", self.embedding_group_size, 16, 4096)
 
     def _validate_layer_options(self) -> None:
         if self.layer_options is None:

@@ -13,6 +13,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.nn import QuantizedLinear
 from quantlab.solvers import get_solver
+from quantlab.vocabulary import dequantize_vocabulary, replace_vocabulary, vocabulary_linears
 
 
 def quantize(
@@ -28,6 +29,10 @@ def quantize(
     `modules`: names of the layers to quantize (default: every Linear layer, less
     `config.modules_to_not_convert`, or transformers' default of the output head and tied
     embeddings). A transformers model comes back ready for `save_pretrained`.
+
+    With `config.embedding_bits` set, the input embedding table and the output head are
+    quantized too (round-to-nearest, after the Linear layers; a tied head keeps reading the
+    embedding's codes).
 
     A calibrated config (`solver="gptq"`, `awq=True`) quantizes block by block on
     `calibration`: token ids `[samples, seq_len]`, a list of texts (with `tokenizer`), or None
@@ -45,12 +50,14 @@ def quantize(
     else:
         skip = _default_skips(model, config)
         selected = lambda name: should_convert_module(name, skip)  # noqa: E731
+    selected = without_vocabulary(model, config, selected)
     converted = []
     if config.needs_calibration:
         converted = calibrate(model, config, method.module_class, selected, calibration, tokenizer, progress)
     converted += replace_linear_layers(model, data_free_config(config), method.module_class, selected, quantize=True)
     if not converted:
         raise_nothing_to_quantize(model, config)
+    replace_vocabulary(model, config, quantize=True)  # the float embedding served calibration; now its turn
     _attach_hf_quantizer(model, config, method.quantizer_class)
     return model
 
@@ -99,6 +106,16 @@ def data_free_config(config: QuantlabConfig) -> QuantlabConfig:
     solver = "mse" if get_solver(config.solver).needs_calibration else config.solver
     options = config.solver_options if solver == config.solver else None
     return dataclasses.replace(config, solver=solver, solver_options=options, awq=False, target_bits=None)
+
+
+def without_vocabulary(
+    model: nn.Module, config: QuantlabConfig, selected: Callable[[str], bool]
+) -> Callable[[str], bool]:
+    """`selected` less the output head when `embedding_bits` quantizes it as a vocabulary table."""
+    tables = vocabulary_linears(model, config)
+    if not tables:
+        return selected
+    return lambda name: name not in tables and selected(name)
 
 
 def raise_nothing_to_quantize(model: nn.Module, config: QuantlabConfig) -> None:
@@ -155,6 +172,7 @@ def replace_linear_layers(
 
 
 def dequantize_layers(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    dequantize_vocabulary(model, dtype)
     for name, module in list(model.named_modules()):
         if isinstance(module, QuantizedLinear):
             _set_submodule(model, name, module.to_linear(dtype))

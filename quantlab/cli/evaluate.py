@@ -6,7 +6,7 @@ loaded in float32 compute, as the shared harness (and `benchmarks/quality.py`) d
 
 import argparse
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -53,12 +53,14 @@ class EvalReport:
     layers_kept: int
     load_seconds: float
     evaluate_seconds: float
+    tables_quantized: list[str] = field(default_factory=list)
 
     def as_table(self) -> str:
+        tables = f"; quantized tables: {', '.join(self.tables_quantized)}" if self.tables_quantized else ""
         rows = [
             ("perplexity", f"{self.perplexity:.3f} on {self.evaluation_text}"),
             ("quantization", self.quantization or "none (float)"),
-            ("layers", f"{self.layers_quantized} quantized, {self.layers_kept} kept in float"),
+            ("layers", f"{self.layers_quantized} quantized, {self.layers_kept} kept in float{tables}"),
             ("parameters", f"{self.parameters:,}"),
             ("stored bits", bits_summary(self.bits_per_quantized_weight, self.bits_per_parameter)),
             ("size on disk", disk_size(self.size_bytes)),
@@ -102,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         layers_kept=len(layers.kept),
         load_seconds=loaded - started,
         evaluate_seconds=time.perf_counter() - loaded,
+        tables_quantized=layers.tables,
     )
     console.report(report.as_table(), {"command": "eval", **asdict(report)})
     return 0

@@ -1,7 +1,9 @@
 """`quantlab inspect MODEL [--reference FLOAT_MODEL]`: what each Linear layer of a checkpoint stores.
 
 Per layer: the method, the code width, the group size, the stored bytes and bits per weight.
-With `--reference`, also the relative error of the layer's weight against the float model it
+Then the vocabulary tables (input embedding, and the output head when it is quantized as a
+table or tied to a quantized embedding) and the size of the whole weight file(s) on disk.
+With `--reference`, also the relative error of each weight against the float model it
 came from, `||W - W_q|| / ||W||` (Frobenius norms, float64).
 """
 
@@ -13,10 +15,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantlab.cli.console import Console, add_output_options, column_table
-from quantlab.cli.models import ModelSource, float_checkpoint, load_model, model_class, read_config, resolve_model
+from quantlab.cli.console import Console, add_output_options, column_table, disk_size
+from quantlab.cli.models import (
+    ModelSource,
+    float_checkpoint,
+    load_model,
+    model_class,
+    read_config,
+    resolve_model,
+    weights_size,
+)
 from quantlab.errors import QuantlabError
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.quantized_embedding import QuantizedTable, TiedOutputHead
+from quantlab.vocabulary import find_vocabulary
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -76,22 +88,40 @@ def run(args: argparse.Namespace) -> int:
     rows = [_describe(name, module) for name, module in _linear_layers(model)]
     if not rows:
         raise QuantlabError(f"{source} has no Linear layers to inspect")
+    tables = _vocabulary_rows(model)
     reference_name = None
     if args.reference is not None:
         reference_source = resolve_model(_reference_path(args.reference, source))
         reference_name = str(reference_source)
-        _add_errors(rows, model, _load(reference_source, console), reference_name, console)
+        reference = _load(reference_source, console)
+        _add_errors(rows, model, reference, reference_name, console)
+        _add_table_errors(tables, model, reference)
     with_error = args.reference is not None
-    table = column_table(HEADERS + (["rel. error"] if with_error else []), [row.cells(with_error) for row in rows])
+    headers = HEADERS + (["rel. error"] if with_error else [])
+    table = column_table(headers, [row.cells(with_error) for row in rows])
     total_bytes = sum(row.stored_bytes for row in rows)
     weights = sum(row.shape[0] * row.shape[1] for row in rows)
     summary = (
         f"{sum(row.method != 'float' for row in rows)} of {len(rows)} Linear layers quantized; "
         f"{total_bytes:,} bytes stored for {weights:,} weights ({8 * total_bytes / weights:.3f} bits/weight)"
     )
+    file_bytes = weights_size(source.path)
+    text = f"{source}\n{table}\n{summary}"
+    if tables:
+        text += "\n\nvocabulary tables\n" + column_table(
+            ["table", *headers[1:]], [row.cells(with_error) for row in tables]
+        )
+    text += f"\nwhole file: {disk_size(file_bytes)} ({file_bytes:,} bytes, every tensor)"
     console.report(
-        f"{source}\n{table}\n{summary}",
-        {"command": "inspect", "model": str(source), "reference": reference_name, "layers": [asdict(r) for r in rows]},
+        text,
+        {
+            "command": "inspect",
+            "model": str(source),
+            "reference": reference_name,
+            "layers": [asdict(r) for r in rows],
+            "tables": [asdict(r) for r in tables],
+            "file_bytes": file_bytes,
+        },
     )
     return 0
 
@@ -115,6 +145,48 @@ def _load(source: ModelSource, console: Console) -> nn.Module:
 
 def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, (QuantizedLinear, nn.Linear))]
+
+
+def _vocabulary_rows(model: nn.Module) -> list[LayerRow]:
+    """The input embedding, and the output head when it is a quantized table or tied to one."""
+    vocabulary = find_vocabulary(model)
+    rows = []
+    for name in (vocabulary.embedding, vocabulary.head):
+        module = model.get_submodule(name) if name is not None else None
+        if isinstance(module, QuantizedTable):
+            layout = module.layout
+            shape = [module.out_features, module.in_features]
+            stored = module.stored_bytes()
+            method = layout.codec if layout.codec == "int8" else f"{layout.codec}-sym"
+            rows.append(
+                LayerRow(name, method, layout.bits, layout.group_size, shape, stored, 8 * stored / _area(shape))
+            )
+        elif isinstance(module, TiedOutputHead):
+            table = module.embedding.layout
+            shape = [module.out_features, module.in_features]
+            rows.append(LayerRow(name, f"tied to {vocabulary.embedding}", table.bits, table.group_size, shape, 0, 0.0))
+        elif isinstance(module, nn.Embedding) and name == vocabulary.embedding:
+            weight = module.weight
+            shape, stored = list(weight.shape), weight.numel() * weight.element_size()
+            rows.append(
+                LayerRow(name, "float", 8 * weight.element_size(), None, shape, stored, 8 * stored / weight.numel())
+            )
+    return rows
+
+
+def _area(shape: list[int]) -> int:
+    return shape[0] * shape[1]
+
+
+def _add_table_errors(rows: list[LayerRow], model: nn.Module, reference: nn.Module) -> None:
+    references = dict(reference.named_modules())
+    for row in rows:
+        module = model.get_submodule(row.name)
+        original = getattr(references.get(row.name), "weight", None)
+        if isinstance(module, TiedOutputHead) or original is None or list(original.shape) != row.shape:
+            continue
+        weight = module.dequantize_weight() if isinstance(module, QuantizedTable) else module.weight
+        row.relative_error = relative_error(weight, original)
 
 
 def _describe(name: str, module: nn.Module) -> LayerRow:

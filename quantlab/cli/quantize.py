@@ -9,7 +9,7 @@ and only then renamed to DIR: DIR is a complete checkpoint or does not exist.
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,7 @@ class QuantizeReport:
     perplexity_before: float | None = None
     perplexity_after: float | None = None
     evaluation_text: str | None = None
+    tables_quantized: list[str] = field(default_factory=list)  # the vocabulary tables (embedding_bits)
 
     def as_table(self) -> str:
         ratio = self.size_after_bytes / self.size_before_bytes if self.size_before_bytes else float("nan")
@@ -88,6 +89,8 @@ class QuantizeReport:
             _option_text(k, v) for k, v in self.config.items() if k not in ("quant_method", "format_version")
         )
         kept = f"{len(self.layers_kept)} kept in float" + (f" ({_first(self.layers_kept)})" if self.layers_kept else "")
+        if self.tables_quantized:
+            kept += f"; quantized tables: {', '.join(self.tables_quantized)}"
         times = f"{seconds(self.load_and_quantize_seconds)} load + quantize, {seconds(self.save_seconds)} save"
         if self.evaluate_seconds is not None:
             times += f", {seconds(self.evaluate_seconds)} evaluate"
@@ -193,6 +196,7 @@ def quantize_to_checkpoint(
                 save_seconds=saved_at - quantized_at,
                 peak_memory_bytes=peak_memory_bytes(),
                 memory_before_load_bytes=memory_before_load,
+                tables_quantized=layers.tables,
             )
             del model
             if text is not None:

@@ -2,40 +2,50 @@
 
 import resource
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.quantized_embedding import QuantizedTable, TiedOutputHead
 
 
 @dataclass(frozen=True)
 class LayerSummary:
     quantized: list[str]
     kept: list[str]  # Linear layers left in float
+    tables: list[str] = field(default_factory=list)  # quantized vocabulary tables; a tied head as "lm_head (tied)"
 
     def describe(self, shown: int = 3) -> str:
         kept = f"{len(self.kept)} kept in float"
         if self.kept:
             names = ", ".join(self.kept[:shown]) + (", ..." if len(self.kept) > shown else "")
             kept += f" ({names})"
-        return f"{len(self.quantized)} quantized, {kept}"
+        tables = f"; quantized tables: {', '.join(self.tables)}" if self.tables else ""
+        return f"{len(self.quantized)} quantized, {kept}{tables}"
 
 
 def layer_summary(model: nn.Module) -> LayerSummary:
-    quantized, kept = [], []
+    quantized, kept, tables = [], [], []
     for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
             quantized.append(name)
+        elif isinstance(module, QuantizedTable):
+            tables.append(f"{name} ({module.layout.bits}-bit)")
+        elif isinstance(module, TiedOutputHead):
+            tables.append(f"{name} (tied)")
         elif isinstance(module, nn.Linear):
             kept.append(name)
-    return LayerSummary(quantized, kept)
+    return LayerSummary(quantized, kept, tables)
 
 
 def parameter_count(model: nn.Module) -> int:
-    """Parameters of the float model: float parameters plus the weights quantized layers encode."""
+    """Parameters of the float model: float parameters plus the weights quantized layers and tables encode
+    (a tied head encodes none of its own, as a tied float head adds no parameter)."""
     floats = sum(parameter.numel() for parameter in model.parameters())
-    encoded = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantizedLinear))
+    encoded = sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedTable))
+    )
     return floats + encoded
 
 

@@ -88,7 +88,11 @@ def checkpoint_storage(directory: str | os.PathLike, model: nn.Module | None = N
     directory = Path(directory)
     files = safetensors_files(directory)
     tensors = _tensor_sizes(files)
-    shapes = _linear_shapes(model if model is not None else _meta_model(directory))
+    if model is None:
+        model = _meta_model(directory)
+        shapes = _linear_shapes(model, skip=_vocabulary_head(model, directory))
+    else:
+        shapes = _linear_shapes(model)
     storage = CheckpointStorage(file_bytes=sum(f.stat().st_size for f in files))
     counted: set[str] = set()
     for layer, (out_features, in_features) in shapes.items():
@@ -137,15 +141,31 @@ def _tensor_sizes(files: list[Path]) -> dict[str, tuple[int, str]]:
     return sizes
 
 
-def _linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Layer name -> (out, in) of every module with `in_features` and `out_features`."""
+def _linear_shapes(model: nn.Module, skip: set[str] = frozenset()) -> dict[str, tuple[int, int]]:
+    """Layer name -> (out, in) of every module with `in_features` and `out_features`, less the
+    vocabulary tables (`embedding_bits`), which are not quantized Linear layers."""
+    from quantlab.nn.quantized_embedding import QuantizedTable, TiedOutputHead
+
     shapes = {}
     for name, module in model.named_modules():
+        if name in skip or isinstance(module, (QuantizedTable, TiedOutputHead)):
+            continue
         out_features = getattr(module, "out_features", None)
         in_features = getattr(module, "in_features", None)
         if isinstance(out_features, int) and isinstance(in_features, int):
             shapes[name] = (out_features, in_features)
     return shapes
+
+
+def _vocabulary_head(model: nn.Module, directory: Path) -> set[str]:
+    """The output head's name when the checkpoint stores it as a vocabulary table (`embedding_bits`)."""
+    quantization = json.loads((directory / "config.json").read_text()).get("quantization_config") or {}
+    if quantization.get("embedding_bits") is None:
+        return set()
+    from quantlab.vocabulary import find_vocabulary
+
+    head = find_vocabulary(model).head
+    return {head} if head is not None else set()
 
 
 def _meta_model(directory: Path) -> nn.Module:

@@ -31,6 +31,7 @@ from quantlab.export.saving import check_output, save_model, staged_output, stor
 from quantlab.export.tracking import ModuleTracker, module_of_failed_node, short_reason
 from quantlab.export.wrappers import ExportSpec, build_spec
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.quantized_embedding import QuantizedTable
 
 _WRAPPER_PREFIX = "model."  # the wrappers hold the model as `self.model`
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits: unset, fp32, fp16, bf16, int8 activations
@@ -138,6 +139,8 @@ def check_exportable(model: nn.Module) -> None:
         if isinstance(module, QuantizedLinear):
             lowering_for(name, module)
             continue
+        if isinstance(module, QuantizedTable):
+            continue  # traced as torch ops: a Gather of the stored codes, decoded (see nn/quantized_embedding.py)
         for tensor_name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             if tensor_name in ("weight", "bias") and not tensor.is_floating_point():
                 raise ExportError(

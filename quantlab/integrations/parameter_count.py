@@ -17,16 +17,19 @@ from torch import nn
 
 from quantlab.integrations.patching import wrap
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.quantized_embedding import QuantizedOutputHead, QuantizedTable
 
 
-def quantized_weight_count(model: nn.Module) -> int:
-    """Elements of the float weights that `model`'s quantized layers stand for (each layer once)."""
-    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantizedLinear))
+def quantized_weight_count(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Elements of the float weights that `model`'s quantized layers and vocabulary tables stand for
+    (each once: a tied head stores none, as a tied float head adds no parameter)."""
+    kinds = (QuantizedLinear, QuantizedOutputHead) if exclude_embeddings else (QuantizedLinear, QuantizedTable)
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, kinds))
 
 
 def quantized_weight_bytes(model: nn.Module) -> int:
-    """Bytes the quantized layers store for their weights (codes, scales, zero points)."""
-    return sum(m.stored_bytes() for m in model.modules() if isinstance(m, QuantizedLinear))
+    """Bytes the quantized layers and tables store for their weights (codes, scales, zero points)."""
+    return sum(m.stored_bytes() for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedTable)))
 
 
 def patch_transformers_counts(modeling_utils: Any) -> None:
@@ -48,7 +51,9 @@ def patch_peft_mixed_counts(mixed_model: Any) -> None:
 def _num_parameters(original: Callable[..., int]) -> Callable[..., int]:
     def num_parameters(self: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         count = original(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
-        return count if only_trainable else count + quantized_weight_count(self)  # quantized weights never train
+        if only_trainable:
+            return count  # quantized weights never train
+        return count + quantized_weight_count(self, exclude_embeddings)
 
     return num_parameters
 

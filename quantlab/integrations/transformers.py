@@ -24,6 +24,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from quantlab.config import QuantlabConfig, transformers_name
 from quantlab.errors import QuantlabError, UnknownMethodError
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.quantized_embedding import QuantizedTable
 from quantlab.utils.pages import release_mapped_tensor
 
 
@@ -89,7 +90,7 @@ class QuantlabHfQuantizer(HfQuantizer):
         if self.pre_quantized:
             return False
         module, tensor_name = get_module_from_name(model, param_name)
-        return isinstance(module, self.module_class) and tensor_name == "weight"
+        return isinstance(module, (self.module_class, QuantizedTable)) and tensor_name == "weight"
 
     @property
     def calibrates_after_loading(self) -> bool:
@@ -97,19 +98,26 @@ class QuantlabHfQuantizer(HfQuantizer):
         return not self.pre_quantized and self.quantization_config.needs_calibration
 
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> None:
-        from quantlab.convert import raise_nothing_to_quantize, replace_linear_layers, should_convert_module
+        from quantlab.convert import (
+            raise_nothing_to_quantize,
+            replace_linear_layers,
+            should_convert_module,
+            without_vocabulary,
+        )
+        from quantlab.vocabulary import replace_vocabulary
 
+        config = self.quantization_config
         self.modules_to_not_convert = self.get_modules_to_not_convert(
-            model, self.quantization_config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
+            model, config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
         )
         if self.calibrates_after_loading:
             return
         skip = self.modules_to_not_convert
-        converted = replace_linear_layers(
-            model, self.quantization_config, self.module_class, lambda name: should_convert_module(name, skip), False
-        )
+        selected = without_vocabulary(model, config, lambda name: should_convert_module(name, skip))
+        converted = replace_linear_layers(model, config, self.module_class, selected, False)
         if not converted:
-            raise_nothing_to_quantize(model, self.quantization_config)
+            raise_nothing_to_quantize(model, config)
+        replace_vocabulary(model, config, quantize=False)
         if self.pre_quantized:
             self._verify_files(model)
 
@@ -142,15 +150,18 @@ class QuantlabHfQuantizer(HfQuantizer):
             raise_nothing_to_quantize,
             replace_linear_layers,
             should_convert_module,
+            without_vocabulary,
         )
+        from quantlab.vocabulary import replace_vocabulary
 
         config = self.quantization_config
         skip = self.modules_to_not_convert
-        selected = lambda name: should_convert_module(name, skip)  # noqa: E731
+        selected = without_vocabulary(model, config, lambda name: should_convert_module(name, skip))
         converted = calibrate(model, config, self.module_class, selected, None, _tokenizer_of(model))
         converted += replace_linear_layers(model, data_free_config(config), self.module_class, selected, quantize=True)
         if not converted:
             raise_nothing_to_quantize(model, config)
+        replace_vocabulary(model, config, quantize=True)
 
     def _dequantize(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
         from quantlab.convert import dequantize_layers
@@ -213,5 +224,8 @@ def _tokenizer_of(model: torch.nn.Module) -> Any:
         ) from error
 
 
-def _quantized_layers(model: torch.nn.Module) -> dict[str, QuantizedLinear]:
-    return {name: module for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
+def _quantized_layers(model: torch.nn.Module) -> dict[str, QuantizedLinear | QuantizedTable]:
+    """Every module that stores quantized tensors: the Linear layers and the vocabulary tables."""
+    return {
+        name: module for name, module in model.named_modules() if isinstance(module, (QuantizedLinear, QuantizedTable))
+    }

@@ -129,8 +129,10 @@ def _bitsandbytes_weight(layer: nn.Module) -> torch.Tensor:
 
 def _dequantize_rest(model: nn.Module, dtype: torch.dtype) -> None:
     """Dequantize the layers no adapter covered, and drop the model's quantization markers."""
+    from quantlab.nn.quantized_embedding import QuantizedTable
+
     hf_quantizer = getattr(model, "hf_quantizer", None)
-    if not any(_is_quantized_linear(module) for module in model.modules()):
+    if not any(_is_quantized_linear(module) or isinstance(module, QuantizedTable) for module in model.modules()):
         if hf_quantizer is not None:
             hf_quantizer.remove_quantization_config(model)
         return

@@ -50,6 +50,8 @@ def test_flags_follow_the_config_fields_of_every_builtin() -> None:
         "--calibration-seq-len",
         "--target-bits",
         "--layer-options",
+        "--embedding-bits",
+        "--embedding-group-size",
     ]
     assert flags == ["--bits", "--group-size", "--symmetric", "--scale-dtype", *shared]
 
@@ -76,6 +78,8 @@ def test_kinds_and_defaults_come_from_annotations() -> None:
         "calibration_seq_len": ("int", False),
         "target_bits": ("float", True),
         "layer_options": ("json", True),
+        "embedding_bits": ("int", True),
+        "embedding_group_size": ("int", True),
     }
     assert specs["count"].default == 3
     assert specs["layers"].default == []

@@ -58,6 +58,8 @@ def test_config_is_public_and_serializable():
         "calibration_seq_len": 256,
         "target_bits": None,
         "layer_options": None,
+        "embedding_bits": None,
+        "embedding_group_size": 64,
         "bits": 3,
         "group_size": 128,
         "symmetric": True,
