@@ -1,12 +1,16 @@
 """Quantized Linear kernels on CPU, side by side in one process: milliseconds per call and ratios.
 
-    python benchmarks/kernels.py                      # every shape, rows 1/16/128, 5 rounds
+    python benchmarks/kernels.py                      # every shape, rows 1/16/128/512, 5 rounds
     python benchmarks/kernels.py --shapes 2048x8192 --rows 1 --rounds 9 --json
 
 Candidates: torch fp32 `nn.Linear`; quantlab's reference kernel (dequantize then matmul, 4-bit);
-quantlab's layers as users run them (int8 per channel, 4-bit and 3-bit asymmetric with groups
-of 64, NF4 with double quantization); bitsandbytes NF4 (double quant) and int8 (LLM.int8);
-onnxruntime `MatMulNBits` at 4 and 8 bits, blocks of 64, each a one-node model.
+quantlab's layers as users run them (int8 per channel, 4-bit asymmetric and symmetric, 3-bit
+and 8-bit with groups of 64, NF4 with double quantization); the many-row alternative to the
+fused kernel, native dequantize then torch's GEMM (`ql dq+mm 4b`); torch fp32 through oneDNN
+(`onednn fp32`, `torch._C._nn.mkldnn_linear`: on AMD CPUs MKL's GEMM, which `nn.Linear` uses,
+takes its AVX2 path, oneDNN its AVX-512 one, so this shows the headroom at many rows);
+bitsandbytes NF4 (double quant) and int8 (LLM.int8); onnxruntime `MatMulNBits` at 4 and 8 bits,
+blocks of 64, each a one-node model.
 
 The machine is shared and noisy, so every candidate is timed in every round, in rotated
 order. A round's figure is its fastest call: on a loaded machine any call longer than a
@@ -36,11 +40,11 @@ import torch
 
 import quantlab
 from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
-from quantlab.kernels.cpu import native
+from quantlab.kernels.cpu import native, ops
 from quantlab.kernels.reference import dequantize_matmul
 
 SHAPES = [(2048, 8192), (576, 576), (576, 192), (576, 1536), (1536, 576)]
-ROWS = [1, 16, 128]
+ROWS = [1, 16, 128, 512]
 Forward = Callable[[torch.Tensor], object]
 
 
@@ -91,6 +95,8 @@ QUANTLAB = {
     "ql 4b": CustomBitsConfig(bits=4, group_size=64),
     "ql nf4": NF4Config(),
     "ql 3b": CustomBitsConfig(bits=3, group_size=64),
+    "ql 4b sym": CustomBitsConfig(bits=4, group_size=64, symmetric=True),
+    "ql 8b": CustomBitsConfig(bits=8, group_size=64),
 }
 
 
@@ -108,6 +114,10 @@ def build_candidates(linear: torch.nn.Linear, threads: int) -> tuple[dict[str, F
         layer = quantlab_layer(linear, config)
         forwards[name] = layer
         sizes[name] = layer.stored_bytes()
+    dequantize_then_mm = dequantize_then_gemm(quantlab_layer(linear, QUANTLAB["ql 4b"]))
+    if dequantize_then_mm is not None:
+        forwards["ql dq+mm 4b"] = dequantize_then_mm
+    forwards.update(onednn_linear(linear))
     forwards.update(bitsandbytes_layers(linear))
     for bits in (4, 8):
         forward, size = onnxruntime_matmul_nbits(linear, bits, threads)
@@ -115,6 +125,28 @@ def build_candidates(linear: torch.nn.Linear, threads: int) -> tuple[dict[str, F
             forwards[f"ort {bits}b"] = forward
             sizes[f"ort {bits}b"] = size
     return forwards, sizes
+
+
+def dequantize_then_gemm(layer: quantlab.QuantizedLinear) -> Forward | None:
+    """The layer's weight decoded by the native `quantlab::dequantize` op, then torch's fp32 GEMM."""
+    if not ops.available():
+        return None
+    arguments = ops.weight_arguments(layer)
+    return lambda x: torch.nn.functional.linear(x, ops.dequantize_op(*arguments))
+
+
+def onednn_linear(linear: torch.nn.Linear) -> dict[str, Forward]:
+    """fp32 through oneDNN (mkldnn), x converted to its layout and back on every call."""
+    if not torch.backends.mkldnn.is_available():
+        return {}
+    weight = linear.weight.detach().to_mkldnn()
+    forward = lambda x: torch._C._nn.mkldnn_linear(x.to_mkldnn(), weight).to_dense()  # noqa: E731
+    try:
+        forward(torch.randn(2, linear.in_features))
+    except RuntimeError as error:
+        warnings.warn(f"oneDNN fp32 left out: {error}", stacklevel=2)
+        return {}
+    return {"onednn fp32": forward}
 
 
 def bitsandbytes_layers(linear: torch.nn.Linear) -> dict[str, Forward]:
@@ -189,6 +221,10 @@ RATIOS = {  # label -> (numerator, denominator): > 1 means the quantlab kernel i
     "ort 8b / ql int8": ("ort 8b", "ql int8"),
     "fp32 / ql nf4": ("torch fp32", "ql nf4"),
     "fp32 / ql 3b": ("torch fp32", "ql 3b"),
+    "fp32 / ql 4b sym": ("torch fp32", "ql 4b sym"),
+    "fp32 / ql 8b": ("torch fp32", "ql 8b"),
+    "fp32 / ql dq+mm 4b": ("torch fp32", "ql dq+mm 4b"),
+    "onednn fp32 / ql 4b": ("onednn fp32", "ql 4b"),
 }
 
 

@@ -81,6 +81,34 @@ def test_gradients_for_input_and_bias_match_the_reference(operators, config):
     assert all(tensor.grad is None for tensor in layer.stored_tensors().values())
 
 
+@pytest.mark.parametrize("config", [CODECS[5], CODECS[-4], CODECS[-2], CODECS[-1]], ids=config_id)
+def test_input_gradient_of_a_large_weight_decoded_in_tiles_matches_the_reference(operators, config):
+    # 512 x 3900 float32 is 8 MB: the backward pass decodes it in tiles of 1024 output features (the
+    # last one partial; NF4's double-quantized absmax blocks of 256 groups split at tile starts).
+    layer = quantized(config, in_features=512, out_features=3900)
+    x = torch.randn(3, 5, 512)
+    grad = torch.randn(3, 5, 3900)
+    grads = []
+    for kernel in (dequantize_matmul, native_linear, ctypes_linear):  # ctypes_linear: the C library's backward
+        leaf = x.clone().requires_grad_(True)
+        kernel(layer, leaf).backward(grad)
+        grads.append(leaf.grad)
+    for fast in grads[1:]:
+        torch.testing.assert_close(fast, grads[0], rtol=0, atol=1e-4 * grads[0].abs().max().item())
+
+
+@pytest.mark.parametrize("config", [CODECS[3], CODECS[5], CODECS[-4], CODECS[-2]], ids=config_id)
+def test_many_rows_in_l2_sized_tiles_compute_each_row_as_alone(operators, config):
+    # 80 inputs: about 2,700 rows of x fill a 1 MiB tile, so 6,002 rows run as tiles with a merged tail.
+    layer = quantized(config)
+    x = torch.randn(6002, 80)
+    with torch.no_grad():
+        out = ctypes_linear(layer, x)
+        torch.testing.assert_close(out + layer.bias, dequantize_matmul(layer, x), rtol=0, atol=1e-4 * out.abs().max())
+        for first in (0, 2700, 4096, 5936):  # 64 rows alone take the same kernel path as inside a tile
+            assert torch.equal(out[first : first + 64], ctypes_linear(layer, x[first : first + 64]))
+
+
 def test_without_a_cxx_compiler_warns_once_and_keeps_the_ctypes_path(operators, monkeypatch, tmp_path):
     monkeypatch.setenv("QUANTLAB_CACHE", str(tmp_path))
     monkeypatch.setattr(extension, "cxx_compiler", lambda: None)

@@ -69,6 +69,9 @@ static ql_layout ql_layout_for(const ql_weight *w, int isa) {
     return ql_make_layout(w, 1, 0);
 }
 
+#define QL_ROW_TILE_BYTES (1 << 20) /* x rows per tile: about an L2 (a smaller tile costs more at 128 rows) */
+#define QL_MIN_ROW_TILE 16            /* AVX-512 decodes odd widths once per tile: keep that amortized */
+
 static int64_t ql_scratch_params(const ql_weight *w) { return ql_round_up(8 * w->groups, 16); }
 
 /* Per-thread scratch: scale and zero of every group of 4 features, then one decoded group
@@ -109,15 +112,26 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
         atomic_store(&job->failed, 1);
         return;
     }
+    /* Rows in tiles whose x stays in L2 while every block of 4 features of the chunk streams past
+     * it; untiled, 512 rows of 2048 inputs (4 MiB) are read again from L3 for each block. Tiles are
+     * whole blocks of 4 rows, so every output is computed exactly as without tiles. Measured on
+     * 2048x8192 at 512 rows: 1.1-1.2x faster (every format, 1 and 2 threads); at 128 rows and on
+     * SmolLM2's shapes, where x fits, unchanged. */
+    int64_t tile = QL_ROW_TILE_BYTES / (row_length * (int64_t)sizeof(float)) / 4 * 4;
+    if (tile < QL_MIN_ROW_TILE) tile = QL_MIN_ROW_TILE;
+    for (int64_t r0 = 0, rows; r0 < job->m; r0 += rows) {
+        rows = job->m - r0 < tile + QL_MIN_ROW_TILE ? job->m - r0 : tile; /* no short last tile */
+        const float *xp = job->xp + r0 * row_length;
+        float *out = job->out + r0 * job->out_stride;
 #ifdef QL_X86
-    if (job->isa == QL_ISA_AVX512)
-        ql_gemm512(w, &job->layout, job->xp, job->m, n0, n1, job->out, job->out_stride, scratch,
-                   scratch + ql_scratch_params(w));
-    else if (job->isa == QL_ISA_AVX2)
-        ql_gemm256(w, &job->layout, job->xp, job->m, n0, n1, job->out, job->out_stride, scratch);
-    else
+        if (job->isa == QL_ISA_AVX512)
+            ql_gemm512(w, &job->layout, xp, rows, n0, n1, out, job->out_stride, scratch, scratch + ql_scratch_params(w));
+        else if (job->isa == QL_ISA_AVX2)
+            ql_gemm256(w, &job->layout, xp, rows, n0, n1, out, job->out_stride, scratch);
+        else
 #endif
-        ql_gemm_scalar(w, &job->layout, job->xp, job->m, n0, n1, job->out, job->out_stride, scratch);
+            ql_gemm_scalar(w, &job->layout, xp, rows, n0, n1, out, job->out_stride, scratch);
+    }
     free(scratch);
 }
 
