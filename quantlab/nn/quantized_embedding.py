@@ -26,6 +26,7 @@ from quantlab.formats.layout import StorageLayout
 from quantlab.kernels import quantize as rounding
 from quantlab.kernels import select_kernel
 from quantlab.nn.quantized_linear import StorageSpec
+from quantlab.nn.stored import StoredTensorsModule
 
 SCALE_DTYPE = torch.float16
 
@@ -58,7 +59,7 @@ def unpack_arithmetic(packed: torch.Tensor, bits: int, length: int) -> torch.Ten
     return codes.to(torch.uint8).reshape(*lead, nbytes // bits * 8)[..., :length]
 
 
-class QuantizedTable(nn.Module):
+class QuantizedTable(StoredTensorsModule):
     """A `[rows, width]` float table stored in a `StorageLayout` (every stored tensor is a buffer).
 
     It answers the same questions a `QuantizedLinear` does (`layout`, `stored_tensors`,
@@ -168,25 +169,8 @@ class QuantizedTable(nn.Module):
     def extra_repr(self) -> str:
         return f"rows={self.out_features}, width={self.in_features}, {self.layout.codec} {self.layout.bits}-bit"
 
-    def _apply(self, fn: Any, recurse: bool = True) -> "QuantizedTable":
-        # Stored tensors follow device moves but never dtype casts (`model.half()` must not round scales).
-        stored = {name: self._buffers.pop(name) for name in self.stored_names}
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for name, tensor in stored.items():
-                device = fn(torch.empty(0, device=tensor.device)).device
-                self._buffers[name] = tensor if tensor.device == device else tensor.to(device)
-        return self
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        weight = state_dict.get(prefix + "weight")
-        if weight is not None and weight.is_floating_point():
-            raise QuantizationError(
-                f"{prefix[:-1]}: got a float table for a quantized one; quantize the float model with "
-                f"quantlab.quantize(model, config) instead of loading its state dict into a quantized one"
-            )
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def stored_tensor_names(self) -> tuple[str, ...]:
+        return self.stored_names
 
 
 class QuantizedEmbedding(QuantizedTable):

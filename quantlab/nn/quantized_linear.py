@@ -14,7 +14,7 @@ The forward pass asks the kernel table for the fastest kernel of this layer's st
 format on the input's device; the reference kernel is dequantize-then-matmul.
 """
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.kernels import select_kernel
+from quantlab.nn.stored import StoredTensorsModule
 
 StorageSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from quantlab.solvers import InputStats
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(StoredTensorsModule):
     """A Linear layer whose weight is stored quantized; `bias` stays a float parameter."""
 
     config_class: ClassVar[type[QuantlabConfig]]
@@ -199,32 +200,8 @@ class QuantizedLinear(nn.Module):
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{shape}, bias={self.bias is not None}, config={self.config!r}"
 
-    def _apply(self, fn: Any, recurse: bool = True) -> "QuantizedLinear":
-        # `model.half()` / `.to(bfloat16)` cast every float buffer; the stored tensors must
-        # keep their dtype (a float32 scale rounded to bf16 and back changes the model), so
-        # they only follow device moves. Codes and scales are moved, never converted.
-        stored = {
-            name: self._buffers.pop(name)
-            for name in self.storage_spec(self.in_features, self.out_features, self.config)
-        }
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for name, tensor in stored.items():
-                device = fn(torch.empty(0, device=tensor.device)).device
-                self._buffers[name] = tensor if tensor.device == device else tensor.to(device)
-        return self
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        # Buffers loaded through `load_state_dict` must keep their shapes: a float `weight`
-        # here means someone loads an unquantized state dict into a quantized model.
-        weight = state_dict.get(prefix + "weight")
-        if weight is not None and weight.is_floating_point():
-            raise QuantizationError(
-                f"{prefix[:-1]}: got a float weight for a quantized layer; quantize the float model with "
-                f"quantlab.quantize(model, config) instead of loading its state dict into a quantized one"
-            )
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def stored_tensor_names(self) -> tuple[str, ...]:
+        return tuple(self.storage_spec(self.in_features, self.out_features, self.config))
 
 
 def _check_finite(stored: dict[str, torch.Tensor], layer: str, weight: torch.Tensor) -> None:

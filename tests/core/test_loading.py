@@ -62,7 +62,7 @@ def test_state_dict_of_float_model_is_refused_by_quantized_layers():
     model = nn.Sequential(nn.Linear(64, 64))
     float_state = {k: v.clone() for k, v in model.state_dict().items()}
     quantlab.quantize(model, quantlab.NF4Config())
-    with pytest.raises(quantlab.QuantizationError, match="float weight for a quantized layer"):
+    with pytest.raises(quantlab.QuantizationError, match="float weight for a quantized module"):
         model.load_state_dict(float_state)
 
 
