@@ -2,12 +2,12 @@
 
 import errno
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from quantlab.cli.main import main
+from quantlab.testing.disks import small_tmpfs
 
 pytestmark = pytest.mark.subprocess
 
@@ -129,15 +129,8 @@ def test_optimum_cli_reports_errors_the_same_way(cli, tmp_path: Path) -> None:
 @pytest.fixture
 def tiny_disk(tmp_path: Path):
     """A 64 kB tmpfs (needs root and mount; skipped elsewhere): smaller than any tiny checkpoint."""
-    mountpoint = tmp_path / "disk"
-    mountpoint.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mountpoint)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", 64) as mountpoint:
         yield mountpoint
-    finally:
-        subprocess.run(["umount", str(mountpoint)], check=True)
 
 
 @pytest.mark.parametrize("model", ["llama_dir", "gguf_file"])

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 import quantlab
 from quantlab.cli.main import main
 from quantlab.testing import byte_tokenizer, tiny_llama
+from quantlab.testing.disks import small_tmpfs
 
 LAYER = "model.layers.0.mlp.up_proj"
 
@@ -271,19 +272,9 @@ def test_a_full_disk_during_finetune_names_the_checkpoint_to_resume(
 @pytest.fixture
 def small_disk(tmp_path: Path, finetune_run: Path):
     """A tmpfs with room for one training checkpoint, not two (needs root and mount; skipped elsewhere)."""
-    import subprocess
-
     pages = sum(-(-p.stat().st_size // 4096) for p in (finetune_run / "checkpoints" / "step-00000002").iterdir())
-    mountpoint = tmp_path / "disk"
-    mountpoint.mkdir()
-    size = f"size={pages * 3 // 2 * 4}k"
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(mountpoint)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", pages * 3 // 2 * 4) as mountpoint:
         yield mountpoint
-    finally:
-        subprocess.run(["umount", str(mountpoint)], check=True)
 
 
 def test_a_disk_that_fills_up_during_finetune_keeps_the_last_checkpoint(
