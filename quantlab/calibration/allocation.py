@@ -27,7 +27,9 @@ from quantlab.calibration.sequential import BATCH_SIZE, collect_input_stats, sel
 from quantlab.config import QuantlabConfig
 from quantlab.errors import ConfigError
 from quantlab.formats import grouping
+from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.nn import QuantizedLinear
+from quantlab.solvers.mse import column_importance
 
 BUDGET_STEPS = 20_000
 
@@ -136,9 +138,19 @@ def _candidate(
 ) -> Candidate:
     layout = module_class.layout_for(weight.shape[1], weight.shape[0], config)
     grouped = grouping.group(weight, layout.group_size)
-    params = layout.fit(grouped)
+    column_weights = column_importance(layout, importance)  # zero on the padding of a last short group
+    group_loss = _group_loss(layout, grouped, layout.fit(grouped), column_weights)
+    if layout.signed_grids:  # the solvers pick each group's orientation: so does the prediction
+        signed = _group_loss(layout, grouped, layout.fit(grouped, signed=True), column_weights)
+        group_loss = torch.minimum(group_loss, signed)
+    return Candidate(tuple(options.items()), layout.stored_bytes(), float(group_loss.sum()))
+
+
+def _group_loss(
+    layout: StorageLayout, grouped: torch.Tensor, params: GroupParams, column_weights: torch.Tensor
+) -> torch.Tensor:
+    """Per group `[out, groups]`: the squared rounding error of each weight times its column's weight."""
     codes = layout.quantize_grouped(grouped, params)
     zero = None if params.zero is None else params.zero.unsqueeze(-1)
-    error = grouping.ungroup(layout.decode(codes, params.scale.unsqueeze(-1), zero), weight.shape[1]) - weight
-    loss = float((error.square().sum(dim=0) * importance).sum())
-    return Candidate(tuple(options.items()), layout.stored_bytes(), loss)
+    error = layout.decode(codes, params.scale.unsqueeze(-1), zero) - grouped
+    return (error.square() * column_weights).sum(dim=-1)

@@ -150,25 +150,39 @@ class StorageLayout:
         values = codes.float() if levels is None else levels[codes.long()]
         return (values - (zero.float() if zero is not None else self.constant_zero)) * scale.float()
 
-    def fit(self, grouped: torch.Tensor, clip: torch.Tensor | float = 1.0) -> GroupParams:
+    def fit(self, grouped: torch.Tensor, clip: torch.Tensor | float = 1.0, signed: bool = False) -> GroupParams:
         """Round-to-nearest grids of grouped weights `[out, groups, length]`, the range shrunk by `clip`.
 
         `clip` (a ratio per group `[out, groups]`, or one number) scales the group's range, the
         knob of the MSE clipping search. The parameters come back as stored: cast to the scale
         dtype, NF4's absmax through double quantization, so codes chosen against them decode
         exactly as the layer will. Double quantization mixes all groups of a layer: fit them all at once.
+
+        `signed` (symmetric integer grids only, see `signed_grids`): the group's largest-magnitude
+        weight goes to the lowest code, `-2**(b-1)`, through a scale of its opposite sign, so all
+        `2**b` levels serve the group (round-to-nearest uses `2**b - 1`: `±(2**(b-1) - 1)`).
         """
         grouped = grouped.float()
         clip = torch.as_tensor(clip, dtype=torch.float32, device=grouped.device)
         if self.codec == "nf4":
             return self.grid(grouped.abs().amax(dim=-1) * clip)
         if not self.has_zero:
+            if signed and self.signed_grids:
+                extreme = grouped.gather(-1, grouped.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+                return self.grid(-extreme * clip / self.constant_zero)
             qmax = (1 << (self.bits - 1)) - 1
             return self.grid(grouped.abs().amax(dim=-1) * clip / qmax)
         low = grouped.amin(dim=-1) * clip
         high = grouped.amax(dim=-1) * clip
         scale = _as_stored((high - low) / self.max_code, self.scale_dtype)
         return self.grid(scale, -low / scale)
+
+    @property
+    def signed_grids(self) -> bool:
+        """Whether a grid's scale may be negative: symmetric integer codes, whose lowest level
+        `-2**(b-1)` has no positive mirror, so a group whose extreme weight is positive reaches it
+        only through a negative scale (llama.cpp's Q4_0/k-quants do the same)."""
+        return self.codec == "affine" and not self.has_zero
 
     def grid(self, scale: torch.Tensor, zero: torch.Tensor | None = None) -> GroupParams:
         """Grids `[out, groups]` from float scales (and zero points), rounded to what is stored.

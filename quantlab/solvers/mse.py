@@ -93,14 +93,21 @@ def _error(grouped: torch.Tensor, params: GroupParams, layout: StorageLayout, im
 def _clip_search(
     grouped: torch.Tensor, layout: StorageLayout, importance: torch.Tensor, grid: int, min_clip: float
 ) -> tuple[GroupParams, torch.Tensor]:
+    """Per group, the clipping ratio (and, on signed grids, the scale's sign) with the least error."""
     best_clip = torch.ones(grouped.shape[:2])
     best_error = torch.full(grouped.shape[:2], float("inf"))
-    for ratio in torch.linspace(1.0, min_clip, grid).tolist():
-        error = _error(grouped, layout.fit(grouped, ratio), layout, importance)
-        better = error < best_error
-        best_error = torch.where(better, error, best_error)
-        best_clip = torch.where(better, torch.full_like(best_clip, ratio), best_clip)
+    best_signed = torch.zeros(grouped.shape[:2], dtype=torch.bool)
+    for signed in (False, True) if layout.signed_grids else (False,):
+        for ratio in torch.linspace(1.0, min_clip, grid).tolist():
+            error = _error(grouped, layout.fit(grouped, ratio, signed=signed), layout, importance)
+            better = error < best_error
+            best_error = torch.where(better, error, best_error)
+            best_clip = torch.where(better, torch.full_like(best_clip, ratio), best_clip)
+            best_signed = torch.where(better, signed, best_signed)
     params = layout.fit(grouped, best_clip)
+    if best_signed.any():
+        signed_params = layout.fit(grouped, best_clip, signed=True)
+        params = layout.grid(torch.where(best_signed, signed_params.scale, params.scale))
     return params, _error(grouped, params, layout, importance)
 
 
@@ -126,7 +133,9 @@ def _least_squares_grid(
     centred = level - layout.constant_zero
     denominator = (w * centred.square()).sum(-1)
     scale = (w * centred * grouped).sum(-1) / denominator.clamp(min=1e-30)
-    valid = (denominator > 1e-30) & (scale > 0) & torch.isfinite(scale)
+    # On signed grids the fitted scale keeps the sign of the codes' orientation.
+    nonzero = scale != 0 if layout.signed_grids else scale > 0
+    valid = (denominator > 1e-30) & nonzero & torch.isfinite(scale)
     return layout.grid(torch.where(valid, scale, current.scale))
 
 
