@@ -4,17 +4,18 @@ from quantlab.config import QuantlabConfig
 from quantlab.convert import dequantize, quantize
 from quantlab.errors import ConfigError, QuantizationError, QuantlabError, RequantizationWarning, UnknownMethodError
 from quantlab.integrations import peft as _peft_integration  # noqa: F401  (PEFT knows quantlab's layers; no call needed)
+from quantlab.integrations import transformers as _transformers_integration
 from quantlab.methods.builtin import register_builtin_methods
 from quantlab.methods.custom_bits import CustomBitsConfig
 from quantlab.methods.int8 import Int8SymmetricConfig
 from quantlab.methods.nf4 import NF4Config
 from quantlab.nn import QuantizedLinear
-from quantlab.registry import Method, get_method, list_methods, register_method, reserve_plugin_methods
+from quantlab.registry import Method, get_method, list_methods, register_method
 
 __version__ = "0.1.0"
 
+_transformers_integration.install()  # transformers hears of every method through the registry
 register_builtin_methods()
-reserve_plugin_methods()
 
 __all__ = [
     "ConfigError",

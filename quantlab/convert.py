@@ -38,6 +38,7 @@ def quantize(
     `calibration`: token ids `[samples, seq_len]`, a list of texts (with `tokenizer`), or None
     for `config.calibration_text` (default: the bundled WikiText-2 after the evaluation windows).
     """
+    from quantlab.integrations.transformers import quantizer_class_of
     from quantlab.registry import method_of
 
     method = method_of(config)
@@ -58,7 +59,7 @@ def quantize(
     if not converted:
         raise_nothing_to_quantize(model, config)
     replace_vocabulary(model, config, quantize=True)  # the float embedding served calibration; now its turn
-    _attach_hf_quantizer(model, config, method.quantizer_class)
+    _attach_hf_quantizer(model, config, quantizer_class_of(method))
     return model
 
 

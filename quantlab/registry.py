@@ -1,14 +1,18 @@
-"""The method registry: one name binds a config class, an `HfQuantizer` and a quantized module.
+"""The method registry: one name binds a config class and a quantized module (which declares its storage layout).
 
-Registering a method also registers its config and quantizer with transformers, so
-`from_pretrained(..., quantization_config=config)` and reloading a saved checkpoint work.
-Outside packages add methods through the entry-point group `quantlab.methods`: each entry
-point, named after the method it registers, names a callable that calls `register_method`
-(or a module that does so on import). They are imported on the first look-up or the first
-load of a checkpoint that uses them, not when `quantlab` is imported.
+The registry builds nothing for other libraries: integrations subscribe to it (`subscribe`)
+and hear of every method registered, before or after they subscribed. The transformers
+integration (`quantlab.integrations.transformers`) registers each method's config and an
+`HfQuantizer` with transformers that way, so `from_pretrained(..., quantization_config=config)`
+and reloading a saved checkpoint work. Outside packages add methods through the entry-point
+group `quantlab.methods`: each entry point, named after the method it registers, names a
+callable that calls `register_method` (or a module that does so on import). They are imported
+on the first look-up or the first load of a checkpoint that uses them, not when `quantlab` is
+imported.
 """
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -26,13 +30,25 @@ class Method:
     name: str
     config_class: type[QuantlabConfig]
     module_class: type[QuantizedLinear]
-    quantizer_class: type
     description: str
     source: str
+    quantizer_class: type | None = None  # the method's own HfQuantizer; None: the integration makes one
 
+
+Subscriber = Callable[[Method], None]
 
 _METHODS: dict[str, Method] = {}
+_SUBSCRIBERS: list[Subscriber] = []
 _plugins_discovered = False
+
+
+def subscribe(subscriber: Subscriber) -> None:
+    """Call `subscriber(method)` for every method registered so far and every one registered later."""
+    if subscriber in _SUBSCRIBERS:
+        return
+    _SUBSCRIBERS.append(subscriber)
+    for method in list(_METHODS.values()):
+        subscriber(method)
 
 
 def register_method(
@@ -45,11 +61,10 @@ def register_method(
 ) -> Method:
     """Add a method under `config_class.method`; a second, different method of that name raises.
 
-    Without `quantizer_class`, a `QuantlabHfQuantizer` subclass is made for the module.
-    Registering the very same classes again returns the existing method.
+    `quantizer_class`: the method's own `HfQuantizer`, if it needs one; otherwise the transformers
+    integration makes a `QuantlabHfQuantizer` subclass for the module. Registering the very same
+    classes again returns the existing method. Subscribers hear of the new method before it returns.
     """
-    from quantlab.integrations.transformers import make_quantizer_class, register_with_transformers
-
     name = config_class.method
     if not _NAME_PATTERN.match(name):
         raise ValueError(f"method name {name!r} must be lowercase letters, digits and underscores")
@@ -60,18 +75,18 @@ def register_method(
         raise ValueError(
             f"a quantization method named {name!r} is already registered (by {existing.source}); choose another name"
         )
-    quantizer_class = quantizer_class or make_quantizer_class(module_class)
-    register_with_transformers(config_class, quantizer_class)
     doc = (config_class.__doc__ or "").strip().splitlines()
     method = Method(
         name=name,
         config_class=config_class,
         module_class=module_class,
-        quantizer_class=quantizer_class,
         description=description or (doc[0] if doc else name),
         source=source,
+        quantizer_class=quantizer_class,
     )
     _METHODS[name] = method
+    for subscriber in list(_SUBSCRIBERS):
+        subscriber(method)
     return method
 
 
@@ -94,15 +109,12 @@ def method_of(config: QuantlabConfig) -> Method:
     return get_method(config.method)
 
 
-def reserve_plugin_methods() -> None:
-    """Let transformers read checkpoints of installed plugins before the plugins are imported.
-
-    Costs one scan of the installed packages' entry points; no plugin code runs.
-    """
-    from quantlab.integrations.transformers import reserve_plugin_names
-
-    if not _plugins_discovered:
-        reserve_plugin_names([entry_point.name for entry_point in entry_points(group=ENTRY_POINT_GROUP)])
+def pending_plugin_methods() -> list[str]:
+    """Names of the installed plugins' methods not loaded yet (one scan of the entry points; no plugin code runs)."""
+    if _plugins_discovered:
+        return []
+    installed = [entry_point.name for entry_point in entry_points(group=ENTRY_POINT_GROUP)]
+    return [name for name in installed if name not in _METHODS]
 
 
 def discover_plugins() -> None:

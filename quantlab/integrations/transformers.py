@@ -7,7 +7,7 @@ A checkpoint saved from such a model reloads through the same quantizer on its p
 path, the stored tensors landing straight in the layers' buffers.
 """
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from transformers.core_model_loading import ConversionOps
@@ -26,6 +26,42 @@ from quantlab.errors import QuantlabError, UnknownMethodError
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
 from quantlab.utils.pages import release_mapped_tensor
+
+if TYPE_CHECKING:
+    from quantlab.registry import Method
+
+
+_QUANTIZERS: dict[str, type[HfQuantizer]] = {}
+
+
+def install() -> None:
+    """Subscribe to the method registry (every method, built-in or plugin, gets its config and
+    quantizer registered with transformers) and hold the names of plugins not loaded yet."""
+    from quantlab import registry
+
+    registry.subscribe(register_method)
+    reserve_plugin_methods()
+
+
+def reserve_plugin_methods() -> None:
+    """Let transformers read checkpoints of installed plugins before the plugins are imported."""
+    from quantlab import registry
+
+    reserve_plugin_names(registry.pending_plugin_methods())
+
+
+def register_method(method: "Method") -> None:
+    """The registry's subscriber: `method`'s config and `HfQuantizer` (its own, or one made for its module)."""
+    quantizer_class = method.quantizer_class or make_quantizer_class(method.module_class)
+    _QUANTIZERS[method.name] = quantizer_class
+    register_with_transformers(method.config_class, quantizer_class)
+
+
+def quantizer_class_of(method: "Method") -> type[HfQuantizer]:
+    """The `HfQuantizer` registered with transformers for `method`."""
+    if method.name not in _QUANTIZERS:
+        register_method(method)
+    return _QUANTIZERS[method.name]
 
 
 def register_with_transformers(config_class: type[QuantlabConfig], quantizer_class: type[HfQuantizer]) -> None:

@@ -11,6 +11,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 import quantlab
 import quantlab.utils.entry_points
 from quantlab import registry
+from quantlab.integrations.transformers import quantizer_class_of, reserve_plugin_methods
 from quantlab.methods.int8 import Int8Linear
 
 
@@ -45,7 +46,8 @@ def test_unknown_method_lists_known_ones():
 def test_methods_are_registered_with_transformers():
     method = quantlab.get_method("nf4")
     assert AUTO_QUANTIZATION_CONFIG_MAPPING["quantlab_nf4"] is method.config_class
-    assert AUTO_QUANTIZER_MAPPING["quantlab_nf4"] is method.quantizer_class
+    assert AUTO_QUANTIZER_MAPPING["quantlab_nf4"] is quantizer_class_of(method)
+    assert method.quantizer_class is None  # the registry built nothing for transformers: the integration did
 
 
 def test_registering_the_same_classes_again_is_a_no_op():
@@ -105,7 +107,7 @@ def test_a_checkpoint_of_a_plugin_that_fails_to_register_raises_a_clear_error(mo
 
     install_broken_plugin(monkeypatch)
     monkeypatch.delitem(AUTO_QUANTIZATION_CONFIG_MAPPING, "quantlab_broken", raising=False)
-    registry.reserve_plugin_methods()
+    reserve_plugin_methods()
     assert AUTO_QUANTIZATION_CONFIG_MAPPING["quantlab_broken"] is PendingPluginConfig
 
     tiny_llama().save_pretrained(tmp_path)
@@ -115,3 +117,24 @@ def test_a_checkpoint_of_a_plugin_that_fails_to_register_raises_a_clear_error(mo
     with pytest.warns(RuntimeWarning, match="plugin 'broken'"), pytest.raises(UnknownMethodError, match="plugin"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     del AUTO_QUANTIZATION_CONFIG_MAPPING["quantlab_broken"]
+
+
+def test_subscribers_hear_of_methods_registered_before_and_after(monkeypatch):
+    """Integrations subscribe to the registry instead of the registry building their objects."""
+    monkeypatch.setattr(registry, "_SUBSCRIBERS", [])
+    heard: list[str] = []
+    registry.subscribe(lambda method: heard.append(method.name))
+    assert {"int8", "nf4", "custom_bits"} <= set(heard)
+
+    @dataclasses.dataclass(repr=False)
+    class LateConfig(quantlab.Int8SymmetricConfig):
+        method = "late_subscriber_test"
+
+    class LateLinear(Int8Linear):
+        config_class = LateConfig
+
+    registry.register_method(LateConfig, LateLinear)
+    try:
+        assert heard[-1] == "late_subscriber_test"
+    finally:
+        del registry._METHODS["late_subscriber_test"]
