@@ -17,8 +17,11 @@ piece is the quantization config (`quantlab.NF4Config()` in place of `BitsAndByt
 4. saves the adapter (`PeftModel.from_pretrained(base, DIR/adapter)` reloads it anywhere
    quantlab is installed, no import needed).
 
-Two CPU cores: about 10 s per step of 4 x 256 tokens; `--max-steps 10` shows the idea.
-`--resume-from-checkpoint` continues an interrupted run from its newest checkpoint.
+Two CPU cores: 10-25 s per step of 4 x 256 tokens, depending on what else runs; `--max-steps 10`
+shows the idea. `--resume-from-checkpoint` continues an interrupted run from its newest checkpoint.
+Measured (50 steps from a saved NF4 folder, 2 shared cores at load average 7-11, 23.8 s/step):
+held-out perplexity 45.609 -> 33.730 on the 16 windows; 38.51 -> 27.93 on the first 4, which is
+what `quantlab finetune` scores by default (`--eval-windows 4`).
 """
 
 import argparse
