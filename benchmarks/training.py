@@ -1,7 +1,18 @@
-"""Training on SmolLM2-135M: fp32 LoRA against quantlab NF4 / 4-bit QLoRA and bitsandbytes NF4 QLoRA.
+"""Training on SmolLM2-135M: the standard QLoRA recipe on `transformers.Trainer` against fp32 LoRA, and more.
 
-    python benchmarks/training.py --json training.json          # everything, about an hour on 2 cores
+    python benchmarks/training.py --phases recipe --rounds 3 --recipe-steps 3   # the recipe, ~15 min on 2 cores
+    python benchmarks/training.py --json training.json          # every phase, more than an hour on 2 cores
     python benchmarks/training.py --phases memory --repeats 2   # one phase
+
+- recipe: what a user runs (`examples/qlora_finetune.py`): `transformers.Trainer`, PEFT's
+  `prepare_model_for_kbit_training` (activation checkpointing on) and `LoraConfig(target_modules=
+  "all-linear")` on a quantlab NF4 base, against the same Trainer on an fp32 base with LoRA and
+  activation checkpointing (non-reentrant), and against quantlab's own loop (`quantlab.training`,
+  NF4) while that still exists at its old API. Each configuration runs in a fresh process, rounds
+  alternate the configurations so a slow minute of the shared machine hits them alike; each run
+  reports its peak resident memory and the median seconds per step after the first step, and the
+  table gives median (min-max) over the rounds, the per-round ratio to fp32 LoRA, and the load
+  average seen during the runs.
 
 Every configuration: batch 4 x 256 tokens of the bundled WikiText-2 text after its 16 x 512
 evaluation windows, LoRA r=16 alpha=32 dropout=0.05 on all seven projections, AdamW lr 2e-4
@@ -39,7 +50,7 @@ from typing import Any
 import torch
 from _common import environment, format_table, write_json
 
-from quantlab.training.memory import MIB, peak_memory_bytes
+MIB = 1024 * 1024
 
 CONFIGURATIONS = ("fp32-lora", "quantlab-nf4", "quantlab-4bit", "bnb-nf4")
 # Memory only: bitsandbytes through quantlab's preparation, which also returns the checkpoint pages.
@@ -53,6 +64,155 @@ LABELS = {
 }
 ALLOCATORS = {"mmap65536": {"MALLOC_MMAP_THRESHOLD_": "65536"}, "default": {}}
 BATCH, SEQ_LEN, RANK = 4, 256, 16
+
+
+def peak_memory_bytes() -> int:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# -- recipe: transformers.Trainer + PEFT, one fresh process per configuration and round -----------
+
+RECIPE_CONFIGURATIONS = ("trainer-fp32-lora", "trainer-nf4-qlora", "quantlab-loop-nf4")
+RECIPE_LABELS = {
+    "trainer-fp32-lora": "transformers.Trainer, fp32 base + LoRA (checkpointing)",
+    "trainer-nf4-qlora": "transformers.Trainer, quantlab NF4 + PEFT recipe (all-linear)",
+    "quantlab-loop-nf4": "quantlab.training loop, quantlab NF4 + LoRA (old API)",
+}
+
+
+def old_loop_available() -> bool:
+    """quantlab's own loop at its old API (`Trainer.train_step`), which the training rebuild may remove."""
+    try:
+        from quantlab.training import Trainer
+    except ImportError:
+        return False
+    return hasattr(Trainer, "train_step")
+
+
+def recipe_model(name: str) -> torch.nn.Module:
+    """The standard recipe: NF4 base through PEFT's k-bit preparation, or a frozen fp32 base; LoRA all-linear."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    checkpointing = {"use_reentrant": False}
+    if name == "trainer-nf4-qlora":
+        base = prepare_model_for_kbit_training(load_base("quantlab-nf4"), gradient_checkpointing_kwargs=checkpointing)
+    else:
+        base = load_base("fp32-lora")
+        base.requires_grad_(False)
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        base.enable_input_require_grads()
+    torch.manual_seed(0)
+    lora = LoraConfig(
+        r=RANK, lora_alpha=2 * RANK, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+    return get_peft_model(base, lora)
+
+
+def child_recipe(name: str, steps: int) -> dict[str, Any]:
+    """Run in a fresh process: `steps` optimizer steps of one configuration, timed step by step."""
+    torch.set_num_threads(2)
+    started_load = os.getloadavg()[0]
+    if name == "quantlab-loop-nf4":
+        with tempfile.TemporaryDirectory() as output_dir:
+            base = load_base("quantlab-nf4")
+            after_load = peak_memory_bytes()
+            trainer = trainer_for(lora_model(base, "quantlab-nf4"), Path(output_dir), steps)
+            records = [trainer.train_step() for _ in range(steps)]
+        seconds = [r["seconds_per_step"] for r in records]
+        losses = [r["loss"] for r in records]
+    else:
+        from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
+
+        tokenizer = _tokenizer()
+        model = recipe_model(name)
+        after_load = peak_memory_bytes()
+        from quantlab.eval.data import bundled_text
+
+        ids = torch.tensor(tokenizer(bundled_text(), verbose=False)["input_ids"])[16 * 512 :]
+        train = [{"input_ids": chunk} for chunk in ids.split(SEQ_LEN) if len(chunk) >= 2]
+        seconds: list[float] = []
+
+        class StepTimer(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                self.started = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                seconds.append(time.perf_counter() - self.started)
+
+        with tempfile.TemporaryDirectory() as output_dir:
+            arguments = TrainingArguments(
+                output_dir=output_dir, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=2e-4,
+                lr_scheduler_type="constant", optim="adamw_torch", logging_steps=1, save_strategy="no",
+                report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+            )  # fmt: skip
+            collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+            trainer = Trainer(model=model, args=arguments, train_dataset=train, data_collator=collator)
+            trainer.add_callback(StepTimer())
+            trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {
+        "configuration": name,
+        "peak_after_load_mib": after_load / MIB,
+        "peak_training_mib": peak_memory_bytes() / MIB,
+        "seconds_per_step": statistics.median(seconds[1:] or seconds),  # the first step warms up
+        "seconds_all": seconds,
+        "losses": losses,
+        "load_average": [started_load, os.getloadavg()[0]],
+    }
+
+
+def run_recipe(rounds: int, steps: int, allocator: str) -> dict[str, Any]:
+    names = [n for n in RECIPE_CONFIGURATIONS if n != "quantlab-loop-nf4" or old_loop_available()]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    environment = {**os.environ, **ALLOCATORS[allocator]}
+    for round_index in range(rounds):
+        order = names if round_index % 2 == 0 else names[::-1]  # alternate who goes first
+        for name in order:
+            command = [sys.executable, __file__, "--child-recipe", name, "--recipe-steps", str(steps)]
+            done = subprocess.run(command, capture_output=True, text=True, env=environment, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"{name} failed:\n{done.stderr[-4000:]}")
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            last = runs[name][-1]
+            _progress(
+                f"round {round_index + 1}/{rounds} {name}: {last['seconds_per_step']:.2f} s/step, "
+                f"peak {last['peak_training_mib']:.0f} MiB, load average {last['load_average'][1]:.2f}"
+            )
+    return runs
+
+
+def recipe_table(runs: dict[str, list[dict[str, Any]]]) -> str:
+    fp32 = runs["trainer-fp32-lora"]
+    rows = []
+    for name, results in runs.items():
+        seconds = [r["seconds_per_step"] for r in results]
+        ratios = [r["seconds_per_step"] / f["seconds_per_step"] for r, f in zip(results, fp32, strict=True)]
+        memory_ratios = [r["peak_training_mib"] / f["peak_training_mib"] for r, f in zip(results, fp32, strict=True)]
+        loads = [value for r in results for value in r["load_average"]]
+        rows.append(
+            [
+                RECIPE_LABELS[name],
+                _spread([r["peak_after_load_mib"] for r in results]),
+                _spread([r["peak_training_mib"] for r in results]),
+                _spread(memory_ratios, digits=2, suffix="x"),
+                _spread(seconds, digits=2),
+                _spread(ratios, digits=2, suffix="x"),
+                f"{min(loads):.1f}-{max(loads):.1f}",
+            ]
+        )
+    columns = [
+        "configuration",
+        "peak after load MiB",
+        "peak training MiB",
+        "memory vs fp32",
+        "s/step",
+        "time vs fp32 (per round)",
+        "load average",
+    ]
+    return format_table(columns, rows)
 
 
 # -- building one configuration ---------------------------------------------------------------
@@ -335,6 +495,28 @@ def optimizer_table(optimizers: dict[str, Any]) -> str:
 def acceptance(results: dict[str, Any]) -> list[tuple[bool, str]]:
     checks = []
     memory, speed, optimizers = results.get("memory"), results.get("speed"), results.get("optimizers")
+    recipe = results.get("recipe")
+    if recipe:
+        fp32, nf4 = recipe["trainer-fp32-lora"], recipe["trainer-nf4-qlora"]
+        worst_nf4, best_fp32 = max(r["peak_training_mib"] for r in nf4), min(r["peak_training_mib"] for r in fp32)
+        checks.append(
+            (worst_nf4 <= best_fp32, f"recipe NF4 QLoRA peak {worst_nf4:.0f} MiB (worst run) <= fp32 LoRA "
+             f"{best_fp32:.0f} MiB (best run)")
+        )  # fmt: skip
+        ratios = [n["seconds_per_step"] / f["seconds_per_step"] for n, f in zip(nf4, fp32, strict=True)]
+        median_ratio = statistics.median(ratios)
+        checks.append((median_ratio <= 1.2, f"recipe NF4 QLoRA {median_ratio:.2f}x fp32 LoRA per step, <= 1.2x"))
+        if "quantlab-loop-nf4" in recipe:
+            loop = recipe["quantlab-loop-nf4"]
+            loop_seconds = statistics.median(r["seconds_per_step"] for r in loop)
+            nf4_seconds = statistics.median(r["seconds_per_step"] for r in nf4)
+            loop_peak = statistics.median(r["peak_training_mib"] for r in loop)
+            nf4_peak = statistics.median(r["peak_training_mib"] for r in nf4)
+            checks.append(
+                (nf4_peak <= 1.05 * loop_peak and nf4_seconds <= 1.1 * loop_seconds,
+                 f"recipe NF4 on transformers.Trainer {nf4_peak:.0f} MiB, {nf4_seconds:.2f} s/step vs quantlab loop "
+                 f"{loop_peak:.0f} MiB, {loop_seconds:.2f} s/step (medians; within 5 % memory, 10 % time)")
+            )  # fmt: skip
     if speed:
         nf4 = speed["quantlab-nf4"]
         checks.append(
@@ -389,9 +571,12 @@ def acceptance(results: dict[str, Any]) -> list[tuple[bool, str]]:
     return checks
 
 
-def _spread(values: list[float]) -> str:
+def _spread(values: list[float], digits: int = 0, suffix: str = "") -> str:
+    """Median (min-max) of the runs."""
     middle = statistics.median(values)
-    return f"{middle:.0f} ({min(values):.0f}-{max(values):.0f})" if len(values) > 1 else f"{middle:.0f}"
+    if len(values) == 1:
+        return f"{middle:.{digits}f}{suffix}"
+    return f"{middle:.{digits}f}{suffix} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def _progress(message: str) -> None:
@@ -400,7 +585,9 @@ def _progress(message: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phases", default="memory,speed,optimizers", help="comma-separated subset to run")
+    parser.add_argument("--phases", default="recipe,memory,speed,optimizers", help="comma-separated subset to run")
+    parser.add_argument("--rounds", type=int, default=3, help="fresh-process rounds per configuration (recipe)")
+    parser.add_argument("--recipe-steps", type=int, default=6, help="optimizer steps per recipe run")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per configuration (memory)")
     parser.add_argument("--memory-steps", type=int, default=4, help="training steps per memory run")
     parser.add_argument("--allocator", choices=sorted(ALLOCATORS), default="mmap65536")
@@ -409,13 +596,28 @@ def main() -> None:
     parser.add_argument("--optimizer-steps", type=int, default=7, help="full fine-tuning steps per optimizer")
     parser.add_argument("--json", metavar="FILE", help="write every figure here")
     parser.add_argument("--child-memory", choices=MEMORY_CONFIGURATIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--child-recipe", choices=RECIPE_CONFIGURATIONS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child_recipe:
+        print(json.dumps(child_recipe(args.child_recipe, args.recipe_steps)))
+        return
     if args.child_memory:
         print(json.dumps(child_memory(args.child_memory, args.memory_steps)))
         return
 
     phases = [phase.strip() for phase in args.phases.split(",") if phase.strip()]
     results: dict[str, Any] = {"environment": environment(), "allocator": args.allocator}
+    if "recipe" in phases:
+        load_before = os.getloadavg()
+        results["recipe"] = run_recipe(args.rounds, args.recipe_steps, args.allocator)
+        load_after = os.getloadavg()
+        print(
+            f"\nThe standard recipe, {args.rounds} alternated rounds of {args.recipe_steps} steps, one fresh process "
+            f"each, allocator {args.allocator}, median (min-max); load average (1/5/15 min) "
+            f"{'/'.join(f'{v:.2f}' for v in load_before)} before, {'/'.join(f'{v:.2f}' for v in load_after)} after:\n"
+        )
+        print(recipe_table(results["recipe"]))
+        _save(args.json, results)
     if "memory" in phases:
         results["memory"] = run_memory(args.repeats, args.memory_steps, args.allocator)
         print(f"\nPeak resident memory, {args.repeats} fresh processes each, allocator {args.allocator}:\n")

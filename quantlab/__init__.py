@@ -5,12 +5,14 @@ from quantlab.convert import dequantize, quantize
 from quantlab.errors import ConfigError, QuantizationError, QuantlabError, RequantizationWarning, UnknownMethodError
 from quantlab.integrations import peft as _peft_integration  # noqa: F401  (PEFT knows quantlab's layers; no call needed)
 from quantlab.integrations import transformers as _transformers_integration
+from quantlab.loading import load, load_with_tokenizer
 from quantlab.methods.builtin import register_builtin_methods
 from quantlab.methods.custom_bits import CustomBitsConfig
 from quantlab.methods.int8 import Int8SymmetricConfig
 from quantlab.methods.nf4 import NF4Config
 from quantlab.nn import QuantizedLinear
 from quantlab.registry import Method, get_method, list_methods, register_method
+from quantlab.saving import save_quantized
 
 __version__ = "0.1.0"
 
@@ -32,6 +34,9 @@ __all__ = [
     "dequantize",
     "get_method",
     "list_methods",
+    "load",
+    "load_with_tokenizer",
     "quantize",
     "register_method",
+    "save_quantized",
 ]

@@ -12,7 +12,8 @@ import torch
 
 from quantlab.cli.console import Console, add_output_options, bits_summary, disk_size, key_value_table, seconds
 from quantlab.cli.evaluation import add_text_options, measure_perplexity, read_text
-from quantlab.cli.models import (
+from quantlab.errors import QuantlabError
+from quantlab.loading import (
     float_checkpoint,
     is_causal_lm,
     load_model,
@@ -23,7 +24,6 @@ from quantlab.cli.models import (
     resolve_model,
     weights_size,
 )
-from quantlab.errors import QuantlabError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

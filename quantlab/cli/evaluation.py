@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from quantlab.cli.console import Console
-from quantlab.cli.models import load_model, load_tokenizer, model_class, read_config
 from quantlab.errors import QuantlabError
+from quantlab.loading import load_model, load_tokenizer, model_class, read_config
 
 
 def add_text_options(parser: argparse.ArgumentParser) -> None:

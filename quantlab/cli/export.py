@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from quantlab.cli.console import Console, add_output_options, disk_size, key_value_table, seconds
-from quantlab.cli.models import float_checkpoint, load_model, model_class, read_config, resolve_model
+from quantlab.cli.models import resolve_model
+from quantlab.loading import load
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -67,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise OutputExistsError(f"output {output} already exists; pass --overwrite to replace it, or pick another")
     source = resolve_model(args.model)
     started = time.perf_counter()
-    with float_checkpoint(source, scratch=output.parent, progress=console.progress) as folder:
-        model = load_model(folder, model_class(read_config(folder)), dtype=torch.float32)
+    model = load(source, dtype=torch.float32, scratch=output.parent, progress=console.progress)
     loaded = time.perf_counter()
     console.note(f"exporting {source} to {output}")
     result = to_onnx(

