@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from quantlab.cli.console import Console, add_output_options, key_value_table, seconds
+from quantlab.cli.distill import training_data
 from quantlab.cli.models import (
     add_model_argument,
     float_checkpoint,
@@ -200,7 +201,7 @@ def _train(
     alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
     set_seed(args.seed)  # the adapters' initialization too is part of a reproducible run
     model = add_lora(model, r=args.lora_r, alpha=alpha, dropout=args.lora_dropout, target_modules=targets)
-    data = _training_data(tokenizer, args)
+    data = training_data(args, tokenizer)
     evaluate = bool(args.eval_windows)
     eval_steps = (args.eval_steps or args.max_steps) if evaluate else 0
     training_args = training_arguments(args, model, console, eval_steps=eval_steps, eval_on_start=evaluate)
@@ -247,16 +248,6 @@ def _tokens_per_second(trainer: Any, summary: dict[str, Any]) -> float | None:
 def _state_bytes(optimizer: Any) -> int:
     states = getattr(optimizer, "optimizer", optimizer).state.values()
     return sum(v.numel() * v.element_size() for state in states for v in state.values() if hasattr(v, "numel"))
-
-
-def _training_data(tokenizer: Any, args: argparse.Namespace):
-    from quantlab.training import bundled_data, causal_lm_data, read_documents
-
-    windows = {"eval_windows": args.eval_windows, "eval_seq_len": args.eval_seq_len}
-    if args.data is None:
-        return bundled_data(tokenizer, seq_len=args.max_seq_length, **windows)
-    documents = read_documents(Path(args.data).expanduser(), text_field=args.text_field)
-    return causal_lm_data(tokenizer, documents, seq_len=args.max_seq_length, **windows)
 
 
 def _merge(model: Any, tokenizer: Any, output: Path, args: argparse.Namespace, console: Console) -> dict[str, Any]:
