@@ -22,7 +22,7 @@ from quantlab.training.data import (
 )
 from quantlab.training.evaluation import heldout_perplexity
 from quantlab.training.kbit import enable_activation_checkpointing, prepare_for_kbit_training
-from quantlab.training.lora import add_lora, linear_layers, load_adapter, resolve_target_modules, save_adapter
+from quantlab.training.lora import add_lora, load_adapter, save_adapter
 from quantlab.training.merge import MergeReport, merge_adapter, merge_to_float, merge_to_quantized
 
 FINAL_DIR = "final"  # where a run's trained model goes, inside output_dir
@@ -55,7 +55,6 @@ __all__ = [
     "enable_activation_checkpointing",
     "heldout_perplexity",
     "latest_checkpoint",
-    "linear_layers",
     "list_checkpoints",
     "load_adapter",
     "merge_adapter",
@@ -65,7 +64,6 @@ __all__ = [
     "read_documents",
     "read_log",
     "read_training_arguments_file",
-    "resolve_target_modules",
     "save_adapter",
     "trainable_parameters",
     "training_arguments",
