@@ -7,7 +7,7 @@ this order so the acceptance figures come first:
 2. the checkpoint as quantlab writes it: size on disk against the dense checkpoint's, and the
    pruned Linear weights' stored size against their dense size;
 3. recovery: `--steps` optimizer steps of distillation from the dense fp32 model on the shared
-   loop (`quantlab.distill.distillation_trainer`, masks held by `KeepMasks`), on the bundled
+   Trainer (`quantlab.distill.DistillationTrainer`, masks held by `KeepMasks`), on the bundled
    WikiText-2 text after the evaluation windows, never on them; embeddings frozen; then the
    perplexity again, and the share of the one-shot perplexity gap recovered,
    `(ppl_one_shot - ppl_recovered) / (ppl_one_shot - ppl_dense)`.
@@ -43,12 +43,12 @@ import torch
 from _common import default_text_path, environment, format_table, number, write_json
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from quantlab.distill import DistillationConfig, distillation_trainer
+from quantlab.distill import DistillationConfig, DistillationTrainer
 from quantlab.eval import perplexity
 from quantlab.eval.data import read_text
 from quantlab.eval.models import smollm2_dir
 from quantlab.prune import prune, prune_structured, save_sparse, sparse_storage
-from quantlab.training import CausalLMCollator, TrainingConfig, bundled_data
+from quantlab.training import CausalLMCollator, bundled_data, read_log, training_arguments
 
 CONFIGS = ("2:4", "unstructured", "structured")
 WINDOWS, SEQ_LEN = 16, 512
@@ -185,28 +185,32 @@ def recover(student: torch.nn.Module, teacher: torch.nn.Module, row: Row, data: 
     for module in (student.get_input_embeddings(), student.get_output_embeddings()):
         module.requires_grad_(False)  # tied; the pruned decoder layers are what must adapt
     with tempfile.TemporaryDirectory() as run_dir:
-        config = TrainingConfig(
-            run_dir,
-            max_steps=args.steps,
-            batch_size=args.batch_size,
-            learning_rate=args.learning_rate,
-            lr_scheduler="cosine",
-            warmup_steps=min(10, args.steps // 10),
-            progress_bar=sys.stderr.isatty(),
-            tensorboard=False,
-            log_every=max(1, args.steps // 20),
+        config = training_arguments(
+            {
+                "output_dir": run_dir,
+                "max_steps": args.steps,
+                "per_device_train_batch_size": args.batch_size,
+                "learning_rate": args.learning_rate,
+                "lr_scheduler_type": "cosine",
+                "warmup_steps": min(10, args.steps // 10),
+                "disable_tqdm": not sys.stderr.isatty(),
+                "logging_steps": max(1, args.steps // 20),
+            }
         )
-        trainer = distillation_trainer(
+        trainer = DistillationTrainer(
             student,
             teacher,
             config,
             data.train,
             distillation=DistillationConfig(alpha=args.alpha, temperature=args.temperature),
-            collator=CausalLMCollator.for_tokenizer(tokenizer),
+            data_collator=CausalLMCollator.for_tokenizer(tokenizer),
+            save_final=False,
         )
-        result = trainer.train()
+        started = time.perf_counter()
+        trainer.train()
+        losses = [record["loss"] for record in read_log(run_dir) if "loss" in record]
+        row.recovery_seconds, row.recovery_loss = time.perf_counter() - started, losses[-1]
     student.eval()
-    row.recovery_seconds, row.recovery_loss = result.seconds, result.loss
 
 
 def forward_timing(dense: torch.nn.Module, pruned: torch.nn.Module, repeats: int) -> dict[str, Any]:

@@ -6,7 +6,8 @@ Steps:
 1. load SmolLM2-135M-Instruct (fp32) twice: the teacher stays dense, the student is pruned;
 2. one-shot 2:4 magnitude pruning of every Linear layer but the output head: in each run of 4
    weights along a row the 2 smallest go; each layer keeps its mask;
-3. distillation on the shared training loop: loss 0.5 * KL(teacher || student) + 0.5 * CE on
+3. distillation on transformers' Trainer (`DistillationTrainer`, a `compute_loss` override):
+   loss 0.5 * KL(teacher || student) + 0.5 * CE on
    the bundled WikiText-2 text (the 16 evaluation windows held out), the student's masks held
    through every optimizer step, its embeddings frozen;
 4. perplexity before and after with the shared harness, then `save_sparse`: bitmask + values,
@@ -24,12 +25,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from quantlab.distill import DistillationConfig, distillation_trainer
+from quantlab.distill import DistillationConfig, DistillationTrainer
 from quantlab.eval import perplexity
 from quantlab.eval.data import bundled_text
 from quantlab.eval.models import smollm2_dir
 from quantlab.prune import prune, save_sparse, sparse_storage
-from quantlab.training import CausalLMCollator, TrainingConfig, bundled_data
+from quantlab.training import CausalLMCollator, bundled_data, training_arguments
 
 
 def main() -> None:
@@ -56,22 +57,24 @@ def main() -> None:
     student.get_input_embeddings().requires_grad_(False)  # tied with the output head: leave both as they are
     data = bundled_data(tokenizer, seq_len=128)  # training text after the evaluation windows
     run_dir = Path(args.output_dir)  # the run folder, as in `quantlab prune`: log, checkpoints, the model in final/
-    config = TrainingConfig(
-        run_dir, max_steps=args.max_steps, batch_size=4, learning_rate=1e-4, lr_scheduler="cosine", warmup_steps=10
-    )
-    trainer = distillation_trainer(
+    config = training_arguments(  # TrainingArguments, with quantlab's defaults (log every step, use_cpu, ...)
+        {"output_dir": str(run_dir), "max_steps": args.max_steps, "per_device_train_batch_size": 4,
+         "learning_rate": 1e-4, "lr_scheduler_type": "cosine", "warmup_steps": 10}
+    )  # fmt: skip
+    trainer = DistillationTrainer(
         student,
         teacher,
         config,
         data.train,
         distillation=DistillationConfig(alpha=0.5, temperature=1.0),
-        collator=CausalLMCollator.for_tokenizer(tokenizer),
+        data_collator=CausalLMCollator.for_tokenizer(tokenizer),
+        save_final=False,  # saved sparse below
     )  # the student carries masks, so KeepMasks holds them through every step
     trainer.train()
     student.eval()
     print(f"perplexity after {args.max_steps} distillation steps: {ppl(student):.2f}")
 
-    final = run_dir / "final"  # replaces the dense copy the loop saved there
+    final = run_dir / "final"
     save_sparse(student, final, tokenizer=tokenizer, overwrite=True)
     storage = sparse_storage(final)
     print(

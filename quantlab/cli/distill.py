@@ -1,7 +1,7 @@
 """`quantlab distill --teacher T --student S --max-steps N --output-dir DIR`: train a student to match a teacher.
 
 The teacher (float, quantized or sparse checkpoint) runs frozen; the student learns from
-`alpha * T^2 * KL + (1 - alpha) * CE` on the shared training loop: all its weights but the
+`alpha * T^2 * KL + (1 - alpha) * CE` on transformers' Trainer: all its weights but the
 embeddings, or LoRA adapters (`--lora-r`, required for a quantized student, merged into it at
 the end). A sparse student (written by `quantlab prune`) keeps its masks and is saved sparse.
 Training text: the bundled WikiText-2 slice after the evaluation windows, or `--data FILE`.
@@ -27,7 +27,6 @@ from quantlab.cli.models import (
     read_config,
     resolve_model,
     save_checkpoint,
-    train_run,
     weights_size,
 )
 from quantlab.cli.output import write_report
@@ -36,10 +35,10 @@ from quantlab.cli.training_flags import (
     check_training_values,
     prepare_run_folder,
     resolve_training_flags,
-    training_config,
+    training_arguments,
 )
 from quantlab.errors import QuantlabError
-from quantlab.training.trainer import FINAL_DIR
+from quantlab.training import FINAL_DIR
 
 # -- options shared with `quantlab prune` -------------------------------------------------------------
 
@@ -105,6 +104,14 @@ def eval_windows(args: argparse.Namespace, data: Any) -> Any:
     return data.eval_windows if args.eval_steps and args.eval_windows else None
 
 
+def last_loss(output: Path) -> float | None:
+    """The loss of the run's last logged step."""
+    from quantlab.training.reporting import read_log
+
+    losses = [record["loss"] for record in read_log(output) if "loss" in record]
+    return losses[-1] if losses else None
+
+
 def save_model(model: Any, tokenizer: Any, output: Path, protect: list[Path]) -> None:
     """Sparse storage when the model carries pruning masks, `save_pretrained` otherwise (atomically).
 
@@ -126,7 +133,7 @@ def save_model(model: Any, tokenizer: Any, output: Path, protect: list[Path]) ->
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "distill",
-        help="distill a teacher model into a student on the shared training loop",
+        help="distill a teacher model into a student (transformers' Trainer)",
         description="Train a student (float, pruned, or quantized with --lora-r) to match a frozen teacher "
         "(float or quantized) with alpha*T^2*KL + (1-alpha)*CE. Both must share a tokenizer.",
     )
@@ -205,7 +212,7 @@ def distill_checkpoints(
     text: TextSpec | None,
     console: Console,
 ) -> DistillReport:
-    from quantlab.distill import check_vocabularies, distillation_trainer
+    from quantlab.distill import DistillationTrainer, check_vocabularies
 
     quantized_student = is_quantized(student_folder)
     if quantized_student and args.lora_r is None:
@@ -233,13 +240,15 @@ def distill_checkpoints(
     from quantlab.training import CausalLMCollator
 
     started = time.perf_counter()
-    config = training_config(args, output, defaults={"progress_bar": console.progress})
-    trainer = distillation_trainer(
-        trainable, teacher, config, data.train, distillation=distillation,
-        collator=CausalLMCollator.for_tokenizer(tokenizer), eval_windows=eval_windows(args, data),
+    windows = eval_windows(args, data)
+    eval_steps = args.eval_steps if windows is not None else 0
+    training_args = training_arguments(args, trainable, console, eval_steps=eval_steps)
+    trainer = DistillationTrainer(
+        trainable, teacher, training_args, data.train, distillation=distillation, eval_windows=windows,
+        data_collator=CausalLMCollator.for_tokenizer(tokenizer), save_final=False,
     )  # fmt: skip
-    result = train_run(trainer)
-    report.loss, report.train_seconds = result.loss, time.perf_counter() - started
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    report.loss, report.train_seconds = last_loss(output), time.perf_counter() - started
     student = _finish_student(trainable, args.lora_r, quantized_student)
     del teacher
     if text is not None:

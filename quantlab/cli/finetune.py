@@ -6,7 +6,7 @@ double quantization, for comparison) or kept in float (no `--method`: plain LoRA
 train on the bundled WikiText-2 text after its evaluation windows, or on `--data FILE`
 (.txt or .jsonl), with held-out perplexity measured before and after.
 
-DIR is the run folder: `log.jsonl`, `checkpoints/step-N` (with `--save-steps`), `final/` (the
+DIR is the run folder: `log.jsonl`, `checkpoint-N` (with `--save-steps`), `final/` (the
 adapter, in PEFT's format), `merged/` (with `--merge quantized|float`) and the report. The
 training flags are shared with `prune` and `distill` (`quantlab.cli.training_flags`). The same
 command runs under `torchrun --nproc_per_node 2` or `accelerate launch` (DDP; gloo on CPU); only
@@ -15,11 +15,11 @@ the first process prints and writes.
 
 import argparse
 import dataclasses
-import statistics
 from pathlib import Path
 from typing import Any
 
 from quantlab.cli.console import Console, add_output_options, key_value_table, seconds
+from quantlab.cli.distill import training_data
 from quantlab.cli.models import (
     add_model_argument,
     float_checkpoint,
@@ -30,7 +30,6 @@ from quantlab.cli.models import (
     quantization_method_of,
     read_config,
     resolve_model,
-    train_run,
 )
 from quantlab.cli.options import add_method_argument, config_from_args
 from quantlab.cli.output import write_report
@@ -39,7 +38,7 @@ from quantlab.cli.training_flags import (
     check_training_values,
     prepare_run_folder,
     resolve_training_flags,
-    training_config,
+    training_arguments,
 )
 from quantlab.errors import QuantlabError
 
@@ -48,7 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "finetune",
         help="train LoRA adapters on a quantized (QLoRA) or float model",
-        description="QLoRA fine-tuning on the shared training loop. Method options come from the method's "
+        description="QLoRA fine-tuning on transformers.Trainer. Method options come from the method's "
         "config: add --method NAME to --help to list them. Without --method (and --bitsandbytes) the base "
         "stays in float.",
     )
@@ -103,7 +102,7 @@ class FinetuneReport:
             change = 100 * (self.perplexity_after / self.perplexity_before - 1)
             perplexity = f"{self.perplexity_before:.3f} -> {self.perplexity_after:.3f} ({change:+.1f} %)"
             rows.append(("held-out perplexity", perplexity))
-        if self.seconds_per_step is not None:
+        if self.seconds_per_step is not None and self.tokens_per_second is not None:
             rows.append(("speed", f"{seconds(self.seconds_per_step)}/step, {self.tokens_per_second:.0f} tokens/s"))
         rows.append(("peak memory", f"{self.peak_memory_mib:.0f} MiB (process peak)"))
         if self.optimizer_state_mib is not None:
@@ -193,53 +192,46 @@ def _bitsandbytes_nf4() -> Any:
 def _train(
     model: Any, tokenizer: Any, base: str, name: str, output: Path, args: argparse.Namespace, console: Console
 ) -> FinetuneReport | None:
-    from accelerate.utils import set_seed
+    from transformers import set_seed
 
-    from quantlab.training import CausalLMCollator, Trainer, add_lora
-    from quantlab.training.checkpoint import trainable_parameters
-    from quantlab.training.reporting import read_log
+    from quantlab.training import CausalLMCollator, Trainer, add_lora, read_log, trainable_parameters
+    from quantlab.training.memory import MIB, peak_memory_bytes
 
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
     alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
     set_seed(args.seed)  # the adapters' initialization too is part of a reproducible run
     model = add_lora(model, r=args.lora_r, alpha=alpha, dropout=args.lora_dropout, target_modules=targets)
-    data = _training_data(tokenizer, args)
-    trainer = Trainer(
-        model,
-        training_config(
-            args,
-            output,
-            defaults={"progress_bar": console.progress},
-            eval_every=(args.eval_steps or args.max_steps) if args.eval_windows else 0,
-        ),
-        data.train,
-        eval_windows=data.eval_windows,
-        collator=CausalLMCollator.for_tokenizer(tokenizer),
-    )
-    result = train_run(trainer)
-    if not trainer.accelerator.is_main_process:
+    data = training_data(args, tokenizer)
+    evaluate = bool(args.eval_windows)
+    eval_steps = (args.eval_steps or args.max_steps) if evaluate else 0
+    training_args = training_arguments(args, model, console, eval_steps=eval_steps, eval_on_start=evaluate)
+    collator = CausalLMCollator.for_tokenizer(tokenizer)
+    trainer = Trainer(model, training_args, data.train, eval_windows=data.eval_windows, data_collator=collator)
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if not trainer.is_world_process_zero():
         return None
     log = read_log(output)
     steps = [r for r in log if "loss" in r]
     evaluations = [r["eval_perplexity"] for r in log if "eval_perplexity" in r]
-    timed = [r["seconds_per_step"] for r in steps[1:]] or [r["seconds_per_step"] for r in steps]
+    summary = next((r for r in reversed(log) if "train_runtime" in r), {})
+    trained = max(len(steps), 1)
     report = FinetuneReport(
         model=name,
         base=base,
         output=str(output),
-        steps=result.steps,
-        processes=trainer.accelerator.num_processes,
+        steps=result.global_step,
+        processes=trainer.args.world_size,
         lora_r=args.lora_r,
         trainable_parameters=sum(p.numel() for p in trainable_parameters(model).values()),
         loss_first=steps[0]["loss"] if steps else None,
         loss_last=steps[-1]["loss"] if steps else None,
         perplexity_before=evaluations[0] if len(evaluations) > 1 else None,
         perplexity_after=evaluations[-1] if len(evaluations) > 1 else None,
-        seconds_per_step=statistics.median(timed) if timed else None,
-        tokens_per_second=statistics.median(r["tokens_per_second"] for r in steps) if steps else None,
-        peak_memory_mib=result.peak_memory_mib,
-        optimizer_state_mib=steps[-1]["optimizer_state_mib"] if steps else None,
-        adapter=str(result.final_dir) if result.final_dir else None,
+        seconds_per_step=summary["train_runtime"] / trained if summary else None,
+        tokens_per_second=_tokens_per_second(trainer, summary),
+        peak_memory_mib=peak_memory_bytes(trainer.args.device) / MIB,
+        optimizer_state_mib=_state_bytes(trainer.optimizer) / MIB,
+        adapter=str(output / "final"),
     )
     if args.merge:
         report.merge = _merge(trainer.accelerator.unwrap_model(trainer.model), tokenizer, output, args, console)
@@ -247,14 +239,15 @@ def _train(
     return report
 
 
-def _training_data(tokenizer: Any, args: argparse.Namespace):
-    from quantlab.training import bundled_data, causal_lm_data, read_documents
+def _tokens_per_second(trainer: Any, summary: dict[str, Any]) -> float | None:
+    """Tokens (not padding) this session trained on, per second of its run time."""
+    tokens = trainer.state.num_input_tokens_seen - getattr(trainer, "_initial_num_input_tokens_seen", 0)
+    return tokens / summary["train_runtime"] if summary.get("train_runtime") else None
 
-    windows = {"eval_windows": args.eval_windows, "eval_seq_len": args.eval_seq_len}
-    if args.data is None:
-        return bundled_data(tokenizer, seq_len=args.max_seq_length, **windows)
-    documents = read_documents(Path(args.data).expanduser(), text_field=args.text_field)
-    return causal_lm_data(tokenizer, documents, seq_len=args.max_seq_length, **windows)
+
+def _state_bytes(optimizer: Any) -> int:
+    states = getattr(optimizer, "optimizer", optimizer).state.values()
+    return sum(v.numel() * v.element_size() for state in states for v in state.values() if hasattr(v, "numel"))
 
 
 def _merge(model: Any, tokenizer: Any, output: Path, args: argparse.Namespace, console: Console) -> dict[str, Any]:

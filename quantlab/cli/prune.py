@@ -9,7 +9,7 @@
   training examples (0: by weight norms).
 
 The model goes to DIR/final; DIR is the run folder (log, checkpoints, report).
-`--max-steps N` then trains the pruned model on the shared loop, with its masks held;
+`--max-steps N` then trains the pruned model on transformers' Trainer, with its masks held;
 `--distill-from TEACHER` makes that training a distillation from TEACHER (the unpruned model,
 typically), which recovers more than plain fine-tuning.
 """
@@ -28,6 +28,7 @@ from quantlab.cli.distill import (
     eval_windows,
     freeze_embeddings,
     is_quantized,
+    last_loss,
     load_checkpoint,
     save_model,
     training_data,
@@ -39,7 +40,6 @@ from quantlab.cli.models import (
     float_checkpoint,
     load_tokenizer,
     resolve_model,
-    train_run,
     weights_size,
 )
 from quantlab.cli.output import write_report
@@ -48,10 +48,10 @@ from quantlab.cli.training_flags import (
     check_training_values,
     prepare_run_folder,
     resolve_training_flags,
-    training_config,
+    training_arguments,
 )
 from quantlab.errors import QuantlabError
-from quantlab.training.trainer import FINAL_DIR
+from quantlab.training import FINAL_DIR
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -259,32 +259,32 @@ def _recover(
     report: PruneReport,
     console: Console,
 ) -> None:
-    from quantlab.distill import distillation_trainer
+    from quantlab.distill import DistillationTrainer
     from quantlab.prune import KeepMasks, masked_layers
     from quantlab.training import CausalLMCollator, Trainer
 
     data = training_data(args, tokenizer)
-    collator = CausalLMCollator.for_tokenizer(tokenizer)
     model.train()
     freeze_embeddings(model)
     started = time.perf_counter()
-    config = training_config(args, output, defaults={"progress_bar": console.progress})
     windows = eval_windows(args, data)
+    training_args = training_arguments(args, model, console, eval_steps=args.eval_steps if windows is not None else 0)
+    options = {"eval_windows": windows, "data_collator": CausalLMCollator.for_tokenizer(tokenizer), "save_final": False}
     if teacher_source is None:
         callbacks = [KeepMasks()] if masked_layers(model) else []
-        trainer = Trainer(model, config, data.train, eval_windows=windows, collator=collator, callbacks=callbacks)
+        trainer = Trainer(model, training_args, data.train, callbacks=callbacks, **options)
     else:
         with float_checkpoint(teacher_source, scratch=output.parent, progress=console.progress) as teacher_dir:
             teacher = load_checkpoint(teacher_dir)
             teacher_tokenizer = load_tokenizer(teacher_dir)
         console.note(f"distilling from {teacher_source} for {args.max_steps} steps")
-        trainer = distillation_trainer(
-            model, teacher, config, data.train, distillation=distillation, collator=collator, eval_windows=windows,
-            teacher_tokenizer=teacher_tokenizer, student_tokenizer=tokenizer,
+        trainer = DistillationTrainer(
+            model, teacher, training_args, data.train, distillation=distillation,
+            teacher_tokenizer=teacher_tokenizer, student_tokenizer=tokenizer, **options,
         )  # fmt: skip
         report.teacher = str(teacher_source)
-    result = train_run(trainer)
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     model.eval()
     report.finetune_steps = args.max_steps
-    report.finetune_loss = result.loss
+    report.finetune_loss = last_loss(output)
     report.finetune_seconds = time.perf_counter() - started

@@ -4,11 +4,11 @@ Every training command calls `add_training_flags(parser, command)` and gets the 
 with the same help and defaults: `--learning-rate`, `--max-steps`, `--per-device-train-batch-size`
 (short: `--batch-size`), `--output-dir`, `--resume-from-checkpoint [latest|DIR]`, ... Any other
 field passes through with `--training-arg name=value` or `--training-args FILE` (JSON or YAML);
-`quantlab.training.arguments` says what each name means for quantlab's loop and rejects unknown
-ones. Where a value is: the table's default < the command's default (`COMMAND_DEFAULTS`) <
+values are typed and checked as `TrainingArguments` types them (`quantlab.training.arguments`).
+Where a value is: the table's default < the command's default (`COMMAND_DEFAULTS`) <
 `--training-args FILE` < `--training-arg` < the dedicated flag.
 
-- `--output-dir DIR` is the run folder in every command: `log.jsonl`, `checkpoints/step-N`, the
+- `--output-dir DIR` is the run folder in every command: `log.jsonl`, `checkpoint-N`, the
   report, and the command's result in `DIR/final` (finetune: the adapter; prune and distill: the model).
 - `--resume-from-checkpoint` (bare or `latest`) continues from the newest checkpoint of
   `--output-dir`; with a folder, from that checkpoint or that run folder's newest.
@@ -38,7 +38,6 @@ COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
         "warmup_steps": 0,
         "activation_checkpointing": True,
         "eval_windows": 4,
-        "report_to": "tensorboard",
     },
     "prune": {
         "learning_rate": 5e-5,
@@ -47,7 +46,6 @@ COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
         "activation_checkpointing": False,
         "eval_windows": 16,
         "max_steps": 0,
-        "report_to": "none",
     },
     "distill": {
         "learning_rate": 1e-4,
@@ -55,10 +53,9 @@ COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
         "warmup_steps": 0.05,
         "activation_checkpointing": False,
         "eval_windows": 16,
-        "report_to": "none",
     },
 }
-# Names the CLI itself uses; they are not fields of quantlab's TrainingConfig.
+# Names the CLI itself uses; they are not TrainingArguments fields.
 CLI_ONLY = ("max_seq_length", "eval_windows", "eval_seq_len", "data", "text_field", "overwrite")
 
 
@@ -105,16 +102,10 @@ def _steps_or_fraction(text: str) -> int | float:
     return int(number) if number.is_integer() else number
 
 
-def _optimizers() -> tuple[str, ...]:
-    from quantlab.training.optimizers import optimizer_names
-
-    return tuple(optimizer_names())
-
-
 def training_flags() -> list[TrainingFlag]:
     """The shared flags, in the order `--help` lists them."""
     return [
-        TrainingFlag("output_dir", "run folder: log, checkpoints/, report, and the result in DIR/final",
+        TrainingFlag("output_dir", "run folder: log, checkpoint-N/, report, and the result in DIR/final",
                      metavar="DIR", aliases=("-o",), shown_default="required"),
         TrainingFlag("overwrite", "delete an existing DIR and start a new run in it", kind="switch"),
         TrainingFlag("max_steps", "optimizer steps (prune: recovery steps after pruning, 0 for none)",
@@ -131,13 +122,14 @@ def training_flags() -> list[TrainingFlag]:
         TrainingFlag("weight_decay", "AdamW weight decay", type=float, default=0.0, metavar="F"),
         TrainingFlag("max_grad_norm", "gradient clipping norm, 0 turns it off", type=float, default=1.0,
                      metavar="F"),
-        TrainingFlag("optim", "optimizer, by TrainingArguments name", choices=_optimizers(), default="adamw_torch"),
+        TrainingFlag("optim", "optimizer, by TrainingArguments name (adamw_torch, adamw_8bit, paged_adamw_8bit, "
+                     "lion_8bit, adafactor, ...)", default="adamw_torch", metavar="NAME"),
         TrainingFlag("bf16", "bfloat16 mixed precision", kind="switch"),
         TrainingFlag("fp16", "float16 mixed precision", kind="switch"),
         TrainingFlag("activation_checkpointing", "recompute activations in the backward pass", kind="toggle"),
         TrainingFlag("torch_compile", "torch.compile the model", kind="switch"),
-        TrainingFlag("torch_empty_cache_steps", "empty the allocator cache every N steps", type=int, default=0,
-                     metavar="N"),
+        TrainingFlag("torch_empty_cache_steps", "empty the allocator cache every N steps", type=int, metavar="N",
+                     shown_default="off"),
         TrainingFlag("seed", "seed of the run", type=int, default=0, metavar="N"),
         TrainingFlag("data", "training text, .txt or .jsonl", metavar="FILE",
                      shown_default="the bundled WikiText-2 text after its held-out windows"),
@@ -155,8 +147,6 @@ def training_flags() -> list[TrainingFlag]:
                      metavar="N"),
         TrainingFlag("eval_seq_len", "tokens per evaluation window", "logging and evaluation", type=int,
                      default=512, metavar="N"),
-        TrainingFlag("profile_steps", "torch.profiler trace of steps START..STOP-1, into DIR/profile",
-                     "logging and evaluation", metavar="START:STOP", shown_default="off"),
     ]  # fmt: skip
 
 
@@ -272,7 +262,7 @@ def add_training_flags(parser: argparse.ArgumentParser, command: str) -> None:
 def resolve_training_flags(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Every shared value, by name: defaults, command defaults, file, `--training-arg`, then the flags given.
 
-    Sets each on `args` too, and keeps the lot as `args.training_values` for `training_config`.
+    Sets each on `args` too, and keeps the lot as `args.training_values` for `training_arguments`.
     """
     from quantlab.training.arguments import read_training_arguments_file
 
@@ -317,27 +307,29 @@ def _switch_value(text: str) -> bool:
 
 
 def _check_passthrough(chosen: dict[str, Any]) -> None:
-    """Unknown names fail now, before any model is loaded (one line, exit 2)."""
-    from quantlab.training.arguments import training_config_values
+    """Unknown names and bad values fail now, before any model is loaded (one line, exit 2)."""
+    from quantlab.training.arguments import convert_value
 
-    training_config_values(
-        {name: value for name, value in chosen.items() if name not in CLI_ONLY and value is not None}
-    )
+    for name, value in chosen.items():
+        if name not in CLI_ONLY and value is not None:
+            chosen[name] = convert_value(name, value)
 
 
-def training_config(args: argparse.Namespace, run_dir: Path, defaults: dict[str, Any] | None = None, **fixed: Any):
-    """`TrainingConfig` for the run in `run_dir`.
+def training_arguments(args: argparse.Namespace, model: Any, console: Any, **fixed: Any):
+    """`TrainingArguments` of the run from the resolved values; `fixed` (what the command decides) wins.
 
-    `defaults` (e.g. `progress_bar`) apply unless a value sets them; `fixed` (what the command
-    decides itself, e.g. `eval_every` from `--eval-steps` and its evaluation windows) always applies.
+    `--activation-checkpointing` is turned on here, on `model` (the trained model before any
+    wrapper), rather than by Trainer, which only knows how on a bare transformers model.
     """
-    from quantlab.training import TrainingConfig
-    from quantlab.training.arguments import training_config_values
+    from quantlab.training import enable_activation_checkpointing
+    from quantlab.training.arguments import training_arguments as build
 
-    given = {name: value for name, value in args.training_values.items() if name not in CLI_ONLY and value is not None}
-    given["output_dir"] = run_dir
-    fields = training_config_values(given)
-    return TrainingConfig(**{**(defaults or {}), **fields, **fixed})
+    given = {name: value for name, value in args.training_values.items() if name not in CLI_ONLY}
+    given = {name: value for name, value in given.items() if value is not None}
+    if given.get("activation_checkpointing"):
+        enable_activation_checkpointing(model)
+    given.update(output_dir=str(args.output_dir), activation_checkpointing=False, disable_tqdm=not console.progress)
+    return build(given, **fixed)
 
 
 def check_training_values(args: argparse.Namespace, steps_required: bool) -> None:

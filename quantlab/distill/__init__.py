@@ -1,11 +1,11 @@
-"""Knowledge distillation on the shared training loop.
+"""Knowledge distillation on `transformers.Trainer` (a `compute_loss` override).
 
 ```python
-from quantlab.distill import DistillationConfig, distillation_trainer
+from quantlab.distill import DistillationConfig, DistillationTrainer
 
-trainer = distillation_trainer(student, teacher, TrainingConfig("runs/kd", max_steps=200), data.train,
-                               distillation=DistillationConfig(alpha=0.5, temperature=2.0),
-                               eval_windows=data.eval_windows)
+trainer = DistillationTrainer(student, teacher, training_arguments({"output_dir": "runs/kd", "max_steps": 200}),
+                              data.train, distillation=DistillationConfig(alpha=0.5, temperature=2.0),
+                              eval_windows=data.eval_windows)
 trainer.train()
 ```
 The teacher may be float or quantized; the student smaller, pruned (its masks are held) or
@@ -16,11 +16,13 @@ from quantlab.distill.compat import VocabularyMismatchError, check_vocabularies,
 from quantlab.distill.config import DistillationConfig
 from quantlab.distill.hidden import HiddenStateProjection, hidden_state_error
 from quantlab.distill.loss import DistillationLoss, token_kl
-from quantlab.distill.trainer import distillation_trainer
+from quantlab.distill.trainer import DistillationModel, DistillationTrainer, distillation_trainer
 
 __all__ = [
     "DistillationConfig",
     "DistillationLoss",
+    "DistillationModel",
+    "DistillationTrainer",
     "HiddenStateProjection",
     "VocabularyMismatchError",
     "check_vocabularies",

@@ -1,14 +1,15 @@
-"""The distillation loss, as a loss function of the shared training loop (`quantlab.training.loss`).
+"""The distillation loss that `DistillationTrainer.compute_loss` computes for each micro-batch.
 
-Per micro-batch: the teacher (an extra module of the loop, frozen, in eval mode) runs without
+Per micro-batch: the teacher (frozen, in eval mode) runs without
 gradients; the student runs with its labels, giving the cross-entropy; the KL term compares
 both next-token distributions at exactly the positions the cross-entropy scores (labels not
 padding). Every term is a sum over those tokens divided by `num_items`, the token count of the
-whole optimizer step, as the loop requires, so gradient accumulation and several processes
-give the exact token mean. The terms are logged as `kl`, `ce` (and `hidden_mse`).
+whole optimizer step (transformers' `num_items_in_batch`), so gradient accumulation and several
+processes give the exact token mean. The terms are logged as `kl`, `ce` (and `hidden_mse`).
 """
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,13 +19,15 @@ from quantlab.distill.compat import VocabularyMismatchError
 from quantlab.distill.config import DistillationConfig
 from quantlab.distill.hidden import hidden_state_error
 from quantlab.training.data import IGNORE_INDEX
-from quantlab.training.loss import LossOutput
-
-if TYPE_CHECKING:
-    from quantlab.training.trainer import Trainer
 
 TEACHER = "teacher"
 HIDDEN_PROJECTION = "hidden_projection"
+
+
+@dataclasses.dataclass
+class LossOutput:
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -35,14 +38,12 @@ def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tempera
 
 
 class DistillationLoss:
-    """`alpha * T^2 * KL + (1 - alpha) * CE (+ hidden_weight * MSE)`, reading the teacher from the loop."""
+    """`alpha * T^2 * KL + (1 - alpha) * CE (+ hidden_weight * MSE)`; the teacher is `trainer.extra_modules`'."""
 
     def __init__(self, config: DistillationConfig | None = None) -> None:
         self.config = config or DistillationConfig()
 
-    def __call__(
-        self, trainer: "Trainer", model: nn.Module, batch: dict[str, torch.Tensor], num_items: int
-    ) -> LossOutput:
+    def __call__(self, trainer: Any, model: nn.Module, batch: dict[str, torch.Tensor], num_items: int) -> LossOutput:
         config = self.config
         teacher = trainer.extra_modules[TEACHER]
         hidden = config.matches_hidden_states
@@ -68,7 +69,7 @@ class DistillationLoss:
             metrics["hidden_mse"] = mse.detach()
         return LossOutput(loss=loss, metrics=metrics)
 
-    def _hidden_error(self, trainer: "Trainer", student_out, teacher_out, scored: torch.Tensor) -> torch.Tensor:
+    def _hidden_error(self, trainer: Any, student_out, teacher_out, scored: torch.Tensor) -> torch.Tensor:
         pairs = self.config.layer_pairs
         student_states = [student_out.hidden_states[s][:, :-1][scored] for s, _ in pairs]
         teacher_states = [teacher_out.hidden_states[t][:, :-1][scored] for _, t in pairs]

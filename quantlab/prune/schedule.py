@@ -1,4 +1,4 @@
-"""Pruning during fine-tuning, as callbacks of the shared training loop (`quantlab.training`).
+"""Pruning during fine-tuning, as `transformers.TrainerCallback`s (for `quantlab.training.Trainer`).
 
 `KeepMasks` holds the masks a model already has (one-shot pruning, or a sparse checkpoint
 loaded with its masks) through every optimizer step. `GradualPruning` also raises the
@@ -6,53 +6,53 @@ sparsity along the cubic schedule of Zhu & Gupta 2017 (arXiv 1710.01878), recomp
 magnitude masks every `frequency` steps from `start_step` to `end_step`, so the network
 adapts while weights go; masks only ever grow, a pruned weight never returns.
 
-Both store their masks (packed, 1 bit per weight) in the loop's checkpoints, so a resumed run
-holds and continues exactly the masks of the interrupted one.
+Gradients of pruned weights are zeroed by a hook as backward computes them, so gradient
+clipping, DDP's all-reduce and the optimizer see only live weights; after each optimizer step
+the pruned weights are zeroed again (weight decay and momentum cannot revive them). Both
+callbacks store their masks (packed, 1 bit per weight) in quantlab's checkpoints
+(`state_dict`/`load_state_dict`), so a resumed run holds and continues exactly the masks of
+the interrupted one.
 """
 
-from typing import TYPE_CHECKING, Any
+import functools
+from typing import Any
 
+import torch
 from torch import nn
+from transformers import TrainerCallback
 
 from quantlab.errors import ConfigError
 from quantlab.prune.bitmask import pack_bits, unpack_bits
-from quantlab.prune.masking import apply_masks, attach_mask, mask_gradients, mask_of, masked_layers
+from quantlab.prune.masking import apply_masks, attach_mask, mask_of, masked_layers
 from quantlab.prune.masks import cubic_sparsity
 from quantlab.prune.patterns import SparsityPattern, check_sparsity, parse_pattern
 from quantlab.prune.unstructured import SCOPES, prune
-from quantlab.training.callbacks import Callback
-
-if TYPE_CHECKING:
-    from quantlab.training.trainer import Trainer
 
 
-class KeepMasks(Callback):
-    """Hold every pruning mask of the trained model through each optimizer step.
-
-    Before the step, gradients of pruned weights are zeroed (clipping and the optimizer see
-    only live weights); after it, pruned weights are zeroed again (weight decay and momentum
-    from earlier steps cannot revive them).
-    """
+class KeepMasks(TrainerCallback):
+    """Hold every pruning mask of the trained model through each optimizer step."""
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None
         self._pending: dict[str, Any] | None = None
 
-    def on_train_begin(self, trainer: "Trainer") -> None:
-        self.model = trainer.accelerator.unwrap_model(trainer.model)
+    def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
+        self.model = model
         if self._pending is not None:
             self._restore(self._pending)
             self._pending = None
+        apply_masks(model)
+        for layer in model.modules():  # layers pruned later (GradualPruning) are held from their first mask on
+            weight = getattr(layer, "weight", None)
+            if isinstance(layer, nn.Linear) and weight is not None and weight.requires_grad:
+                weight.register_hook(functools.partial(_masked_gradient, layer))
+
+    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
         apply_masks(self.model)
 
-    def on_before_optimizer_step(self, trainer: "Trainer") -> None:
-        mask_gradients(self.model)
-
-    def on_optimizer_step(self, trainer: "Trainer") -> None:
-        apply_masks(self.model)
-
-    def on_log(self, trainer: "Trainer", logs: dict[str, Any]) -> None:
-        logs["sparsity"] = masked_fraction(self.model)
+    def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs) -> None:
+        if logs is not None and self.model is not None:
+            logs["sparsity"] = masked_fraction(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         if self.model is None:
@@ -132,8 +132,8 @@ class GradualPruning(KeepMasks):
             step, self.initial_sparsity, self.final_sparsity, self.start_step, self.end_step, self.frequency
         )
 
-    def on_step_begin(self, trainer: "Trainer") -> None:
-        step = trainer.state.step
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        step = state.global_step
         if step < self.start_step:
             return
         target = self.target(step)
@@ -159,6 +159,11 @@ class GradualPruning(KeepMasks):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.sparsity = state.get("sparsity")
+
+
+def _masked_gradient(layer: nn.Module, grad: torch.Tensor) -> torch.Tensor:
+    mask = mask_of(layer)
+    return grad if mask is None else grad.masked_fill(~mask, 0)
 
 
 def masked_fraction(model: nn.Module) -> float:

@@ -1,21 +1,20 @@
-"""The shared training loop (QLoRA, full fine-tuning, and the base of pruning and distillation).
+"""Training quantized models on `transformers.Trainer`: QLoRA, full fine-tuning, pruning and distillation.
 
-from quantlab.training import Trainer, TrainingConfig, add_lora, bundled_data, prepare_for_kbit_training
+from quantlab.training import Trainer, add_lora, bundled_data, prepare_for_kbit_training, training_arguments
 
 model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantlab.NF4Config())
 model = add_lora(prepare_for_kbit_training(model), r=16)
 data = bundled_data(tokenizer, seq_len=256)
-Trainer(model, TrainingConfig("runs/qlora", max_steps=50), data.train,
-        eval_windows=data.eval_windows, collator=CausalLMCollator.for_tokenizer(tokenizer)).train()
+args = training_arguments({"output_dir": "runs/qlora", "max_steps": 50, "learning_rate": 2e-4})
+Trainer(model, args, data.train, eval_windows=data.eval_windows,
+        data_collator=CausalLMCollator.for_tokenizer(tokenizer)).train()
 """
 
-from quantlab.training.callbacks import Callback, EmptyCacheEvery, ProfilerWindow
-from quantlab.training.checkpoint import ResumeError, TrainerState, latest_checkpoint, list_checkpoints
-from quantlab.training.config import TrainingConfig
+from quantlab.training.arguments import read_training_arguments_file, training_arguments
+from quantlab.training.checkpoints import ResumeError, latest_checkpoint, list_checkpoints, trainable_parameters
 from quantlab.training.data import (
     CausalLMCollator,
     CausalLMData,
-    ShardedBatches,
     TokenSequences,
     bundled_data,
     causal_lm_data,
@@ -23,57 +22,49 @@ from quantlab.training.data import (
 )
 from quantlab.training.evaluation import heldout_perplexity
 from quantlab.training.kbit import enable_activation_checkpointing, prepare_for_kbit_training
-from quantlab.training.lora import add_lora, linear_layers, load_adapter, resolve_target_modules, save_adapter
-from quantlab.training.loss import CausalLMLoss, LossFunction, LossOutput, predicted_tokens
+from quantlab.training.lora import add_lora, load_adapter, save_adapter
 from quantlab.training.merge import MergeReport, merge_adapter, merge_to_float, merge_to_quantized
-from quantlab.training.optimizers import (
-    UnknownOptimizerError,
-    build_optimizer,
-    build_scheduler,
-    optimizer_names,
-    optimizer_state_bytes,
-)
-from quantlab.training.trainer import PrecisionError, Trainer, TrainResult, make_accelerator
+
+FINAL_DIR = "final"  # where a run's trained model goes, inside output_dir
+
+
+def __getattr__(name: str):
+    """`Trainer` and `read_log` import transformers' Trainer (and with it PEFT and bitsandbytes): only when used."""
+    if name == "Trainer":
+        from quantlab.training.trainer import Trainer
+
+        return Trainer
+    if name == "read_log":
+        from quantlab.training.reporting import read_log
+
+        return read_log
+    raise AttributeError(f"module 'quantlab.training' has no attribute {name!r}")
+
 
 __all__ = [
-    "Callback",
+    "FINAL_DIR",
     "CausalLMCollator",
     "CausalLMData",
-    "CausalLMLoss",
-    "EmptyCacheEvery",
-    "LossFunction",
-    "LossOutput",
     "MergeReport",
-    "PrecisionError",
-    "ProfilerWindow",
     "ResumeError",
-    "ShardedBatches",
     "TokenSequences",
-    "TrainResult",
     "Trainer",
-    "TrainerState",
-    "TrainingConfig",
-    "UnknownOptimizerError",
     "add_lora",
-    "build_optimizer",
-    "build_scheduler",
     "bundled_data",
     "causal_lm_data",
     "enable_activation_checkpointing",
     "heldout_perplexity",
     "latest_checkpoint",
-    "linear_layers",
     "list_checkpoints",
     "load_adapter",
-    "make_accelerator",
     "merge_adapter",
     "merge_to_float",
     "merge_to_quantized",
-    "optimizer_names",
-    "optimizer_state_bytes",
-    "predicted_tokens",
     "prepare_for_kbit_training",
     "read_documents",
-    "resolve_target_modules",
+    "read_log",
+    "read_training_arguments_file",
     "save_adapter",
+    "trainable_parameters",
+    "training_arguments",
 ]

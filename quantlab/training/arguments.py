@@ -1,226 +1,83 @@
-"""`TrainingArguments` names for quantlab's `TrainingConfig`.
+"""`TrainingArguments` from names and values as a user writes them (flags, `name=value`, JSON/YAML files).
 
-The training commands and `--training-arg name=value` speak the vocabulary of
-`transformers.TrainingArguments`, so a user's flags and config files keep working when the loop
-moves onto `transformers.Trainer`. Today the loop is quantlab's own; this module translates each
-supported `TrainingArguments` field into the `TrainingConfig` field that has the same meaning,
-and says so plainly when a field has no equivalent yet instead of ignoring it.
-`TrainingConfig`'s own field names (e.g. `profile_steps`) are accepted too.
+Names are `TrainingArguments` fields, unchanged; text values are converted exactly as
+transformers' own argument parser (`HfArgumentParser`) converts them. quantlab only changes a few
+defaults for its runs (`QUANTLAB_DEFAULTS`: log every step, no reporting service; `use_cpu` where
+there is no GPU, which bf16 autocast and gloo DDP on CPU need) and turns
+`save_steps`/`eval_steps` of 0 into "never". An unknown name or a bad value is a `ConfigError`
+(one line, with the close names).
 """
 
+import argparse
 import dataclasses
 import difflib
+import functools
 import json
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from quantlab.errors import ConfigError
-from quantlab.training.config import TrainingConfig
 
-# TrainingArguments field -> TrainingConfig field of the same meaning.
-RENAMED: dict[str, str] = {
-    "output_dir": "output_dir",
-    "max_steps": "max_steps",
-    "learning_rate": "learning_rate",
-    "per_device_train_batch_size": "batch_size",
-    "gradient_accumulation_steps": "grad_accum",
-    "lr_scheduler_type": "lr_scheduler",
-    "lr_scheduler_kwargs": "scheduler_args",
-    "weight_decay": "weight_decay",
-    "max_grad_norm": "max_grad_norm",
-    "optim": "optim",
-    "optim_args": "optim_args",
-    "save_steps": "save_every",
-    "save_total_limit": "keep_last",
-    "logging_steps": "log_every",
-    "eval_steps": "eval_every",
-    "activation_checkpointing": "activation_checkpointing",
-    "gradient_checkpointing": "activation_checkpointing",  # transformers 5: a deprecated alias of the above
-    "torch_compile": "compile",
-    "torch_empty_cache_steps": "empty_cache_every",
-    "seed": "seed",
-    "resume_from_checkpoint": "resume_from",
+QUANTLAB_DEFAULTS: dict[str, Any] = {
+    "logging_steps": 1,
+    "report_to": "none",
+    "save_total_limit": 2,
+    "include_num_input_tokens_seen": "non_padding",  # tokens per second in the log
+    "dataloader_pin_memory": False,  # pinning needs an accelerator; on CPU it only warns
 }
-# TrainingArguments fields whose value sets a TrainingConfig field in another form.
-TRANSLATED: tuple[str, ...] = ("warmup_steps", "bf16", "fp16", "disable_tqdm", "report_to")
 
 
-def supported_names() -> list[str]:
-    """Every name `training_config_values` accepts: the TrainingArguments ones, then quantlab's own."""
-    own = [field.name for field in dataclasses.fields(TrainingConfig) if field.name not in RENAMED.values()]
-    return sorted(RENAMED) + sorted(TRANSLATED) + sorted(own)
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    from transformers import HfArgumentParser, TrainingArguments
+
+    return HfArgumentParser(TrainingArguments)
 
 
-def training_config_values(values: Mapping[str, Any]) -> dict[str, Any]:
-    """`TrainingConfig` keyword arguments from `TrainingArguments`-named (or quantlab-named) values.
-
-    Values may be typed (from JSON/YAML) or text (from the command line); text is converted
-    to the field's type. An unknown name raises `ConfigError` naming the close matches; a
-    `TrainingArguments` field quantlab's loop does not have yet raises `ConfigError` saying so.
-    """
-    result: dict[str, Any] = {}
-    for name, value in values.items():
-        if name in TRANSLATED:
-            try:
-                result.update(_TRANSLATORS[name](value, result))
-            except (ValueError, TypeError) as error:
-                if isinstance(error, ConfigError):
-                    raise
-                raise ConfigError(f"training argument {name}={value!r}: {error}") from error
-            continue
-        field = RENAMED.get(name) or _own_field(name)
-        result[field] = _convert(name, field, value)
-    return result
-
-
-def _own_field(name: str) -> str:
-    own = {field.name for field in dataclasses.fields(TrainingConfig)}
-    if name in own:
-        return name
-    if name in _transformers_fields():
-        raise ConfigError(
-            f"TrainingArguments.{name} has no equivalent in quantlab's training loop yet; "
-            f"supported: {', '.join(sorted(RENAMED) + sorted(TRANSLATED))}"
-        )
-    close = difflib.get_close_matches(name, supported_names(), n=3, cutoff=0.6)
-    hint = f"did you mean {' or '.join(close)}? " if close else ""
-    raise ConfigError(f"unknown training argument {name!r}; {hint}see TrainingArguments for the names")
-
-
-def _transformers_fields() -> set[str]:
+def field_names() -> set[str]:
     from transformers import TrainingArguments
 
-    return {field.name for field in dataclasses.fields(TrainingArguments)}
+    return {field.name for field in dataclasses.fields(TrainingArguments) if field.init}
 
 
-# -- values ------------------------------------------------------------------------------------------
-
-
-def _convert(name: str, field: str, value: Any) -> Any:
-    annotation = typing.get_type_hints(TrainingConfig)[field]
+def convert_value(name: str, value: Any) -> Any:
+    """`value` typed as `TrainingArguments.name` wants it; non-text values pass unchanged."""
+    if name not in field_names():
+        close = difflib.get_close_matches(name, sorted(field_names()), n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise ConfigError(f"unknown training argument {name!r}; {hint}names are TrainingArguments fields")
+    action = _parser()._option_string_actions.get("--" + name)
+    if not isinstance(value, str) or action is None or action.type is None:
+        return value
+    if value.lower() in ("none", "null") and action.default is None:
+        return None
     try:
-        return _CONVERTERS.get(field, _by_annotation(annotation))(value)
-    except (ValueError, TypeError, json.JSONDecodeError) as error:
+        converted = action.type(value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as error:
         raise ConfigError(f"training argument {name}={value!r}: {error}") from error
+    if action.choices and converted not in action.choices:
+        raise ConfigError(f"training argument {name}={value!r}: choose one of {', '.join(map(str, action.choices))}")
+    return converted
 
 
-def _by_annotation(annotation: Any) -> Callable[[Any], Any]:
-    members = set(typing.get_args(annotation)) or {annotation}
-    optional = type(None) in members
-    members.discard(type(None))
+def training_arguments(values: Mapping[str, Any], **fixed: Any):
+    """`TrainingArguments(**values)` with quantlab's defaults under them and `fixed` over them."""
+    import torch
+    from transformers import TrainingArguments
 
-    def convert(value: Any) -> Any:
-        if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))):
-            return None
-        if bool in members:
-            return _boolean(value)
-        if int in members and float not in members:
-            return _whole(value)
-        if float in members:
-            return float(value)
-        if dict in members or typing.get_origin(annotation) is dict:
-            return _mapping(value)
-        return value if not isinstance(value, Path) else str(value)
-
-    return convert
-
-
-def _boolean(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
-    if str(value).strip().lower() not in words:
-        raise ValueError("expects true or false")
-    return words[str(value).strip().lower()]
-
-
-def _whole(value: Any) -> int:
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise ValueError("expects a whole number")
-    return int(value)
-
-
-def _mapping(value: Any) -> dict[str, Any]:
-    """A dict, JSON text, or TrainingArguments' `key=value,key=value` form (as `optim_args` takes)."""
-    if isinstance(value, dict):
-        return value
-    text = str(value).strip()
-    if text.startswith("{"):
-        return json.loads(text)
-    pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
-    if any(len(pair) != 2 for pair in pairs):
-        raise ValueError("expects JSON or key=value,key=value")
-    return {key.strip(): _scalar(raw.strip()) for key, raw in pairs}
-
-
-def _scalar(text: str) -> Any:
+    given = {**QUANTLAB_DEFAULTS, **{name: convert_value(name, value) for name, value in values.items()}, **fixed}
+    given.setdefault("use_cpu", not torch.cuda.is_available())  # bf16 autocast and gloo DDP on a CPU-only machine
+    for steps, strategy in (("save_steps", "save_strategy"), ("eval_steps", "eval_strategy")):
+        if steps in given and strategy not in given:
+            given[strategy] = "steps" if given[steps] else "no"
+            given[steps] = given[steps] or None
+    if given.get("bf16") and given.get("fp16"):
+        raise ConfigError("bf16 and fp16 are both set; choose one")
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def _profile_steps(value: Any) -> tuple[int, int] | None:
-    if value is None or (isinstance(value, str) and value.lower() == "none"):
-        return None
-    parts = value.split(":") if isinstance(value, str) else list(value)
-    if len(parts) != 2:
-        raise ValueError("expects START:STOP, e.g. 2:4")
-    return (_whole(parts[0]), _whole(parts[1]))
-
-
-def _max_grad_norm(value: Any) -> float | None:
-    """TrainingArguments turns clipping off with 0; quantlab with None."""
-    if value is None or (isinstance(value, str) and value.lower() == "none"):
-        return None
-    return float(value) or None
-
-
-_CONVERTERS: dict[str, Callable[[Any], Any]] = {"profile_steps": _profile_steps, "max_grad_norm": _max_grad_norm}
-
-
-def _precision(kind: str) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
-    def translate(value: Any, so_far: dict[str, Any]) -> dict[str, Any]:
-        if _boolean(value):
-            if so_far.get("precision", kind) != kind:
-                raise ConfigError("bf16 and fp16 are both set; choose one")
-            return {"precision": kind}
-        return {"precision": "fp32"} if so_far.get("precision") == kind else {}
-
-    return translate
-
-
-def _report_to(value: Any, so_far: dict[str, Any]) -> dict[str, Any]:
-    targets = [value] if isinstance(value, str) else list(value or [])
-    targets = [target for item in targets for target in str(item).split(",") if target.strip()]
-    unknown = set(targets) - {"none", "tensorboard", "all"}
-    if unknown:
-        raise ConfigError(
-            f"report_to={value!r}: quantlab's loop logs to log.jsonl and TensorBoard only; "
-            f"use report_to=tensorboard or report_to=none"
-        )
-    return {"tensorboard": bool(set(targets) & {"tensorboard", "all"})}
-
-
-def _warmup(value: Any, so_far: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5: a whole number of steps, or a fraction in [0, 1) of the run (quantlab's `warmup_ratio`)."""
-    number = float(value)
-    if 0 < number < 1:
-        return {"warmup_steps": 0, "warmup_ratio": number}
-    if not number.is_integer():
-        raise ConfigError(f"warmup_steps={value!r} must be a whole number of steps or a fraction in [0, 1)")
-    return {"warmup_steps": int(number), "warmup_ratio": 0.0}
-
-
-_TRANSLATORS: dict[str, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {
-    "warmup_steps": _warmup,
-    "bf16": _precision("bf16"),
-    "fp16": _precision("fp16"),
-    "disable_tqdm": lambda value, so_far: {"progress_bar": not _boolean(value)},
-    "report_to": _report_to,
-}
+        return TrainingArguments(**given)
+    except (ValueError, TypeError, ImportError) as error:
+        raise ConfigError(f"training arguments: {str(error).strip().splitlines()[0]}") from error
 
 
 def read_training_arguments_file(path: str | Path) -> dict[str, Any]:

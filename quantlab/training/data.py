@@ -1,4 +1,4 @@
-"""Causal-LM data for the shared loop: text or JSONL in, held-out windows and training examples out.
+"""Causal-LM data for `quantlab.training.Trainer`: text or JSONL in, held-out windows and training examples out.
 
 Evaluation windows come first and are never trained on: the first `eval_windows x
 eval_seq_len` tokens of the text are cut into the windows the perplexity harness
@@ -7,9 +7,8 @@ bundled WikiText-2 slice those windows are exactly the harness's, so the loop's 
 perplexity is comparable with every figure in the baselines.
 
 Batches are padded to their longest example (dynamic padding); padded positions get label
--100 and attention mask 0. The order of examples is a permutation seeded by `(seed, epoch)`
-and cut into per-process slices, so the data position is two integers and a resumed run
-reads exactly the batches the uninterrupted one would have read.
+-100 and attention mask 0. Order, sharding across processes and the data position of a resumed
+run are transformers' Trainer's (a seeded sampler, `skip_first_batches`).
 """
 
 import dataclasses
@@ -85,45 +84,6 @@ class CausalLMCollator:
     def for_tokenizer(cls, tokenizer: Any, pad_to_multiple_of: int | None = None) -> "CausalLMCollator":
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return cls(pad_token_id=pad if pad is not None else 0, pad_to_multiple_of=pad_to_multiple_of)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedBatches:
-    """Which examples form micro-batch `index` of `epoch` on process `rank`.
-
-    Each epoch is a permutation of the examples seeded by `(seed, epoch)`, cut into global
-    batches of `batch_size * world_size`; process `rank` takes its slice of each. The examples
-    left over at the end of an epoch (fewer than a global batch) are skipped in that epoch.
-    """
-
-    num_examples: int
-    batch_size: int
-    world_size: int = 1
-    rank: int = 0
-    seed: int = 0
-    shuffle: bool = True
-
-    def __post_init__(self) -> None:
-        if self.batches_per_epoch == 0:
-            raise QuantlabError(
-                f"{self.num_examples} training examples are fewer than one batch of {self.batch_size} x "
-                f"{self.world_size} process(es); use more text, a shorter seq_len or a smaller batch_size"
-            )
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.num_examples // (self.batch_size * self.world_size)
-
-    def indices(self, epoch: int, index: int) -> list[int]:
-        order = self._order(epoch)
-        start = (index * self.world_size + self.rank) * self.batch_size
-        return order[start : start + self.batch_size].tolist()
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.num_examples)
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_examples, generator=generator)
 
 
 def read_documents(path: str | os.PathLike, text_field: str = "text") -> list[str]:

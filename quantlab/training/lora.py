@@ -1,10 +1,9 @@
-"""Adding, saving and reloading LoRA adapters on float, quantlab-quantized and bitsandbytes models.
+"""LoRA adapters on float, quantlab-quantized and bitsandbytes models: PEFT's, with quantlab's defaults.
 
-`add_lora` wraps PEFT's `get_peft_model` with two things PEFT lacks here: `"all-linear"`
-finds quantlab's quantized layers too (PEFT's own shortcut only looks for `nn.Linear`), and
-target names that match no layer are refused with the names that do exist. quantlab's LoRA
-layer is registered with PEFT on import (`quantlab.integrations.peft`), so reloading a saved
-adapter only needs quantlab imported.
+PEFT knows quantlab's quantized layers out of the box (`quantlab.integrations.peft`: its LoRA
+layer, and `target_modules="all-linear"` selecting them, the output head left out), so this is
+`get_peft_model(model, LoraConfig(...))` with a causal-LM task, plus a check PEFT lacks (every
+target name given must match a layer); saving is atomic, reloading checks the folder holds an adapter.
 """
 
 import os
@@ -16,45 +15,13 @@ import quantlab.integrations.peft  # noqa: F401  (registers quantlab's LoRA laye
 from quantlab.errors import QuantlabError
 from quantlab.nn import QuantizedLinear
 
-ALL_LINEAR = "all-linear"
-
-
-def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Layers LoRA can wrap: float, quantlab and bitsandbytes Linear layers, less the output head."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, (nn.Linear, QuantizedLinear)) and module is not head and "lora_" not in name
-    }
-
-
-def resolve_target_modules(model: nn.Module, target_modules: str | list[str]) -> list[str]:
-    """Leaf names to wrap: `"all-linear"` → every projection's name; a list is checked against the model."""
-    layers = linear_layers(model)
-    leaf_names = sorted({name.rpartition(".")[2] for name in layers})
-    if target_modules == ALL_LINEAR:
-        if not leaf_names:
-            raise QuantlabError(f"{type(model).__name__} has no Linear layer for LoRA to wrap")
-        return leaf_names
-    if isinstance(target_modules, str):
-        target_modules = [target_modules]
-    for target in target_modules:
-        matches = [name for name in layers if name == target or name.endswith("." + target)]
-        if not matches:
-            raise QuantlabError(
-                f"LoRA target module {target!r} matches no Linear layer of {type(model).__name__}; "
-                f"its Linear layers are named {', '.join(leaf_names)} (or pass 'all-linear')"
-            )
-    return list(target_modules)
-
 
 def add_lora(
     model: nn.Module,
     r: int = 16,
     alpha: float = 32,
     dropout: float = 0.05,
-    target_modules: str | list[str] = ALL_LINEAR,
+    target_modules: str | list[str] = "all-linear",
     **lora_options: object,
 ) -> nn.Module:
     """Wrap the target layers of `model` with fresh LoRA adapters; returns the `PeftModel`."""
@@ -62,15 +29,25 @@ def add_lora(
 
     if r < 1:
         raise QuantlabError(f"LoRA rank r={r} must be >= 1")
-    config = LoraConfig(
-        r=r,
-        lora_alpha=alpha,
-        lora_dropout=dropout,
-        target_modules=resolve_target_modules(model, target_modules),
-        task_type="CAUSAL_LM",
-        **lora_options,
-    )
+    _check_targets(model, target_modules)
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                        task_type="CAUSAL_LM", **lora_options)  # fmt: skip
     return get_peft_model(model, config)
+
+
+def _check_targets(model: nn.Module, target_modules: str | list[str]) -> None:
+    """Every name given must match a layer (PEFT only refuses a list of which none matches)."""
+    if isinstance(target_modules, str):
+        return
+    linear = sorted(
+        {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantizedLinear))}
+    )
+    for target in target_modules:
+        if not any(name == target or name.endswith("." + target) for name, _ in model.named_modules()):
+            raise QuantlabError(
+                f"LoRA target module {target!r} matches no Linear layer of {type(model).__name__}; its Linear "
+                f"layers are named {', '.join(linear)} (or pass 'all-linear')"
+            )
 
 
 def save_adapter(model: nn.Module, directory: str | os.PathLike, overwrite: bool = False) -> Path:

@@ -1,76 +1,41 @@
-"""The training log: a progress bar on the console, `log.jsonl` in the run folder, TensorBoard if installed.
+"""The run's log as JSON lines (`output_dir/log.jsonl`), one record per logging step or evaluation.
 
-Only the main process writes. Each record is one JSON object per line (step, loss, learning
-rate, gradient norm, tokens/s, memory, optimizer-state bytes, evaluation results), flushed as
-it is written, so a crashed run keeps its log up to its last step. A resumed run first drops
-the records past the checkpoint it resumes from, so the log reads as one uninterrupted run.
+transformers' own log lives in `trainer_state.json` and goes to TensorBoard with
+`report_to="tensorboard"`; this file is the one a script or the CLI report reads, with the
+process's peak memory added to each record. On a resume, records after the resumed step are
+dropped first, so the log of a resumed run reads as that of an uninterrupted one.
 """
 
 import json
-import logging
-import math
 from pathlib import Path
 from typing import Any
 
+from transformers import TrainerCallback
+
+from quantlab.training.memory import MIB, peak_memory_bytes
 from quantlab.utils.atomic import atomic_file
 
 LOG_FILE = "log.jsonl"
-logger = logging.getLogger("quantlab.training")
 
 
-class RunLog:
-    def __init__(
-        self,
-        output_dir: Path,
-        total_steps: int,
-        first_step: int,
-        enabled: bool,
-        progress_bar: bool = True,
-        tensorboard: bool = True,
-    ) -> None:
-        self.enabled = enabled
+class RunLog(TrainerCallback):
+    """Appends every `on_log` record of the main process to `output_dir/log.jsonl`."""
+
+    def __init__(self, output_dir: Path) -> None:
         self.path = Path(output_dir) / LOG_FILE
-        self.bar = None
-        self.writer = None
-        self._handle = None
-        if not enabled:
-            return
-        _truncate_after(self.path, first_step)
-        self._handle = self.path.open("a", encoding="utf-8")
-        if progress_bar:
-            from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=first_step, desc="training", unit="step", dynamic_ncols=True)
-        if tensorboard:
-            self.writer = _tensorboard_writer(Path(output_dir) / "tensorboard", first_step)
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        if state.is_world_process_zero:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            kept = [r for r in read_log(self.path.parent) if r["step"] <= state.global_step]
+            with atomic_file(self.path) as staging:
+                staging.write_text("".join(json.dumps(record) + "\n" for record in kept))
 
-    def write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        self._handle.write(json.dumps(record, sort_keys=True) + "\n")
-        self._handle.flush()
-        if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    tag = key if key.startswith("eval_") else f"train/{key}"
-                    self.writer.add_scalar(tag, value, record["step"])
-        if self.bar is None:
-            logger.info(" ".join(f"{k}={_short(v)}" for k, v in record.items()))
-
-    def advance(self, step: int, postfix: dict[str, Any] | None = None) -> None:
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
-            if postfix:
-                self.bar.set_postfix({k: _short(v) for k, v in postfix.items()}, refresh=False)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
-        if self._handle is not None:
-            self._handle.close()
-        self.bar = self.writer = self._handle = None
+    def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs) -> None:
+        if state.is_world_process_zero and logs:
+            record = {"step": state.global_step, **logs, "peak_memory_mib": peak_memory_bytes(args.device) / MIB}
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
 
 
 def read_log(output_dir: Path) -> list[dict[str, Any]]:
@@ -78,26 +43,3 @@ def read_log(output_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _truncate_after(path: Path, step: int) -> None:
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    with atomic_file(path) as staging:
-        staging.write_text("".join(line + "\n" for line in kept))
-
-
-def _tensorboard_writer(folder: Path, first_step: int):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # optional: the JSONL log has everything
-        logger.debug("tensorboard is not installed; logging to log.jsonl only")
-        return None
-    return SummaryWriter(log_dir=str(folder), purge_step=first_step or None)
-
-
-def _short(value: Any) -> Any:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return value

@@ -76,14 +76,14 @@ def test_distill_with_last_release_spellings_runs_warns_and_resumes(tmp_path, ca
     warned = [line.split()[2] for line in err.splitlines() if "is deprecated" in line]
     assert warned == ["--steps", "--output", "--train-seq-len", "--grad-accum", "--save-every", "--precision"]
     assert (tmp_path / "out" / "final" / "config.json").is_file()
-    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+    assert sorted(p.name for p in (tmp_path / "out").glob("*checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert (tmp_path / "out" / "log.jsonl").is_file() and (tmp_path / "out" / "quantlab_report.json").is_file()
 
     new = ["distill", "--teacher", str(teacher), "--student", str(student), "--max-steps", "2"]
     new += ["--max-seq-length", "32", "--save-steps", "1", "--output-dir", str(tmp_path / "out"), "--json"]
     code, _, err = _run(capsys, *new)
     assert code == 2 and "already exists; pass --resume-from-checkpoint" in err
-    first = tmp_path / "out" / "checkpoints" / "step-00000001"
+    first = tmp_path / "out" / "checkpoint-1"
     code, out, err = _run(capsys, *new, "--resume-from-checkpoint", str(first))
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 2 and "deprecated" not in err

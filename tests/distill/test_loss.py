@@ -18,7 +18,7 @@ from quantlab.distill import (
 )
 from quantlab.errors import ConfigError
 from quantlab.testing import tiny_llama
-from quantlab.training import CausalLMCollator, TokenSequences, TrainingConfig
+from quantlab.training import CausalLMCollator, TokenSequences, training_arguments
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -90,7 +90,7 @@ def _llama(vocab_size: int) -> LlamaForCausalLM:
 def test_vocabulary_mismatch_is_a_clear_error(tmp_path):
     with pytest.raises(VocabularyMismatchError, match="teacher predicts 256 tokens, the student 300"):
         check_vocabularies(tiny_llama(), _llama(300))
-    config = TrainingConfig(tmp_path, max_steps=1, progress_bar=False, tensorboard=False)
+    config = training_arguments({"output_dir": str(tmp_path), "max_steps": 1})
     data = TokenSequences([torch.arange(8)] * 4)
     with pytest.raises(VocabularyMismatchError, match="vocabularies differ"):
         distillation_trainer(_llama(300), tiny_llama(), config, data)

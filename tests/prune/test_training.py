@@ -1,14 +1,15 @@
-"""Pruning inside the shared training loop: masks hold through optimizer steps, the schedule, resume."""
+"""Pruning as Trainer callbacks: masks hold through optimizer steps, the schedule, resume."""
 
 import json
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from quantlab.errors import ConfigError
 from quantlab.prune import GradualPruning, KeepMasks, cubic_sparsity, mask_of, masked_layers, prune
 from quantlab.testing import tiny_llama
-from quantlab.training import Callback, TokenSequences, Trainer, TrainingConfig
+from quantlab.training import TokenSequences, Trainer, training_arguments
 
 
 def _data(count: int = 32, length: int = 16) -> TokenSequences:
@@ -16,23 +17,22 @@ def _data(count: int = 32, length: int = 16) -> TokenSequences:
     return TokenSequences([torch.randint(0, 256, (length,), generator=generator) for _ in range(count)])
 
 
-def _config(output_dir, **overrides) -> TrainingConfig:
-    output_dir.mkdir(parents=True, exist_ok=True)  # the loop writes log.jsonl there without creating it
+def _config(output_dir, **overrides):
     options = {
+        "output_dir": str(output_dir),
         "max_steps": 4,
-        "batch_size": 4,
+        "per_device_train_batch_size": 4,
         "learning_rate": 1e-2,
         "weight_decay": 0.1,  # decay pulls every weight, momentum keeps moving them: masks must win
-        "lr_scheduler": "constant",
-        "progress_bar": False,
-        "tensorboard": False,
+        "lr_scheduler_type": "constant",
+        "disable_tqdm": True,
     }
-    options.update(overrides)
-    return TrainingConfig(output_dir, **options)
+    return training_arguments({**options, **overrides})
 
 
 def _log(output_dir) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines()]
+    return [record for record in records if "loss" in record]  # the step records
 
 
 def _train_model(model):
@@ -46,8 +46,8 @@ def test_masks_survive_every_optimizer_step(tmp_path):
     masks = {name: mask_of(layer).clone() for name, layer in masked_layers(model).items()}
     before = {name: layer.weight.detach().clone() for name, layer in masked_layers(model).items()}
 
-    class CheckEveryStep(Callback):
-        def on_optimizer_step(self, trainer):  # runs after KeepMasks, which comes first in the list
+    class CheckEveryStep(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):  # runs after KeepMasks, first in the list
             for name, layer in masked_layers(model).items():
                 assert not bool(layer.weight[~masks[name]].any()), f"{name} revived a pruned weight"
 
@@ -92,12 +92,12 @@ class _Interrupt(Exception):
     pass
 
 
-class _StopAt(Callback):
+class _StopAt(TrainerCallback):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_step_begin(self, trainer):
-        if trainer.state.step == self.step:
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
             raise _Interrupt
 
 
@@ -109,12 +109,11 @@ def test_resumed_gradual_pruning_matches_the_uninterrupted_run(tmp_path):
     Trainer(straight, _config(tmp_path / "straight", max_steps=6), _data(), callbacks=[schedule()]).train()
 
     first = _train_model(tiny_llama())
-    config = _config(tmp_path / "resumed", max_steps=6, save_every=3)
+    config = _config(tmp_path / "resumed", max_steps=6, save_steps=3)
     with pytest.raises(_Interrupt):
         Trainer(first, config, _data(), callbacks=[schedule(), _StopAt(4)]).train()
     resumed = _train_model(tiny_llama())  # a fresh process would start from the unpruned model
-    config = _config(tmp_path / "resumed", max_steps=6, save_every=3, resume_from="latest")
-    Trainer(resumed, config, _data(), callbacks=[schedule()]).train()
+    Trainer(resumed, config, _data(), callbacks=[schedule()]).train(resume_from_checkpoint="latest")
 
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from quantlab.testing import tiny_llama
-from quantlab.training import TokenSequences, Trainer, TrainingConfig, add_lora
-from quantlab.training.checkpoint_files import file_digest
+from quantlab.training import TokenSequences, Trainer, add_lora, training_arguments
+from quantlab.training.checkpoints import file_digest
 
 
 class Payload:
@@ -61,10 +61,10 @@ def token_data() -> TokenSequences:
     return TokenSequences([pattern[i % 5 : i % 5 + 12 + i % 7] for i in range(24)])
 
 
-def run_config(output_dir: Path, **overrides) -> TrainingConfig:
-    options = {"max_steps": 4, "batch_size": 4, "learning_rate": 1e-2, "save_every": 2, "keep_last": 2}
-    options.update(progress_bar=False, tensorboard=False, **overrides)
-    return TrainingConfig(output_dir, **options)
+def run_config(output_dir: Path, **overrides):
+    options = {"max_steps": 4, "per_device_train_batch_size": 4, "learning_rate": 1e-2, "save_steps": 2}
+    options.update(output_dir=str(output_dir), save_total_limit=2, disable_tqdm=True, **overrides)
+    return training_arguments(options)
 
 
 @dataclass
@@ -76,7 +76,7 @@ class SavedRun:
 
     @property
     def checkpoint(self) -> Path:
-        return self.folder / "checkpoints" / "step-00000002"
+        return self.folder / "checkpoint-2"
 
     def copy(self, destination: Path) -> "SavedRun":
         shutil.copytree(self.folder, destination)
@@ -84,9 +84,8 @@ class SavedRun:
 
     def resume(self, model_options: dict | None = None, **overrides) -> Trainer:
         """Resume from step 2 and finish the run."""
-        config = run_config(self.folder, resume_from=self.checkpoint, **overrides)
-        trainer = Trainer(lora_model(**(model_options or {})), config, token_data())
-        trainer.train()
+        trainer = Trainer(lora_model(**(model_options or {})), run_config(self.folder, **overrides), token_data())
+        trainer.train(resume_from_checkpoint=self.checkpoint)
         return trainer
 
 
@@ -106,10 +105,10 @@ def run_copy(saved_run: SavedRun, tmp_path: Path) -> SavedRun:
 
 def forge_checksum(checkpoint: Path, name: str) -> None:
     """Record the current size and checksum of `name` in the checkpoint's manifest, as a careful forger would."""
-    state_file = checkpoint / "trainer_state.json"
-    state = json.loads(state_file.read_text())
-    state["files"][name] = file_digest(checkpoint / name)
-    state_file.write_text(json.dumps(state))
+    manifest_file = checkpoint / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["files"][name] = file_digest(checkpoint / name)
+    manifest_file.write_text(json.dumps(manifest))
 
 
 @pytest.fixture

@@ -76,7 +76,7 @@ class Setup:
     def run_copy(self, damage: Callable[[Path], None]) -> Path:
         run = self.tmp / "run"
         shutil.copytree(self._run, run)
-        damage(run / "checkpoints" / "step-00000004")
+        damage(run / "checkpoint-4")
         return run
 
     def finetune(self, output: Path, *extra: str) -> list[str]:
@@ -247,7 +247,7 @@ def test_a_full_disk_during_finetune_names_the_checkpoint_to_resume(
     save = state_files.save_file
 
     def full_at_step_4(tensors, path, *args, **kwargs):
-        if "step-00000004" in str(path):
+        if "checkpoint-4" in str(path):
             raise SafetensorError(
                 f"Error while serializing: I/O error: No space left on device (os error {errno.ENOSPC})"
             )
@@ -257,12 +257,12 @@ def test_a_full_disk_during_finetune_names_the_checkpoint_to_resume(
     output = tmp_path / "run"
     assert main(finetune_args(llama_dir, train_text, output)) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    checkpoint = output / "checkpoints" / "step-00000002"
+    checkpoint = output / "checkpoint-2"
     assert lines == [
         f"quantlab: error: no space left on the device while training into {output}; its last complete checkpoint, "
         f"{checkpoint}, is intact: free some space and resume the run"
     ]
-    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["step-00000002"]  # no half-written one
+    assert sorted(p.name for p in output.glob("*checkpoint-*")) == ["checkpoint-2"]  # no half-written one
 
     monkeypatch.setattr(state_files, "save_file", save)
     assert main(finetune_args(llama_dir, train_text, output, "--resume-from-checkpoint", "latest")) == 0
@@ -272,7 +272,7 @@ def test_a_full_disk_during_finetune_names_the_checkpoint_to_resume(
 @pytest.fixture
 def small_disk(tmp_path: Path, finetune_run: Path):
     """A tmpfs with room for one training checkpoint, not two (needs root and mount; skipped elsewhere)."""
-    pages = sum(-(-p.stat().st_size // 4096) for p in (finetune_run / "checkpoints" / "step-00000002").iterdir())
+    pages = sum(-(-p.stat().st_size // 4096) for p in (finetune_run / "checkpoint-2").iterdir())
     with small_tmpfs(tmp_path / "disk", pages * 3 // 2 * 4) as mountpoint:
         yield mountpoint
 
@@ -284,8 +284,8 @@ def test_a_disk_that_fills_up_during_finetune_keeps_the_last_checkpoint(
     assert main(finetune_args(llama_dir, train_text, output)) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and "no space left on the device while training into" in lines[0], lines
-    assert "step-00000002, is intact" in lines[0]
-    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["step-00000002"]
+    assert "checkpoint-2, is intact" in lines[0]
+    assert sorted(p.name for p in output.glob("*checkpoint-*")) == ["checkpoint-2"]
 
     moved = tmp_path / "run"  # the checkpoint is whole: the run continues once there is room
     shutil.copytree(output, moved)

@@ -1,8 +1,8 @@
 """Every file a resume reads, damaged, truncated, edited or replaced by a pickle payload: refused, never run.
 
-A checkpoint holds no pickle (state is JSON + safetensors) and records the size and SHA-256 of
-each file in `trainer_state.json`. Each case edits one file the way a truncated copy, a bit
-flip or a hostile sender would, with the recorded checksum left alone or forged to match,
+A checkpoint holds no pickle (JSON + safetensors in place of transformers' pickled files)
+and records the size and SHA-256 of each file in `manifest.json`. Each case edits one file the
+way a truncated copy, a bit flip or a hostile sender would, with the recorded checksum left alone or forged to match,
 and expects a `ResumeError` (exit 2 in the CLI) whose message names the fault; a planted
 payload must never run. An intact copy resumes bit-identically.
 """
@@ -32,7 +32,7 @@ STATE_FILES = [
 
 def test_the_checkpoint_holds_no_pickle(saved_run):
     names = {path.name for path in saved_run.checkpoint.iterdir()}
-    assert names == {*STATE_FILES, "trainer_state.json"}
+    assert names == {*STATE_FILES, "trainer_state.json", "manifest.json"}
     for name in names:  # each one is plain JSON or safetensors, formats that cannot carry code
         path = saved_run.checkpoint / name
         json.loads(path.read_text()) if name.endswith(".json") else load_file(str(path))
@@ -48,27 +48,43 @@ def test_an_intact_copy_resumes_bit_identically(run_copy):
 # -- pickle payloads --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [*STATE_FILES, "trainer_state.json"])
+@pytest.mark.parametrize("name", [*STATE_FILES, "trainer_state.json", "manifest.json"])
 @pytest.mark.parametrize("checksum", ["kept", "forged"])
 def test_a_pickle_payload_in_place_of_a_state_file_never_runs(name, checksum, run_copy, pickle_bomb, forge):
-    if checksum == "forged" and name == "trainer_state.json":
-        pytest.skip("the manifest lives in trainer_state.json")
+    if checksum == "forged" and name == "manifest.json":
+        pytest.skip("the manifest holds the checksums")
     target = run_copy.checkpoint / name
     target.write_bytes(pickle_bomb.torch_file)
     if checksum == "forged":
         forge(run_copy.checkpoint, name)
-    expected = "cannot read" if checksum == "forged" or name == "trainer_state.json" else "bytes but was"
+    expected = "cannot read" if checksum == "forged" or name == "manifest.json" else "bytes but was"
     with pytest.raises(ResumeError, match=expected) as refused:
         run_copy.resume()
     assert name in str(refused.value)
     assert not pickle_bomb.ran()
 
 
-def test_accelerates_pickle_file_names_are_never_read(run_copy, pickle_bomb):
-    """The names accelerate's `save_state` used: planted beside an intact checkpoint, they are ignored."""
-    for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin", "scheduler.bin", "scaler.pt"):
-        (run_copy.checkpoint / name).write_bytes(pickle_bomb.torch_file)
-    run_copy.resume()
+PICKLE_NAMES = [
+    "optimizer.pt",
+    "scheduler.pt",
+    "scaler.pt",
+    "rng_state.pth",
+    "rng_state_0.pth",
+    "training_args.bin",
+    "pytorch_model.bin",
+    "adapter_model.bin",
+    "custom_checkpoint_0.pkl",
+    "random_states_0.pkl",
+]  # fmt: skip  (what transformers' Trainer and accelerate's save_state write and read with torch.load)
+
+
+@pytest.mark.parametrize("name", PICKLE_NAMES)
+def test_pickle_files_of_transformers_and_accelerate_planted_beside_a_checkpoint_are_refused(
+    name, run_copy, pickle_bomb
+):
+    (run_copy.checkpoint / name).write_bytes(pickle_bomb.torch_file)
+    with pytest.raises(ResumeError, match=f"{name} was not written with this checkpoint"):
+        run_copy.resume()
     assert not pickle_bomb.ran()
 
 
@@ -183,19 +199,21 @@ DAMAGE = [
         "callbacks.json",
         "holds the states of callbacks",
     ),
-    ("trainer state truncated", _truncate("trainer_state.json"), None, "cannot read"),
+    ("trainer state truncated", _truncate("trainer_state.json"), None, "bytes but was"),
     (
-        "step not a number",
-        _edit_json("trainer_state.json", lambda v: v.update(step="one")),
-        None,
-        "step='one' is not a valid value",
+        "trainer state truncated, checksum forged",
+        _truncate("trainer_state.json"),
+        "trainer_state.json",
+        "cannot read",
     ),
     (
-        "manifest missing (older quantlab)",
-        _edit_json("trainer_state.json", lambda v: v.pop("files")),
-        None,
-        "earlier quantlab",
+        "step not a number, checksum forged",
+        _edit_json("trainer_state.json", lambda v: v.update(global_step="one")),
+        "trainer_state.json",
+        "global_step='one' is not a valid value",
     ),
+    ("manifest truncated", _truncate("manifest.json"), None, "cannot read"),
+    ("manifest missing", _delete("manifest.json"), None, "neither a checkpoint"),
 ]
 
 

@@ -54,7 +54,7 @@ import quantlab.cli.quantize as quantize
 quantize.save_checkpoint = signalling(quantize.save_checkpoint)
 """
 CHECKPOINT_SAVE = """
-import quantlab.training.checkpoint as checkpoint
+import quantlab.training.checkpoints as checkpoint
 checkpoint.save_trainable = signalling(checkpoint.save_trainable)
 """
 
@@ -99,16 +99,20 @@ def test_sigterm_during_a_training_checkpoint_then_resume_is_bit_identical(
 
     run = tmp_path / "run"
     killed = _run(
-        CHECKPOINT_SAVE, *finetune_args(llama_dir, train_text, run), signal_number=signal.SIGTERM, when="step-00000004"
+        CHECKPOINT_SAVE, *finetune_args(llama_dir, train_text, run), signal_number=signal.SIGTERM, when="checkpoint-4"
     )
     assert killed.returncode == 143, killed.stderr[-2000:]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002"]  # no half-written step 4
-    for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin"):  # accelerate's names: ignored
-        (run / "checkpoints" / "step-00000002" / name).write_bytes(pickle_bomb.torch_file)
-
-    resumed = _run("", *finetune_args(llama_dir, train_text, run, "--resume-from-checkpoint", "latest"))
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sorted(p.name for p in run.glob("*checkpoint-*")) == ["checkpoint-2"]  # no half-written step 4
+    planted = run / "checkpoint-2" / "optimizer.pt"  # transformers' pickled optimizer state: refused, never read
+    planted.write_bytes(pickle_bomb.torch_file)
+    resume = finetune_args(llama_dir, train_text, run, "--resume-from-checkpoint", "latest")
+    refused = _run("", *resume)
+    assert refused.returncode == 2 and "optimizer.pt was not written with this checkpoint" in refused.stderr
     assert not pickle_bomb.ran()
+    planted.unlink()
+
+    resumed = _run("", *resume)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
     expected = load_file(tmp_path / "straight" / "final" / "adapter_model.safetensors")
     got = load_file(run / "final" / "adapter_model.safetensors")
     assert expected.keys() == got.keys()
@@ -116,11 +120,11 @@ def test_sigterm_during_a_training_checkpoint_then_resume_is_bit_identical(
 
 
 def _forge(checkpoint: Path, name: str) -> None:
-    from quantlab.training.checkpoint_files import file_digest
+    from quantlab.training.checkpoints import file_digest
 
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    state["files"][name] = file_digest(checkpoint / name)
-    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][name] = file_digest(checkpoint / name)
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_a_pickle_in_a_resumed_finetune_never_runs(
@@ -129,7 +133,7 @@ def test_a_pickle_in_a_resumed_finetune_never_runs(
     """The quick version of the next test: one payload, its checksum forged, one fresh process."""
     run = tmp_path / "run"
     shutil.copytree(finetune_run, run)
-    checkpoint = run / "checkpoints" / "step-00000004"
+    checkpoint = run / "checkpoint-4"
     (checkpoint / "random_states_0.json").write_bytes(pickle_bomb.torch_file)
     _forge(checkpoint, "random_states_0.json")
     result = _run("", *finetune_args(llama_dir, train_text, run, "--resume-from-checkpoint", "latest"))
@@ -150,7 +154,7 @@ def test_a_pickle_in_a_resumed_finetune_prune_and_distill_run_never_runs(
 
     run = tmp_path / "finetune"
     shutil.copytree(finetune_run, run)
-    checkpoint = run / "checkpoints" / "step-00000004"
+    checkpoint = run / "checkpoint-4"
     (checkpoint / "optimizer.safetensors").write_bytes(pickle_bomb.torch_file)
     _forge(checkpoint, "optimizer.safetensors")
     finetune = ["finetune", llama_dir, "--max-steps", "4", "-o", run, "--data", train_text, "--lora-r", "4"]
@@ -169,7 +173,7 @@ def test_a_pickle_in_a_resumed_finetune_prune_and_distill_run_never_runs(
             argv = ["distill", "--teacher", llama_dir, "--student", llama_dir, "--max-steps", "2"]
         argv = [*map(str, argv), *map(str, training), "-o", str(run_dir), "--quiet"]
         assert main(argv) == 0
-        checkpoint = run_dir / "checkpoints" / "step-00000002"
+        checkpoint = run_dir / "checkpoint-2"
         (checkpoint / "callbacks.json").write_bytes(pickle_bomb.torch_file)
         _forge(checkpoint, "callbacks.json")
         commands[command] = [*argv, "--resume-from-checkpoint"]

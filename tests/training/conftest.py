@@ -1,4 +1,4 @@
-"""Fixtures for the training tests: tiny Llamas (float or quantized, with LoRA), token data, quick configs.
+"""Fixtures for the training tests: tiny Llamas (float or quantized, with LoRA), token data, quick `TrainingArguments`.
 
 The builders are handed out as fixtures (`make_qlora`, `make_data`, `make_config`) because the
 suite imports test modules with `--import-mode=importlib`, where test modules cannot import helpers.
@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 from quantlab.convert import quantize
 from quantlab.registry import get_method, list_methods
 from quantlab.testing import byte_tokenizer, tiny_llama
-from quantlab.training import TokenSequences, TrainingConfig, add_lora, prepare_for_kbit_training
+from quantlab.training import TokenSequences, add_lora, prepare_for_kbit_training, training_arguments
 
 
 def default_configs() -> list:
@@ -52,16 +52,16 @@ def token_data(count: int = 48, low: int = 6, high: int = 33, seed: int = 0) -> 
     return TokenSequences(sequences)
 
 
-def quick_config(output_dir, **overrides) -> TrainingConfig:
+def quick_config(output_dir, **overrides):
+    """`TrainingArguments` of a short run (names are TrainingArguments fields)."""
     options = {
+        "output_dir": str(output_dir),
         "max_steps": 4,
-        "batch_size": 4,
+        "per_device_train_batch_size": 4,
         "learning_rate": 1e-2,
-        "progress_bar": False,
-        "tensorboard": False,
+        "disable_tqdm": True,
     }
-    options.update(overrides)
-    return TrainingConfig(output_dir, **options)
+    return training_arguments({**options, **overrides})
 
 
 @pytest.fixture

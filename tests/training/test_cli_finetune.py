@@ -51,7 +51,7 @@ def test_finetune_trains_merges_and_reports(tiny_checkpoint, tmp_path, capsys):
     assert report["merge"]["mode"] == "float" and report["merge"]["max_logit_difference"] <= 1e-4
     assert (output / "final" / "adapter_config.json").is_file()
     assert (output / "merged" / "config.json").is_file() and (output / "quantlab_report.json").is_file()
-    assert [p.name for p in sorted((output / "checkpoints").iterdir())] == ["step-00000003", "step-00000006"]
+    assert sorted(p.name for p in output.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
 
     assert main([*base, "--max-steps", "7", "--resume-from-checkpoint"]) == 0  # a constant schedule may run longer
     assert _last_json(capsys.readouterr().out)["steps"] == 7
@@ -62,8 +62,8 @@ def test_finetune_trains_merges_and_reports(tiny_checkpoint, tmp_path, capsys):
     [
         (["--method", "nf4", "--bitsandbytes"], "pass one of them"),
         (["--target-modules", "q_proj,qkv"], "'qkv' matches no Linear layer"),
-        (["--optim", "sgd_9bit"], "invalid choice: 'sgd_9bit'"),
-        (["--fp16"], "use precision='bf16' or 'fp32'"),
+        (["--optim", "sgd_9bit"], "training argument optim='sgd_9bit': choose one of adamw_torch"),
+        (["--training-arg", "save_step=3"], "did you mean save_steps"),
         (["--resume-from-checkpoint", "latest"], "holds no complete checkpoint"),
         (["--method", "no_such_method"], "unknown quantization method 'no_such_method'"),
         (["--max-steps", "0"], "--max-steps must be at least 1"),

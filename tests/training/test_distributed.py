@@ -1,4 +1,4 @@
-"""Two processes (torchrun, DDP over gloo on CPU) train like one process with the same global batch."""
+"""Two processes (torchrun, DDP over gloo on CPU, on Trainer) train like one process with the same global batch."""
 
 import json
 import os
@@ -49,7 +49,7 @@ def test_two_processes_match_one_and_write_one_checkpoint(tmp_path, tokenizer):
 
     reports = [json.loads(line) for line in two.stdout.splitlines() if line.startswith("{")]
     assert len(reports) == 1 and reports[0]["processes"] == 2  # only the main process reports
-    checkpoint = tmp_path / "two" / "checkpoints" / "step-00000003"
+    checkpoint = tmp_path / "two" / "checkpoint-3"
     assert {"random_states_0.json", "random_states_1.json", "trainable.safetensors"} <= {
         p.name for p in checkpoint.iterdir()
     }

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantlab.errors import QuantlabError
-from quantlab.training import CausalLMCollator, ShardedBatches, TokenSequences, causal_lm_data, read_documents
+from quantlab.training import CausalLMCollator, TokenSequences, causal_lm_data, read_documents
 from quantlab.training.data import IGNORE_INDEX
 
 
@@ -57,22 +57,6 @@ def test_bad_data_is_named(tokenizer, tmp_path):
         read_documents(tmp_path / "missing.txt")
     with pytest.raises(QuantlabError, match="fewer eval_windows"):
         causal_lm_data(tokenizer, ["short text"], seq_len=8, eval_windows=2, eval_seq_len=64)
-
-
-def test_shards_are_disjoint_cover_each_epoch_and_reshuffle():
-    shards = [ShardedBatches(num_examples=23, batch_size=3, world_size=2, rank=r, seed=4) for r in (0, 1)]
-    assert shards[0].batches_per_epoch == 3  # 23 // 6; five examples wait for the next epoch
-    for epoch in (0, 1):
-        seen = [i for s in shards for b in range(3) for i in s.indices(epoch, b)]
-        assert len(seen) == len(set(seen)) == 18
-    assert shards[0].indices(0, 0) != shards[0].indices(1, 0)
-    single = ShardedBatches(num_examples=23, batch_size=6, seed=4)
-    assert single.indices(0, 1) == shards[0].indices(0, 1) + shards[1].indices(0, 1)
-
-
-def test_too_little_data_for_one_batch_is_refused():
-    with pytest.raises(QuantlabError, match="fewer than one batch"):
-        ShardedBatches(num_examples=5, batch_size=4, world_size=2)
 
 
 def test_fingerprint_changes_with_the_data():
