@@ -7,10 +7,7 @@ every command keeps importing them from one place.
 """
 
 import argparse
-from pathlib import Path
-from typing import Any
 
-from quantlab.errors import QuantlabError
 from quantlab.loading import (
     DEFAULT_MODEL_NAME,
     TOKENIZER_FILES,
@@ -47,7 +44,6 @@ __all__ = [
     "read_config",
     "resolve_model",
     "save_checkpoint",
-    "train_run",
     "weight_files",
     "weights_size",
 ]
@@ -58,25 +54,3 @@ MODEL_HELP = "a Hugging Face model folder or a .gguf file (default: the embedded
 def add_model_argument(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
     """The optional MODEL positional that `resolve_model` reads (absent: the embedded default)."""
     parser.add_argument("model", nargs="?", metavar="MODEL", help=help)
-
-
-def train_run(trainer: Any) -> Any:
-    """`trainer.train()`; a full disk is one line naming the checkpoint a `--resume` continues from."""
-    import errno
-
-    from quantlab.training import latest_checkpoint
-
-    run_dir = Path(trainer.config.output_dir)
-    try:
-        with io_errors_as_os_errors(run_dir):
-            return trainer.train()
-    except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        latest = latest_checkpoint(run_dir)
-        where = (
-            f"its last complete checkpoint, {latest}, is intact: free some space and resume the run"
-            if latest is not None
-            else "no checkpoint was completed: free some space or write elsewhere"
-        )
-        raise QuantlabError(f"no space left on the device while training into {run_dir}; {where}") from error
