@@ -108,7 +108,11 @@ def main() -> None:
 
     adapter = [p.detach().double().sum().item() for n, p in model.named_parameters() if p.requires_grad]
     state = trainer.accelerator.state
-    print(json.dumps({"process": state.process_index, "processes": state.num_processes, "checksum": sum(adapter)}))
+    line = json.dumps({"process": state.process_index, "processes": state.num_processes, "checksum": sum(adapter)})
+    for turn in range(state.num_processes):  # one process at a time: lines never interleave on a shared stdout
+        if turn == state.process_index:
+            print(line, flush=True)
+        trainer.accelerator.wait_for_everyone()
     if trainer.is_world_process_zero():
         model.save_pretrained(args.output_dir / "adapter")
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
