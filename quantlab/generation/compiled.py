@@ -11,11 +11,12 @@ on any causal LM, float or quantized. The prompt (prefill) still runs eagerly, o
 kernels; only the one-token steps run compiled.
 """
 
+import copy
 import warnings
 from typing import Any
 
 import torch
-from transformers import CompileConfig
+from transformers import CompileConfig, GenerationConfig
 
 from quantlab.errors import ConfigError
 from quantlab.generation.counters import CompileCounts, count_compilations
@@ -42,16 +43,29 @@ def compile_for_decoding(
     Generation options (sampling, stopping, streamers) work as in plain `generate`; a new batch size
     compiles once more.
     """
+    model.generation_config = fast_decoding_config(model, max_cache_len, mode, fullgraph, options)
+    return model
+
+
+def fast_decoding_config(
+    model: Any,
+    max_cache_len: int = DEFAULT_MAX_CACHE_LEN,
+    mode: str = "default",
+    fullgraph: bool | None = None,
+    options: dict[str, Any] | None = None,
+) -> GenerationConfig:
+    """A copy of `model.generation_config` set up as `compile_for_decoding` does, the model untouched:
+    `model.generate(ids, generation_config=config)` takes the fast path for that call only."""
     _check_can_compile(model, max_cache_len, mode)
     if fullgraph is None:
         fullgraph = _quantized_layers_trace()
     compile_config = CompileConfig(fullgraph=fullgraph, dynamic=False, mode=mode, options=options)
     compile_config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
-    generation_config = model.generation_config
+    generation_config = copy.deepcopy(model.generation_config)
     generation_config.cache_implementation = "static"
     generation_config.max_cache_len = max_cache_len
     generation_config.compile_config = compile_config
-    return model
+    return generation_config
 
 
 def disable_compiled_decoding(model: Any) -> Any:
