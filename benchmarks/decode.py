@@ -202,7 +202,8 @@ def batched_rounds(
                 total = candidate.generate_many(prompts, args.tokens)
                 rate = batch * (args.tokens - 1) / (total - one) if total > one else float("nan")
                 rates[name][batch].values.append(rate)
-        print(f"  batch size {batch} done, load average {os.getloadavg()[0]:.1f}", flush=True)
+        done = ", ".join(f"{name} {rates[name][batch].range_text(1)}" for name in candidates)
+        print(f"  batch size {batch}: {done} tokens/s, load average {os.getloadavg()[0]:.1f}", flush=True)
     return rates
 
 
