@@ -1,105 +1,336 @@
-"""SmolLM2-135M greedy decoding on CPU: tokens per second, fp32 against each quantlab method.
+"""SmolLM2-135M generation on CPU, side by side: torch fp32 and every quantlab method, eager and on the
+fast path (`quantlab.generation.compile_for_decoding`), with llama.cpp as an optional peer.
 
     python benchmarks/decode.py                       # 64 new tokens, 5 rounds, 2 threads
-    python benchmarks/decode.py --methods int8 4bit --tokens 32 --json
+    python benchmarks/decode.py --rounds 3 --tokens 32 --batch-sizes 1 4 16 64
+    python benchmarks/decode.py --methods 4bit --paths fast --no-memory --json
 
-Every model is loaded once (quantized while loading), then all are timed in every round, in
-rotated order, so the ratios compare runs seconds apart on a machine shared with others.
-Decoding speed excludes the prompt: (tokens - 1) / (time of `tokens` new tokens - time of 1).
-The output head stays in fp32 in every model (transformers keeps tied embeddings unquantized),
-so it bounds the speed-up: at one token it reads 113 MB, the quantized layers 55-110 MB.
+Every model is loaded once (quantized while loading); the eager and fast paths of a method share
+its weights (one `generate` call each, with its own generation config). All candidates are timed
+in every round, in rotated order, so ratios compare runs seconds apart on a machine shared with
+others; tables print the median and [min-max] over rounds, ratios taken inside each round.
+
+- decode tokens/s: (tokens - 1) / (time of `tokens` new tokens - time of 1), greedy: the prompt
+  and the first token cancel out.
+- first token: the time of one new token after a `--prompt-tokens` prompt (prefill included).
+- prefill 512: a 512-token prompt processed into the KV cache (eager on both paths: transformers
+  compiles only the one-token steps), tokens/s.
+- peak RSS: each candidate alone in a fresh process (load, warm-up, prefill, generation), the
+  process's maximum resident memory (`--no-memory` skips it; compiling adds the compiler's share).
+- `--batch-sizes`: aggregate decode tokens/s of B prompts decoded together, through `generate`
+  (eager, fast: a static cache compiled for each B) and transformers' continuous batching
+  (`generate_batch`, paged cache) for the methods in `--batch-methods`.
+
+llama.cpp peers (Q8_0, Q4_0, Q4_K_M made by its own quantize API from the same weights) run when
+llama-cpp-python is installed (`pip install 'quantlab[peers]'`, a long compile); else a note says
+they were skipped. The output head stays fp32 in quantlab's models (transformers keeps tied
+embeddings unquantized; `embedding_bits` changes that), while llama.cpp quantizes it.
 """
 
 import argparse
+import copy
 import json
 import os
+import resource
+import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-import quantlab
 from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
 from quantlab.eval.data import bundled_text
 from quantlab.eval.models import smollm2_dir
+from quantlab.generation import count_compilations, fast_decoding_config
 from quantlab.kernels.cpu import native
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _llama_cpp
 from kernels import Spread, print_table
 
 METHODS = {
+    "fp32": None,
     "int8": Int8SymmetricConfig(),
     "nf4": NF4Config(),
     "4bit": CustomBitsConfig(bits=4, group_size=64),
     "3bit": CustomBitsConfig(bits=3, group_size=64),
 }
+PATHS = ("eager", "fast")
+PREFILL_TOKENS = 512
 
 
-def generate_seconds(model, prompt: torch.Tensor, tokens: int) -> tuple[float, torch.Tensor]:
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-    return time.perf_counter() - start, out[0, prompt.shape[1] :]
+@dataclass
+class Figures:
+    decode: Spread = field(default_factory=Spread)
+    first_token: Spread = field(default_factory=Spread)
+    prefill: Spread = field(default_factory=Spread)
+    tokens: list[int] = field(default_factory=list)
 
 
-def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int) -> tuple[float, torch.Tensor]:
-    first, _ = generate_seconds(model, prompt, 1)
-    total, generated = generate_seconds(model, prompt, tokens)
-    return (tokens - 1) / max(total - first, 1e-9), generated
+class TorchCandidate:
+    """A transformers model on one path: plain `generate`, or the compiled static-cache step."""
+
+    def __init__(self, model, path: str, max_cache_len: int, mode: str) -> None:
+        self.model, self.path = model, path
+        if path == "fast":
+            self.config = fast_decoding_config(model, max_cache_len=max_cache_len, mode=mode)
+        else:
+            self.config = copy.deepcopy(model.generation_config)
+
+    def generate(self, prompt: torch.Tensor, tokens: int) -> tuple[float, list[int]]:
+        start = time.perf_counter()
+        out = self.model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            generation_config=self.config,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+        )
+        return time.perf_counter() - start, out[0, prompt.shape[1] :].tolist()
+
+    def generate_many(self, prompts: torch.Tensor, tokens: int) -> float:
+        return self.generate(prompts, tokens)[0]
+
+    def prefill_seconds(self, prompt: torch.Tensor) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            self.model(prompt, use_cache=True)
+        return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> int:
+class ContinuousBatching:
+    """transformers' continuous batching (`generate_batch`) over a model's eager forward."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def generate_many(self, prompts: torch.Tensor, tokens: int) -> float:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        config = GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        blocks = prompts.shape[0] * -(-(prompts.shape[1] + tokens) // 256) + 4
+        batching = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=max(512, prompts.shape[0]))
+        start = time.perf_counter()
+        self.model.generate_batch(
+            prompts.tolist(), generation_config=config, continuous_batching_config=batching, progress_bar=False
+        )
+        return time.perf_counter() - start
+
+
+def decode_rate(candidate, prompt, tokens: int) -> tuple[float, float, list[int]]:
+    """(decode tokens/s, seconds to the first token, the tokens)."""
+    first, _ = candidate.generate(prompt, 1)
+    total, generated = candidate.generate(prompt, tokens)
+    rate = (tokens - 1) / (total - first) if total > first else float("nan")  # a preempted 1-token run
+    return rate, first, generated
+
+
+def load(name: str, directory: Path):
+    config = METHODS[name]
+    kwargs = {} if config is None else {"quantization_config": config}
+    return AutoModelForCausalLM.from_pretrained(directory, **kwargs).eval()
+
+
+def build(args, directory: Path, tokenizer) -> dict[str, object]:
+    """name -> candidate, warmed up (the fast paths compiled for one sequence)."""
+    candidates: dict[str, object] = {}
+    max_cache_len = args.prompt_tokens + args.tokens
+    for name in args.methods:
+        model = load(name, directory)
+        model.generation_config.pad_token_id = tokenizer.eos_token_id
+        for path in args.paths:
+            candidates[f"{name} {path}"] = TorchCandidate(model, path, max_cache_len, args.compile_mode)
+    for key, candidate in candidates.items():
+        start = time.perf_counter()
+        with count_compilations() as counts:
+            candidate.generate(torch.arange(100, 100 + args.prompt_tokens)[None], 3)
+        print(f"  warm-up {key}: {time.perf_counter() - start:.1f} s, {counts}", flush=True)
+    if _llama_cpp.available():
+        for quant_type in _llama_cpp.PEER_TYPES:
+            path = _llama_cpp.quantized_file(quant_type, args.threads)
+            candidates[f"llama.cpp {quant_type}"] = _llama_cpp.LlamaCppModel(path, args.threads, 2 * PREFILL_TOKENS)
+    else:
+        print("  note: llama-cpp-python is not installed, llama.cpp peers skipped (pip install 'quantlab[peers]')")
+    return candidates
+
+
+def as_input(candidate, ids: torch.Tensor):
+    return ids[0].tolist() if isinstance(candidate, _llama_cpp.LlamaCppModel) else ids
+
+
+def timing_rounds(args, candidates: dict[str, object], prompt, long_prompt) -> dict[str, Figures]:
+    figures = {name: Figures() for name in candidates}
+    names = list(candidates)
+    for round_index in range(args.rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            candidate = candidates[name]
+            rate, first, generated = decode_rate(candidate, as_input(candidate, prompt), args.tokens)
+            figures[name].decode.values.append(rate)
+            figures[name].first_token.values.append(first * 1e3)
+            figures[name].tokens = generated
+            prefill = candidate.prefill_seconds(as_input(candidate, long_prompt))
+            figures[name].prefill.values.append(PREFILL_TOKENS / prefill)
+        print(f"  round {round_index + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.1f}", flush=True)
+    return figures
+
+
+def batched_rounds(
+    args, directory: Path, models: dict[str, object], texts: torch.Tensor
+) -> dict[str, dict[int, Spread]]:
+    """Aggregate decode tokens/s at each batch size, for each batched candidate."""
+    candidates: dict[str, object] = {}
+    max_cache_len = args.prompt_tokens + args.tokens
+    for name in args.batch_methods:
+        model = models.get(name) or load(name, directory)
+        for path in args.paths:
+            candidates[f"{name} {path}"] = TorchCandidate(model, path, max_cache_len, args.compile_mode)
+        candidates[f"{name} continuous batching"] = ContinuousBatching(model)
+    rates: dict[str, dict[int, Spread]] = {name: {b: Spread() for b in args.batch_sizes} for name in candidates}
+    for batch in args.batch_sizes:
+        prompts = texts[:batch]
+        for candidate in candidates.values():
+            candidate.generate_many(prompts, 2)  # warm-up: the fast path compiles for this batch size
+        for _ in range(args.rounds):
+            for name, candidate in candidates.items():
+                one = candidate.generate_many(prompts, 1)
+                total = candidate.generate_many(prompts, args.tokens)
+                rate = batch * (args.tokens - 1) / (total - one) if total > one else float("nan")
+                rates[name][batch].values.append(rate)
+        done = ", ".join(f"{name} {rates[name][batch].range_text(1)}" for name in candidates)
+        print(f"  batch size {batch}: {done} tokens/s, load average {os.getloadavg()[0]:.1f}", flush=True)
+    return rates
+
+
+def peak_memory_mib(args, name: str) -> float | None:
+    """Maximum resident memory of a fresh process that loads, warms up and runs this candidate alone."""
+    command = [sys.executable, __file__, "--peak-memory-of", name, "--tokens", str(args.tokens)]
+    command += ["--prompt-tokens", str(args.prompt_tokens), "--threads", str(args.threads)]
+    command += ["--compile-mode", args.compile_mode]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        print(f"  peak memory of {name} failed: {result.stderr.strip().splitlines()[-1:]}")
+        return None
+    return float(lines[-1])
+
+
+def run_alone(args, name: str) -> float:
+    """The `--peak-memory-of` child: run one candidate, return ru_maxrss in MiB."""
+    directory = smollm2_dir()
+    prompt = torch.arange(100, 100 + args.prompt_tokens)[None]
+    long_prompt = torch.arange(100, 100 + PREFILL_TOKENS)[None]
+    if name.startswith("llama.cpp "):
+        path = _llama_cpp.quantized_file(name.split()[-1], args.threads)
+        candidate = _llama_cpp.LlamaCppModel(path, args.threads, 2 * PREFILL_TOKENS)
+    else:
+        method, path = name.split()
+        candidate = TorchCandidate(load(method, directory), path, args.prompt_tokens + args.tokens, args.compile_mode)
+    candidate.generate(as_input(candidate, prompt), args.tokens)
+    candidate.prefill_seconds(as_input(candidate, long_prompt))
+    return peak_resident_mib()
+
+
+def peak_resident_mib() -> float:
+    """This process's peak resident memory (VmHWM): unlike `ru_maxrss`, not inherited from the parent
+    across fork and exec (the forked child starts with the parent's pages resident)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def report(args, figures: dict[str, Figures], memory: dict[str, float | None]) -> None:
+    base = "fp32 eager" if "fp32 eager" in figures else next(iter(figures))
+    print(
+        f"\nSmolLM2-135M greedy, {args.prompt_tokens}-token prompt, {args.tokens} new tokens, {args.threads} threads, "
+        f"{args.rounds} rounds, compile mode {args.compile_mode!r}, quantlab kernels: {native.isa()}, "
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
+    rows = []
+    for name, figure in figures.items():
+        ratio = Spread([a / b for a, b in zip(figure.decode.values, figures[base].decode.values, strict=True)])
+        same = sum(a == b for a, b in zip(figure.tokens, figures[base].tokens, strict=False)) / max(
+            len(figure.tokens), 1
+        )
+        peak = memory.get(name)
+        rows.append(
+            [
+                name,
+                figure.decode.range_text(1),
+                ratio.range_text(),
+                figure.first_token.range_text(0),
+                figure.prefill.range_text(0),
+                "" if peak is None else f"{peak:.0f}",
+                f"{same:.0%}",
+            ]
+        )
+    header = ["candidate", "decode tok/s", f"x {base}", "first token ms", "prefill 512 tok/s", "peak RSS MiB"]
+    print_table("Median [min-max] over rounds", [*header, f"tokens equal to {base}"], rows)
+
+
+def report_batched(args, rates: dict[str, dict[int, Spread]]) -> None:
+    rows = []
+    for name, by_batch in rates.items():
+        single = by_batch[args.batch_sizes[0]].median
+        rows.append([name, *(f"{s.range_text(1)} ({s.median / single:.1f}x)" for s in by_batch.values())])
+    title = f"Aggregate decode tokens/s by concurrent sequences (x the rate at {args.batch_sizes[0]})"
+    print_table(title, ["candidate", *(str(b) for b in args.batch_sizes)], rows)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per generation")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile-mode", default="default", help="torch.compile mode of the fast path")
+    parser.add_argument("--batch-sizes", nargs="*", type=int, default=[], help="e.g. 1 4 16 64")
+    parser.add_argument("--batch-methods", nargs="+", default=["4bit"], choices=list(METHODS))
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    args = parser.parse_args(argv)
+    parser.add_argument("--peak-memory-of", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
-
+    transformers.utils.logging.set_verbosity_error()
+    if args.peak_memory_of:
+        print(run_alone(args, args.peak_memory_of))
+        return 0
     directory = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    prompt = tokenizer(bundled_text(), return_tensors="pt").input_ids[:, : args.prompt_tokens]
-    models = {"fp32": AutoModelForCausalLM.from_pretrained(directory).eval()}
-    for name in args.methods:
-        models[name] = AutoModelForCausalLM.from_pretrained(directory, quantization_config=METHODS[name]).eval()
-    for model in models.values():
-        model.generation_config.pad_token_id = tokenizer.eos_token_id
-        generate_seconds(model, prompt, 2)  # warm-up (and the native library's first load)
-
-    speed = {name: Spread() for name in models}
-    generated = {}
-    names = list(models)
-    for round_index in range(args.rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            tokens_per_second, generated[name] = decode_tokens_per_second(models[name], prompt, args.tokens)
-            speed[name].values.append(tokens_per_second)
-        print(f"  round {round_index + 1}/{args.rounds} done", flush=True)
-
-    print(
-        f"\nSmolLM2-135M greedy decoding, {args.prompt_tokens}-token prompt, {args.tokens} new tokens, "
-        f"{args.threads} threads, quantlab kernels: {native.isa()}, load average {os.getloadavg()[0]:.1f}"
-    )
-    rows = []
-    for name in names:
-        ratio = Spread([a / b for a, b in zip(speed[name].values, speed["fp32"].values, strict=True)])
-        same = (generated[name] == generated["fp32"]).float().mean().item()
-        stored = sum(m.stored_bytes() for m in quantlab.convert.quantized_layers(models[name]).values())
-        rows.append([name, speed[name].range_text(1), ratio.range_text(), f"{same:.0%}", f"{stored / 2**20:.0f}"])
-    print_table(
-        "Tokens per second, median [min-max] over rounds",
-        ["model", "tokens/s", "x fp32", "tokens equal to fp32", "quantized layers MiB"],
-        rows,
-    )
+    text = tokenizer(bundled_text(), return_tensors="pt").input_ids[0]
+    prompt = text[None, : args.prompt_tokens]
+    long_prompt = text[None, :PREFILL_TOKENS]
+    candidates = build(args, directory, tokenizer)
+    figures = timing_rounds(args, candidates, prompt, long_prompt)
+    memory = {} if args.no_memory else {name: peak_memory_mib(args, name) for name in candidates}
+    report(args, figures, memory)
+    rates = {}
+    if args.batch_sizes:
+        windows = text[: max(args.batch_sizes) * args.prompt_tokens].view(-1, args.prompt_tokens)
+        models = {name.split()[0]: c.model for name, c in candidates.items() if isinstance(c, TorchCandidate)}
+        rates = batched_rounds(args, directory, models, windows)
+        report_batched(args, rates)
     if args.json:
-        print(json.dumps({name: {"tokens_per_second": speed[name].values} for name in names}))
+        payload = {
+            name: {"decode_tokens_per_second": f.decode.values, "first_token_ms": f.first_token.values}
+            | {"prefill_tokens_per_second": f.prefill.values, "peak_rss_mib": memory.get(name)}
+            for name, f in figures.items()
+        }
+        payload["batched"] = {name: {b: s.values for b, s in r.items()} for name, r in rates.items()}
+        print(json.dumps(payload))
     return 0
 
 

@@ -214,6 +214,12 @@ class QuantlabHfQuantizer(HfQuantizer):
     def is_trainable(self) -> bool:
         return True
 
+    @property
+    def is_compileable(self) -> bool:
+        """torch.compile traces quantized layers: the native kernels are torch operators with fake
+        implementations, the reference kernel is plain torch (`quantlab.generation` builds on this)."""
+        return True
+
 
 class QuantizeOnLoad(ConversionOps):
     """Quantizes one float weight as it is loaded, returning the layer's stored tensors.

@@ -1,0 +1,125 @@
+"""The fast decode path: transformers' `generate` with a static KV cache and a compiled decode step.
+
+Eager decoding of a small model is mostly overhead: hundreds of module calls in Python per token,
+and a dynamic cache that concatenates every layer's keys and values at every step. With
+`cache_implementation="static"` the cache is allocated once (`max_cache_len` positions) and
+written in place, so every decode step has the same shapes, and transformers hands the step to
+`torch.compile` (its `compile_config`): one graph per step, quantlab's kernels inside it as torch
+operators. transformers compiles only on accelerators unless told otherwise, and skips quantized
+models whose quantizer does not declare itself compileable; `compile_for_decoding` sets both up
+on any causal LM, float or quantized. The prompt (prefill) still runs eagerly, on the many-row
+kernels; only the one-token steps run compiled.
+"""
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+from transformers import CompileConfig, GenerationConfig
+
+from quantlab.errors import ConfigError
+from quantlab.generation.counters import CompileCounts, count_compilations
+
+# Modes inductor runs on CPU; "reduce-overhead" and "max-autotune" add CUDA graphs (CUDA only).
+CPU_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+DEFAULT_MAX_CACHE_LEN = 1024
+
+
+def compile_for_decoding(
+    model: Any,
+    max_cache_len: int = DEFAULT_MAX_CACHE_LEN,
+    mode: str = "default",
+    fullgraph: bool | None = None,
+    options: dict[str, Any] | None = None,
+) -> Any:
+    """Make `model.generate(...)` decode with a static cache and a torch.compile'd step; returns `model`.
+
+    `max_cache_len` is the longest prompt plus new tokens decoded without recompiling (a longer call
+    grows the cache and compiles once more); attention reads the whole static cache at every step,
+    so keep it near what you generate. `mode` is a torch.compile mode that runs on CPU. `fullgraph`
+    (default: True when every quantized layer traces) makes a graph break an error instead of a
+    slowdown. The first generation compiles (tens of seconds): call `warm_up` to pay it up front.
+    Generation options (sampling, stopping, streamers) work as in plain `generate`; a new batch size
+    compiles once more.
+    """
+    model.generation_config = fast_decoding_config(model, max_cache_len, mode, fullgraph, options)
+    return model
+
+
+def fast_decoding_config(
+    model: Any,
+    max_cache_len: int = DEFAULT_MAX_CACHE_LEN,
+    mode: str = "default",
+    fullgraph: bool | None = None,
+    options: dict[str, Any] | None = None,
+) -> GenerationConfig:
+    """A copy of `model.generation_config` set up as `compile_for_decoding` does, the model untouched:
+    `model.generate(ids, generation_config=config)` takes the fast path for that call only."""
+    _check_can_compile(model, max_cache_len, mode)
+    if fullgraph is None:
+        fullgraph = _quantized_layers_trace()
+    compile_config = CompileConfig(fullgraph=fullgraph, dynamic=False, mode=mode, options=options)
+    compile_config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
+    generation_config = copy.deepcopy(model.generation_config)
+    generation_config.cache_implementation = "static"
+    generation_config.max_cache_len = max_cache_len
+    generation_config.compile_config = compile_config
+    return generation_config
+
+
+def disable_compiled_decoding(model: Any) -> Any:
+    """Undo `compile_for_decoding`: dynamic cache, eager steps (the compiled step is dropped)."""
+    generation_config = model.generation_config
+    generation_config.cache_implementation = None
+    generation_config.max_cache_len = None
+    generation_config.compile_config = None
+    for name in ("_compiled_call", "_last_compile_config"):
+        model.__dict__.pop(name, None)
+    return model
+
+
+def warm_up(model: Any, batch_size: int = 1, **generate_kwargs: Any) -> CompileCounts:
+    """Compile the decode step for `batch_size` sequences now, by generating two tokens; returns what
+    was compiled (one graph per batch size with no break, when everything traces)."""
+    config = model.generation_config
+    token = next((t for t in (config.bos_token_id, config.pad_token_id, 0) if isinstance(t, int)), 0)
+    ids = torch.full((batch_size, 4), token, dtype=torch.long, device=model.device)
+    kwargs = {"do_sample": False, "pad_token_id": token, **generate_kwargs}
+    with count_compilations() as counts:
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2, **kwargs)
+    return counts
+
+
+def _check_can_compile(model: Any, max_cache_len: int, mode: str) -> None:
+    if not hasattr(model, "generate") or not hasattr(model, "generation_config"):
+        raise ConfigError(f"{type(model).__name__} does not generate text: pass a causal language model")
+    if not getattr(model, "_can_compile_fullgraph", False) or not model._supports_default_dynamic_cache():
+        raise ConfigError(
+            f"transformers does not support a static cache with torch.compile for {type(model).__name__}; "
+            "decode it with plain model.generate(...)"
+        )
+    if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or max_cache_len < 2:
+        raise ConfigError(f"max_cache_len must be an integer >= 2 (prompt + new tokens), not {max_cache_len!r}")
+    if mode not in CPU_COMPILE_MODES and model.device.type == "cpu":
+        raise ConfigError(f"compile mode {mode!r} needs CUDA graphs; on CPU use one of {', '.join(CPU_COMPILE_MODES)}")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not quantizer.is_compileable:
+        method = getattr(quantizer.quantization_config, "quant_method", type(quantizer).__name__)
+        raise ConfigError(f"this model's quantization ({method}) does not support torch.compile; use plain generate")
+
+
+def _quantized_layers_trace() -> bool:
+    """False when quantized layers would call the C library through ctypes (no C++ compiler for the
+    torch operators): dynamo breaks its graph at every such call, so fullgraph would fail."""
+    from quantlab.kernels.cpu import native, ops
+
+    if native.library() is None or ops.available():
+        return True
+    warnings.warn(
+        "quantlab's torch operators are unavailable (see the earlier warning), so the compiled decode step "
+        "breaks its graph at every quantized layer and gains little; install a C++ compiler",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return False

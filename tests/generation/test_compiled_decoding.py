@@ -1,0 +1,103 @@
+"""The compiled static-cache decode path: the eager tokens, one compilation, no graph break."""
+
+import pytest
+import torch
+
+import quantlab
+from quantlab.errors import ConfigError
+from quantlab.generation import compile_for_decoding, count_compilations, disable_compiled_decoding, warm_up
+from quantlab.testing.models import tiny_bert, tiny_llama
+
+MODELS = {
+    "fp32": None,
+    "4bit-g32": quantlab.CustomBitsConfig(bits=4, group_size=32),
+    "nf4": quantlab.NF4Config(blocksize=32),
+}
+PROMPTS = [torch.tensor([[5, 17, 42, 9, 100, 3]]), torch.tensor([[7, 8, 200, 31, 64, 64, 12, 250, 1, 90, 77]])]
+
+
+def _generate(model, ids, tokens, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    mask = torch.ones_like(ids)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+    return out[:, ids.shape[1] :]
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def models(request):
+    """(eager, compiled): the same weights, one decoding plainly, one on the fast path, warmed up."""
+    pair = []
+    for _ in range(2):
+        model = tiny_llama(seed=3)
+        if MODELS[request.param] is not None:
+            quantlab.quantize(model, MODELS[request.param])
+        model.generation_config.pad_token_id = 0
+        pair.append(model)
+    eager, compiled = pair
+    torch._dynamo.reset()
+    compile_for_decoding(compiled, max_cache_len=64)
+    counts = warm_up(compiled)
+    assert counts.graph_breaks == 0, counts.break_reasons
+    assert counts.frames == 1 and counts.graphs == 1  # the decode step, compiled once, as one graph
+    return eager, compiled
+
+
+def test_compiled_decoding_gives_the_eager_greedy_tokens_without_recompiling(models):
+    eager, compiled = models
+    with count_compilations() as counts:
+        fast = [_generate(compiled, ids, tokens) for ids, tokens in zip(PROMPTS, (12, 20), strict=True)]
+    assert (counts.frames, counts.graphs, counts.graph_breaks) == (0, 0, 0), counts.break_reasons
+    for ids, tokens, tokens_fast in zip(PROMPTS, (12, 20), fast, strict=True):
+        assert torch.equal(tokens_fast, _generate(eager, ids, tokens))
+    assert compiled.generation_config.cache_implementation == "static"
+
+
+def test_sampling_options_draw_the_eager_tokens(models):
+    eager, compiled = models
+    options = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.2}
+    drawn = []
+    for model in (eager, compiled):
+        torch.manual_seed(11)
+        drawn.append(_generate(model, PROMPTS[0], 10, **options))
+    assert torch.equal(*drawn)
+
+
+def test_a_padded_batch_compiles_once_more_and_decodes_each_row_as_eager(models):
+    eager, compiled = models
+    ids = torch.tensor([[0, 0, 0, 5, 17, 42], [7, 8, 200, 31, 64, 12]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    kwargs = {"attention_mask": mask, "max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    with count_compilations() as counts:
+        fast = compiled.generate(ids, **kwargs)
+        again = compiled.generate(ids, **kwargs)
+    assert counts.graph_breaks == 0 and counts.frames == 1  # batch size 2: a second graph, compiled once
+    assert torch.equal(fast, again)
+    assert torch.equal(fast, eager.generate(ids, **kwargs))
+
+
+def test_disabling_returns_to_eager_decoding():
+    model = tiny_llama()
+    compile_for_decoding(model, max_cache_len=32)
+    disable_compiled_decoding(model)
+    with count_compilations() as counts:
+        model.generate(PROMPTS[0], attention_mask=torch.ones_like(PROMPTS[0]), max_new_tokens=3, pad_token_id=0)
+    assert counts.frames == 0
+    assert model.generation_config.cache_implementation is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"max_cache_len": 0}, "max_cache_len must be an integer >= 2"),
+        ({"max_cache_len": 64.0}, "max_cache_len must be an integer >= 2"),
+        ({"mode": "reduce-overhead"}, "needs CUDA graphs; on CPU use one of default"),
+    ],
+)
+def test_bad_arguments_are_one_clear_error(arguments, message):
+    with pytest.raises(ConfigError, match=message):
+        compile_for_decoding(tiny_llama(), **arguments)
+
+
+def test_a_model_that_does_not_generate_is_refused():
+    with pytest.raises(ConfigError, match="does not generate text"):
+        compile_for_decoding(tiny_bert())
