@@ -7,8 +7,7 @@
 - recipe: what a user runs (`examples/qlora_finetune.py`): `transformers.Trainer`, PEFT's
   `prepare_model_for_kbit_training` (activation checkpointing on) and `LoraConfig(target_modules=
   "all-linear")` on a quantlab NF4 base, against the same Trainer on an fp32 base with LoRA and
-  activation checkpointing (non-reentrant), and against quantlab's own loop (`quantlab.training`,
-  NF4) while that still exists at its old API. Each configuration runs in a fresh process, rounds
+  activation checkpointing (non-reentrant). Each configuration runs in a fresh process, rounds
   alternate the configurations so a slow minute of the shared machine hits them alike; each run
   reports its peak resident memory and the median seconds per step after the first step, and the
   table gives median (min-max) over the rounds, the per-round ratio to fp32 LoRA, and the load
@@ -16,7 +15,8 @@
 
 Every configuration: batch 4 x 256 tokens of the bundled WikiText-2 text after its 16 x 512
 evaluation windows, LoRA r=16 alpha=32 dropout=0.05 on all seven projections, AdamW lr 2e-4
-(constant), activation checkpointing on, fp32 compute, the shared loop (`quantlab.training`).
+(constant), activation checkpointing on, fp32 compute, `quantlab.training.Trainer` (transformers'
+Trainer) built by `training_run`, each step timed from `on_step_begin` to `on_step_end`.
 
 Phases (see notes/baselines.md for why memory and speed are measured this way):
 - memory: each configuration in a fresh process, `--repeats` times, under the allocator set by
@@ -26,12 +26,14 @@ Phases (see notes/baselines.md for why memory and speed are measured this way):
   training steps, as median and spread; tensor accounting of weights (parameters + buffers),
   trainable parameters and optimizer state. The float model's load peak is the fp32 row's.
 - speed: all four configurations in one process, one optimizer step each in turn, so machine
-  noise hits them alike; `--warmup` rounds are left out; median seconds per step and the ratio
-  to fp32 LoRA. The runs continue to `--steps` (50) for the loss, then the held-out perplexity
-  (16 windows, the shared harness) of each trained model against its untrained base.
+  noise hits them alike (each `Trainer.train()` runs in its own thread and a callback hands the
+  turn on after every step: one trains at a time); `--warmup` rounds are left out; median
+  (min-max) seconds per step and the per-round ratio to fp32 LoRA. The runs continue to
+  `--steps` (50) for the loss, then the held-out perplexity (16 windows, the shared harness)
+  of each trained model against its untrained base.
 - optimizers: full fine-tuning of the fp32 model with `adamw_torch` and `adamw_8bit`,
-  alternating steps in one process, no activation checkpointing: optimizer-state bytes and
-  seconds per step.
+  alternating steps in one process (taking turns as in speed), no activation checkpointing:
+  optimizer-state bytes and seconds per step.
 
 The acceptance checks of the training issue are printed at the end, each with its figures.
 """
@@ -43,12 +45,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from _common import environment, format_table, write_json
+from transformers import TrainerCallback
 
 MIB = 1024 * 1024
 
@@ -75,21 +80,11 @@ def peak_memory_bytes() -> int:
 
 # -- recipe: transformers.Trainer + PEFT, one fresh process per configuration and round -----------
 
-RECIPE_CONFIGURATIONS = ("trainer-fp32-lora", "trainer-nf4-qlora", "quantlab-loop-nf4")
+RECIPE_CONFIGURATIONS = ("trainer-fp32-lora", "trainer-nf4-qlora")
 RECIPE_LABELS = {
     "trainer-fp32-lora": "transformers.Trainer, fp32 base + LoRA (checkpointing)",
     "trainer-nf4-qlora": "transformers.Trainer, quantlab NF4 + PEFT recipe (all-linear)",
-    "quantlab-loop-nf4": "quantlab.training loop, quantlab NF4 + LoRA (old API)",
 }
-
-
-def old_loop_available() -> bool:
-    """quantlab's own loop at its old API (`Trainer.train_step`), which the training rebuild may remove."""
-    try:
-        from quantlab.training import Trainer
-    except ImportError:
-        return False
-    return hasattr(Trainer, "train_step")
 
 
 def recipe_model(name: str) -> torch.nn.Module:
@@ -115,44 +110,27 @@ def child_recipe(name: str, steps: int) -> dict[str, Any]:
     """Run in a fresh process: `steps` optimizer steps of one configuration, timed step by step."""
     torch.set_num_threads(2)
     started_load = os.getloadavg()[0]
-    if name == "quantlab-loop-nf4":
-        with tempfile.TemporaryDirectory() as output_dir:
-            base = load_base("quantlab-nf4")
-            after_load = peak_memory_bytes()
-            trainer = trainer_for(lora_model(base, "quantlab-nf4"), Path(output_dir), steps)
-            records = [trainer.train_step() for _ in range(steps)]
-        seconds = [r["seconds_per_step"] for r in records]
-        losses = [r["loss"] for r in records]
-    else:
-        from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-        tokenizer = _tokenizer()
-        model = recipe_model(name)
-        after_load = peak_memory_bytes()
-        from quantlab.eval.data import bundled_text
+    tokenizer = _tokenizer()
+    model = recipe_model(name)
+    after_load = peak_memory_bytes()
+    from quantlab.eval.data import bundled_text
 
-        ids = torch.tensor(tokenizer(bundled_text(), verbose=False)["input_ids"])[16 * 512 :]
-        train = [{"input_ids": chunk} for chunk in ids.split(SEQ_LEN) if len(chunk) >= 2]
-        seconds: list[float] = []
-
-        class StepTimer(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                self.started = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                seconds.append(time.perf_counter() - self.started)
-
-        with tempfile.TemporaryDirectory() as output_dir:
-            arguments = TrainingArguments(
-                output_dir=output_dir, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=2e-4,
-                lr_scheduler_type="constant", optim="adamw_torch", logging_steps=1, save_strategy="no",
-                report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
-            )  # fmt: skip
-            collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-            trainer = Trainer(model=model, args=arguments, train_dataset=train, data_collator=collator)
-            trainer.add_callback(StepTimer())
-            trainer.train()
-        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    ids = torch.tensor(tokenizer(bundled_text(), verbose=False)["input_ids"])[16 * 512 :]
+    train = [{"input_ids": chunk} for chunk in ids.split(SEQ_LEN) if len(chunk) >= 2]
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as output_dir:
+        arguments = TrainingArguments(
+            output_dir=output_dir, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=2e-4,
+            lr_scheduler_type="constant", optim="adamw_torch", logging_steps=1, save_strategy="no",
+            report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+        )  # fmt: skip
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        trainer = Trainer(model=model, args=arguments, train_dataset=train, data_collator=collator)
+        trainer.add_callback(timer)
+        trainer.train()
+    seconds, losses = timer.seconds, logged_losses(trainer)
     return {
         "configuration": name,
         "peak_after_load_mib": after_load / MIB,
@@ -165,7 +143,7 @@ def child_recipe(name: str, steps: int) -> dict[str, Any]:
 
 
 def run_recipe(rounds: int, steps: int, allocator: str) -> dict[str, Any]:
-    names = [n for n in RECIPE_CONFIGURATIONS if n != "quantlab-loop-nf4" or old_loop_available()]
+    names = list(RECIPE_CONFIGURATIONS)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     environment = {**os.environ, **ALLOCATORS[allocator]}
     for round_index in range(rounds):
@@ -263,23 +241,154 @@ def lora_model(base: torch.nn.Module, name: str) -> torch.nn.Module:
     return add_lora(base, r=RANK, alpha=2 * RANK, dropout=0.05)
 
 
-def trainer_for(model: torch.nn.Module, output_dir: Path, steps: int, optim: str = "adamw_torch", **overrides: Any):
-    from quantlab.training import CausalLMCollator, Trainer, TrainingConfig, bundled_data
+def training_run(
+    model: torch.nn.Module,
+    output_dir: Path,
+    steps: int,
+    optim: str = "adamw_torch",
+    learning_rate: float = 2e-4,
+    callbacks: list[TrainerCallback] | None = None,
+):
+    """`quantlab.training.Trainer` for `steps` steps of batch 4 x 256 bundled tokens, constant lr, no saving."""
+    from quantlab.training import CausalLMCollator, Trainer, bundled_data, training_arguments
 
     tokenizer = _tokenizer()
     data = bundled_data(tokenizer, seq_len=SEQ_LEN)
-    options = {
-        "max_steps": steps,
-        "batch_size": BATCH,
-        "learning_rate": 2e-4,
-        "lr_scheduler": "constant",
-        "optim": optim,
-        "progress_bar": False,
-        "tensorboard": False,
-        **overrides,
-    }
-    config = TrainingConfig(output_dir, **options)
-    return Trainer(model, config, data.train, collator=CausalLMCollator.for_tokenizer(tokenizer))
+    arguments = training_arguments(
+        {
+            "output_dir": str(output_dir),
+            "max_steps": steps,
+            "per_device_train_batch_size": BATCH,
+            "learning_rate": learning_rate,
+            "lr_scheduler_type": "constant",
+            "optim": optim,
+            "save_steps": 0,  # no checkpoints
+            "seed": 0,
+            "disable_tqdm": True,
+        }
+    )
+    collator = CausalLMCollator.for_tokenizer(tokenizer)
+    return Trainer(model, arguments, data.train, data_collator=collator, callbacks=callbacks, save_final=False)
+
+
+class StepTimer(TrainerCallback):
+    """Seconds of each optimizer step, from `on_step_begin` to `on_step_end` (the batch is already fetched)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._started = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        self._started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.seconds.append(time.perf_counter() - self._started)
+
+
+class Turns:
+    """Whose turn it is among runs that step in a fixed order; a finished run leaves the rotation."""
+
+    def __init__(self, names: list[str], on_round: Callable[[int], None] | None = None) -> None:
+        self.order, self.current, self.rounds = list(names), 0, 0
+        self.on_round = on_round
+        self._condition = threading.Condition()
+
+    def wait(self, name: str) -> None:
+        with self._condition:
+            self._condition.wait_for(lambda: self.order[self.current] == name)
+
+    def pass_on(self, name: str) -> None:
+        with self._condition:
+            self.current = (self.order.index(name) + 1) % len(self.order)
+            if self.current == 0:
+                self.rounds += 1
+                if self.on_round:
+                    self.on_round(self.rounds)
+            self._condition.notify_all()
+
+    def leave(self, name: str) -> None:
+        with self._condition:
+            index = self.order.index(name)
+            self.order.remove(name)
+            self.current = index % len(self.order) if self.order else 0
+            self._condition.notify_all()
+
+
+class TakeTurns(StepTimer):
+    """Times each step, then hands the turn to the next run and waits for it to come back."""
+
+    def __init__(self, turns: Turns, name: str) -> None:
+        super().__init__()
+        self.turns, self.name = turns, name
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        super().on_step_end(args, state, control, **kwargs)
+        if state.global_step < state.max_steps:  # after the last step, train() finishes and leaves
+            self.turns.pass_on(self.name)
+            self.turns.wait(self.name)
+
+
+def alternate(
+    runs: dict[str, Callable[[list[TrainerCallback]], Any]],
+    on_round: Callable[[int, dict[str, float]], None] | None = None,
+) -> dict[str, Any]:
+    """Build and train each run in its own thread, one optimizer step each in turn; returns the trainers.
+
+    `runs[name](callbacks)` builds a Trainer with those callbacks. Only the run whose turn it is
+    does any work (building included), so the runs are timed as if stepped one after another in
+    one loop: a slow minute of the machine hits them alike. Step seconds: `trainer.step_seconds`;
+    `on_round(round, {name: seconds of its last step})` after each round.
+    """
+    timers: dict[str, TakeTurns] = {}
+
+    def round_done(round_number: int) -> None:
+        if on_round:
+            on_round(round_number, {name: timer.seconds[-1] for name, timer in timers.items() if timer.seconds})
+
+    turns = Turns(list(runs), round_done)
+    timers.update({name: TakeTurns(turns, name) for name in runs})
+    trainers: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        turns.wait(name)
+        try:
+            timer = timers[name]
+            trainers[name] = runs[name]([timer])
+            trainers[name].step_seconds = timer.seconds
+            trainers[name].train()
+        except BaseException as error:  # reported in the main thread, after the others finish
+            errors.append(error)
+        finally:
+            turns.leave(name)
+
+    threads = [threading.Thread(target=run, args=(name,), name=f"train-{name}") for name in runs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return trainers
+
+
+def logged_losses(trainer: Any) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the optimizer's state tensors (moments, quantization maps, absmax), each counted once."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+    seen: set[int] = set()
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.numel():
+                pointer = value.untyped_storage().data_ptr()
+                if pointer not in seen:
+                    seen.add(pointer)
+                    total += value.untyped_storage().nbytes()
+    return total
 
 
 def _tokenizer():
@@ -311,8 +420,6 @@ def tensor_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 def child_memory(name: str, steps: int) -> dict[str, Any]:
     """Run in a fresh process: peak resident memory after loading and after `steps` steps."""
-    from quantlab.training import optimizer_state_bytes
-
     torch.set_num_threads(2)
     before = peak_memory_bytes()
     base = load_base(name)
@@ -323,8 +430,8 @@ def child_memory(name: str, steps: int) -> dict[str, Any]:
     model = lora_model(base, name)
     accounting = tensor_bytes(model)
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer = trainer_for(model, Path(output_dir), steps)
-        records = [trainer.train_step() for _ in range(steps)]
+        trainer = training_run(model, Path(output_dir), steps)
+        trainer.train()
     return {
         "configuration": name,
         "peak_before_load_mib": before / MIB,
@@ -334,7 +441,7 @@ def child_memory(name: str, steps: int) -> dict[str, Any]:
         "weights_mib": accounting["weights"] / MIB,
         "trainable_mib": accounting["trainable"] / MIB,
         "optimizer_state_mib": optimizer_state_bytes(trainer.optimizer) / MIB,
-        "losses": [r["loss"] for r in records],
+        "losses": logged_losses(trainer),
     }
 
 
@@ -360,31 +467,35 @@ def run_speed(steps: int, warmup: int) -> dict[str, Any]:
     from quantlab.eval.data import bundled_text
 
     torch.set_num_threads(2)
-    trainers, records = {}, {name: [] for name in CONFIGURATIONS}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
-        for name in CONFIGURATIONS:
-            trainers[name] = trainer_for(lora_model(load_base(name), name), Path(scratch) / name, steps)
-        for step in range(steps):
-            for name in CONFIGURATIONS:
-                records[name].append(trainers[name].train_step())
-            _progress(
-                f"step {step + 1}/{steps}: "
-                + ", ".join(f"{n} {records[n][-1]['seconds_per_step']:.1f} s" for n in CONFIGURATIONS)
+
+        def build(name: str) -> Callable[[list[TrainerCallback]], Any]:
+            return lambda callbacks: training_run(
+                lora_model(load_base(name), name), Path(scratch) / name, steps, callbacks=callbacks
             )
+
+        def progress(round_number: int, last: dict[str, float]) -> None:
+            _progress(f"step {round_number}/{steps}: " + ", ".join(f"{n} {t:.1f} s" for n, t in last.items()))
+
+        trainers = alternate({name: build(name) for name in CONFIGURATIONS}, on_round=progress)
+        load_after = os.getloadavg()[0]
         tokenizer, text = _tokenizer(), bundled_text()
         results = {}
         for name in CONFIGURATIONS:
-            trained = trainers[name].accelerator.unwrap_model(trainers[name].model)
+            trainer = trainers.pop(name)
+            trained = trainer.accelerator.unwrap_model(trainer.model)
             after = perplexity(trained, tokenizer, text)
-            del trainers[name], trained
+            seconds, losses = trainer.step_seconds, logged_losses(trainer)
+            del trainer, trained
             before = perplexity(load_base(name), tokenizer, text)  # untrained adapters (B = 0) are the identity
-            timed = [r["seconds_per_step"] for r in records[name][warmup:]]
             results[name] = {
-                "seconds_per_step": statistics.median(timed),
-                "seconds_per_step_all": [r["seconds_per_step"] for r in records[name]],
-                "losses": [r["loss"] for r in records[name]],
+                "seconds_per_step": statistics.median(seconds[warmup:]),
+                "seconds_per_step_all": seconds,
+                "losses": losses,
                 "perplexity_before": before,
                 "perplexity_after": after,
+                "load_average": [load_before, load_after],
             }
             _progress(f"{name}: perplexity {before:.3f} -> {after:.3f}")
     reference = results["fp32-lora"]["seconds_per_step"]
@@ -394,7 +505,8 @@ def run_speed(steps: int, warmup: int) -> dict[str, Any]:
             results[name]["seconds_per_step_all"][warmup:],
             results["fp32-lora"]["seconds_per_step_all"][warmup:],
         )
-        results[name]["ratio_to_fp32_lora"] = statistics.median(a / b for a, b in zip(mine, fp32, strict=True))
+        results[name]["ratios_to_fp32_lora"] = [a / b for a, b in zip(mine, fp32, strict=True)]
+        results[name]["ratio_to_fp32_lora"] = statistics.median(results[name]["ratios_to_fp32_lora"])
         results[name]["median_ratio_of_medians"] = results[name]["seconds_per_step"] / reference
     return results
 
@@ -403,27 +515,35 @@ def run_speed(steps: int, warmup: int) -> dict[str, Any]:
 
 
 def run_optimizers(steps: int, warmup: int) -> dict[str, Any]:
-    from quantlab.training import optimizer_state_bytes
-
     torch.set_num_threads(2)
     names = ("adamw_torch", "adamw_8bit")
-    trainers, records = {}, {name: [] for name in names}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
-        for optim in names:
-            model = load_base("fp32-lora")
-            model.requires_grad_(True)
-            trainers[optim] = trainer_for(model, Path(scratch) / optim, steps, optim=optim, learning_rate=2e-5)
-        for step in range(steps):
-            for optim in names:
-                records[optim].append(trainers[optim].train_step())
-            _progress(f"full fine-tune step {step + 1}/{steps}")
+
+        def build(optim: str) -> Callable[[list[TrainerCallback]], Any]:
+            def run(callbacks: list[TrainerCallback]) -> Any:
+                model = load_base("fp32-lora")
+                model.requires_grad_(True)
+                return training_run(
+                    model, Path(scratch) / optim, steps, optim=optim, learning_rate=2e-5, callbacks=callbacks
+                )
+
+            return run
+
+        trainers = alternate(
+            {optim: build(optim) for optim in names},
+            on_round=lambda round_number, _: _progress(f"full fine-tune step {round_number}/{steps}"),
+        )
+        load_after = os.getloadavg()[0]
         results = {}
         for optim in names:
-            timed = [r["seconds_per_step"] for r in records[optim][warmup:]]
+            seconds = trainers[optim].step_seconds
             results[optim] = {
                 "optimizer_state_mib": optimizer_state_bytes(trainers[optim].optimizer) / MIB,
-                "seconds_per_step": statistics.median(timed),
-                "losses": [r["loss"] for r in records[optim]],
+                "seconds_per_step": statistics.median(seconds[warmup:]),
+                "seconds_per_step_all": seconds,
+                "losses": logged_losses(trainers[optim]),
+                "load_average": [load_before, load_after],
             }
     results["state_ratio"] = (
         results["adamw_8bit"]["optimizer_state_mib"] / results["adamw_torch"]["optimizer_state_mib"]
@@ -465,7 +585,7 @@ def memory_table(memory: dict[str, list[dict[str, Any]]]) -> str:
     return format_table(columns, rows)
 
 
-def speed_table(speed: dict[str, Any]) -> str:
+def speed_table(speed: dict[str, Any], warmup: int) -> str:
     rows = []
     for name in CONFIGURATIONS:
         result = speed[name]
@@ -473,23 +593,31 @@ def speed_table(speed: dict[str, Any]) -> str:
         rows.append(
             [
                 LABELS[name],
-                f"{result['seconds_per_step']:.2f}",
-                f"{result['ratio_to_fp32_lora']:.2f}x",
+                _spread(result["seconds_per_step_all"][warmup:], digits=2),
+                _spread(result["ratios_to_fp32_lora"], digits=2, suffix="x"),
                 f"{losses[0]:.3f} -> {losses[-1]:.3f}",
                 f"{result['perplexity_before']:.3f} -> {result['perplexity_after']:.3f}",
             ]
         )
-    columns = ["configuration", "s/step (median)", "vs fp32 LoRA", f"loss 1 -> {len(losses)}", "held-out perplexity"]
+    columns = ["configuration", "s/step", "vs fp32 LoRA (per round)", f"loss 1 -> {len(losses)}", "held-out perplexity"]
     return format_table(columns, rows)
 
 
-def optimizer_table(optimizers: dict[str, Any]) -> str:
+def optimizer_table(optimizers: dict[str, Any], warmup: int) -> str:
     rows = [
-        [name, f"{optimizers[name]['optimizer_state_mib']:.1f}", f"{optimizers[name]['seconds_per_step']:.2f}"]
+        [
+            name,
+            f"{optimizers[name]['optimizer_state_mib']:.1f}",
+            _spread(optimizers[name]["seconds_per_step_all"][warmup:], digits=2),
+        ]
         for name in ("adamw_torch", "adamw_8bit")
     ]
     rows.append(["8-bit / fp32", f"{optimizers['state_ratio']:.3f}x", f"{optimizers['time_ratio']:.2f}x"])
-    return format_table(["full fine-tune optimizer", "state MiB", "s/step (median)"], rows)
+    return format_table(["full fine-tune optimizer", "state MiB", "s/step"], rows)
+
+
+def _load_range(load_average: list[float]) -> str:
+    return f"load average {load_average[0]:.2f} before, {load_average[1]:.2f} after"
 
 
 def acceptance(results: dict[str, Any]) -> list[tuple[bool, str]]:
@@ -506,17 +634,6 @@ def acceptance(results: dict[str, Any]) -> list[tuple[bool, str]]:
         ratios = [n["seconds_per_step"] / f["seconds_per_step"] for n, f in zip(nf4, fp32, strict=True)]
         median_ratio = statistics.median(ratios)
         checks.append((median_ratio <= 1.2, f"recipe NF4 QLoRA {median_ratio:.2f}x fp32 LoRA per step, <= 1.2x"))
-        if "quantlab-loop-nf4" in recipe:
-            loop = recipe["quantlab-loop-nf4"]
-            loop_seconds = statistics.median(r["seconds_per_step"] for r in loop)
-            nf4_seconds = statistics.median(r["seconds_per_step"] for r in nf4)
-            loop_peak = statistics.median(r["peak_training_mib"] for r in loop)
-            nf4_peak = statistics.median(r["peak_training_mib"] for r in nf4)
-            checks.append(
-                (nf4_peak <= 1.05 * loop_peak and nf4_seconds <= 1.1 * loop_seconds,
-                 f"recipe NF4 on transformers.Trainer {nf4_peak:.0f} MiB, {nf4_seconds:.2f} s/step vs quantlab loop "
-                 f"{loop_peak:.0f} MiB, {loop_seconds:.2f} s/step (medians; within 5 % memory, 10 % time)")
-            )  # fmt: skip
     if speed:
         nf4 = speed["quantlab-nf4"]
         checks.append(
@@ -619,19 +736,32 @@ def main() -> None:
         print(recipe_table(results["recipe"]))
         _save(args.json, results)
     if "memory" in phases:
+        load_before = os.getloadavg()[0]
         results["memory"] = run_memory(args.repeats, args.memory_steps, args.allocator)
-        print(f"\nPeak resident memory, {args.repeats} fresh processes each, allocator {args.allocator}:\n")
+        load = _load_range([load_before, os.getloadavg()[0]])
+        print(
+            f"\nPeak resident memory, {args.repeats} fresh processes each, allocator {args.allocator}, "
+            f"median (min-max); {load}:\n"
+        )
         print(memory_table(results["memory"]))
         _save(args.json, results)
     if "speed" in phases:
         results["speed"] = run_speed(args.steps, args.warmup)
-        print(f"\nAlternating steps in one process ({args.steps} each, first {args.warmup} not timed):\n")
-        print(speed_table(results["speed"]))
+        load = _load_range(results["speed"]["fp32-lora"]["load_average"])
+        print(
+            f"\nAlternating steps in one process ({args.steps} each, first {args.warmup} not timed), "
+            f"median (min-max); {load}:\n"
+        )
+        print(speed_table(results["speed"], args.warmup))
         _save(args.json, results)
     if "optimizers" in phases:
         results["optimizers"] = run_optimizers(args.optimizer_steps, args.warmup)
-        print("\nFull fine-tuning of SmolLM2 (no activation checkpointing), alternating steps:\n")
-        print(optimizer_table(results["optimizers"]))
+        load = _load_range(results["optimizers"]["adamw_torch"]["load_average"])
+        print(
+            f"\nFull fine-tuning of SmolLM2 (no activation checkpointing), alternating steps "
+            f"({args.optimizer_steps} each, first {args.warmup} not timed), median (min-max); {load}:\n"
+        )
+        print(optimizer_table(results["optimizers"], args.warmup))
     checks = acceptance(results)
     results["acceptance"] = [{"passed": passed, "check": text} for passed, text in checks]
     print()
