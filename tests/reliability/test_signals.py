@@ -50,8 +50,8 @@ def _run(script: str, *argv: str | os.PathLike, signal_number: int = 0, when: st
 
 
 QUANTIZE_SAVE = """
-import quantlab.cli.quantize as quantize
-quantize.save_checkpoint = signalling(quantize.save_checkpoint)
+import quantlab.saving as saving
+saving.save_checkpoint = signalling(saving.save_checkpoint)
 """
 CHECKPOINT_SAVE = """
 import quantlab.training.checkpoints as checkpoint
