@@ -101,3 +101,57 @@ def test_bad_arguments_are_one_clear_error(arguments, message):
 def test_a_model_that_does_not_generate_is_refused():
     with pytest.raises(ConfigError, match="does not generate text"):
         compile_for_decoding(tiny_bert())
+
+
+def _swap_output_head(model) -> None:
+    """Replace the output head by a new module whose every logit favours token 1."""
+    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    torch.nn.init.zeros_(head.weight)
+    with torch.no_grad():
+        head.bias.zero_()
+        head.bias[1] = 1.0
+    model.lm_head = head
+
+
+@pytest.mark.parametrize("module_guards", [False, True])
+def test_module_guards_decide_whether_a_swapped_module_is_seen(module_guards):
+    """With module guards the step recompiles and decodes with a module replaced after compiling; without
+    them (the fast default) it does not: it runs the graph traced from the old modules, as documented."""
+    model = tiny_llama(seed=5)
+    model.generation_config.pad_token_id = 0
+    torch._dynamo.reset()
+    compile_for_decoding(model, max_cache_len=32, module_guards=module_guards)
+    before = _generate(model, PROMPTS[0], 6)
+    _swap_output_head(model)
+    after = _generate(model, PROMPTS[0], 6)
+    if module_guards:
+        assert torch.equal(after[:, 1:], torch.ones_like(after[:, 1:]))  # the compiled steps use the new head
+    else:  # the graph of the old head (no bias) reads the new head's weight: neither old nor new tokens
+        assert not torch.equal(after[:, 1:], torch.ones_like(after[:, 1:]))
+        assert not torch.equal(after, before)
+
+
+def test_a_compile_mode_combines_with_options_and_the_model_still_saves(tmp_path):
+    model = tiny_llama()
+    config = compile_for_decoding(model, max_cache_len=32, mode="max-autotune-no-cudagraphs").generation_config
+    compile_config = config.compile_config
+    assert compile_config.mode is None and compile_config.options["max_autotune"] is True
+    assert "guard_filter_fn" in compile_config.options
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "generation_config.json").is_file()
+
+
+def test_two_models_of_one_class_in_one_process_each_decode_as_their_eager_selves():
+    """Module guards are off by default, so each model gets a decode step of its own: a quantized model
+    compiled after a float one of the same class must not run the float one's graph."""
+    torch._dynamo.reset()
+    float_model, quantized = tiny_llama(seed=7), tiny_llama(seed=7)
+    quantlab.quantize(quantized, quantlab.CustomBitsConfig(bits=3, group_size=32))
+    for model in (float_model, quantized):
+        model.generation_config.pad_token_id = 0
+    expected = [_generate(model, PROMPTS[1], 8) for model in (float_model, quantized)]
+    for model in (float_model, quantized):
+        compile_for_decoding(model, max_cache_len=32)
+    for model, tokens in zip((float_model, quantized), expected, strict=True):
+        assert torch.equal(_generate(model, PROMPTS[1], 8), tokens)
+    assert not torch.equal(*expected)  # the two models do decode differently

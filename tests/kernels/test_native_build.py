@@ -119,7 +119,7 @@ def test_the_environment_keeps_the_kernels_on_their_own_pool(threads_restored, m
     assert native.thread_pool() == "own"
 
 
-@pytest.mark.parametrize("rows", [1, 15, 16, 64])  # one-row calls stay on the own pool below 16 rows
+@pytest.mark.parametrize("rows", [1, 15, 16, 64])
 def test_both_thread_pools_compute_the_same_result(threads_restored, rows):
     module, x = layer(), torch.randn(rows, 512)
     alone = _gemm(module, x, threads=1)

@@ -16,7 +16,8 @@ the layers run on the reference kernel: slower, never wrong.
 
 Threads: when torch runs on libgomp (its Linux wheels do), the kernels run on torch's own
 OpenMP team instead of a second pool that would compete with it for the cores (pool.c);
-`QUANTLAB_THREAD_POOL=own` keeps them on the library's own pool.
+`QUANTLAB_THREAD_POOL=own` keeps them on the library's own pool, which degrades more gently
+on a machine that other busy processes share (a late thread never stalls a call).
 """
 
 import ctypes

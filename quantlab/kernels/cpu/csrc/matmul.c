@@ -172,10 +172,7 @@ QL_API int ql_gemm(const ql_weight *w, const float *x, int64_t m, int64_t x_stri
     threads = ql_threads(threads, w->n * w->groups * w->group_bytes * (m < 4 ? 1 : m / 4));
     job.per_chunk = threads > 1 ? ql_chunk_features(w->n, threads) : w->n;
     int64_t chunks = (w->n + job.per_chunk - 1) / job.per_chunk;
-    if (m >= QL_TEAM_ROWS)
-        ql_run(ql_gemm_chunk, &job, chunks, threads);
-    else
-        ql_run_own(ql_gemm_chunk, &job, chunks, threads);
+    ql_run(ql_gemm_chunk, &job, chunks, threads);
     free(xp);
     return atomic_load(&job.failed) ? QL_NO_MEMORY : QL_OK;
 }

@@ -8,21 +8,25 @@
 /* ---- threads ----------------------------------------------------------------------------------
  * Two ways to run a job on several threads.
  *
- * `ql_run`, for bulk work (many rows, dequantizing, quantizing): when torch runs on OpenMP
- * (libgomp), `ql_use_openmp` hands over libgomp's GOMP_parallel and the job runs on torch's
- * own OpenMP team. Around such calls torch works on large tensors too, and its team's threads
- * spin between ops; a second pool of ours would fight them for the same cores (2 cores, a
- * 1024-row NF4 forward between two torch ops: 13.1 ms on our pool, 8.7 on torch's team).
+ * `ql_run`, for every call when torch runs on OpenMP (libgomp): `ql_use_openmp` hands over
+ * libgomp's GOMP_parallel and the job runs on torch's own OpenMP team. Around our calls torch
+ * runs ops of its own (norms, attention, the compiled step's kernels) on that team, whose
+ * threads spin between ops; a second pool of ours would fight them for the same cores. Bulk
+ * work showed it first (2 cores, a 1024-row NF4 forward between two torch ops: 13.1 ms on our
+ * pool, 8.7 on torch's team); decoding too: SmolLM2 4-bit, one-row calls on our pool vs on
+ * torch's team, quiet machine, 2 threads, processes alternated: compiled decode step 59 vs 86
+ * tokens/s, eager 55-57 vs 66-70.
  *
- * `ql_run_own`, for latency-bound calls (one row, decoding), and for everything when torch's
- * team is unknown or after a fork (libgomp's threads do not survive one): a pool of our own.
- * A job is cut into chunks that threads claim from one atomic ticket (generation << 32 | next
- * chunk). The calling thread works too and afterwards waits only for chunks a worker has
- * claimed, never for a worker to wake up: on a loaded machine a late worker finds nothing
- * left, and the call runs at one thread's speed instead of stalling for a scheduler time
- * slice, as an OpenMP join does (one row of 576x1536 NF4 beside a busy process: 0.08 ms on
- * this pool, 0.41 ms mean on torch's team, with 8 ms stalls). Idle workers spin for a short
- * while, so the next layer's call finds them awake, then sleep on a condition variable.
+ * `ql_run_own`, when torch's team is unknown, after a fork (libgomp's threads do not survive
+ * one), or with QUANTLAB_THREAD_POOL=own: a pool of our own. A job is cut into chunks that
+ * threads claim from one atomic ticket (generation << 32 | next chunk). The calling thread
+ * works too and afterwards waits only for chunks a worker has claimed, never for a worker to
+ * wake up: on a loaded machine a late worker finds nothing left, and the call runs at one
+ * thread's speed instead of stalling for a scheduler time slice, as an OpenMP join does (one
+ * row of 576x1536 NF4 beside a busy process: 0.08 ms on this pool, 0.41 ms mean on torch's
+ * team, with 8 ms stalls): the choice for a machine shared with other busy processes. Idle
+ * workers spin for a short while, so the next layer's call finds them awake, then sleep on a
+ * condition variable.
  */
 
 #define QL_MAX_WORKERS 63

@@ -23,7 +23,6 @@
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
 #define QL_ABI_VERSION 2
-#define QL_TEAM_ROWS 16  /* from this many rows on, a matmul is bulk work (pool.c) */
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 
 enum { QL_AFFINE = 0, QL_INT8 = 1, QL_NF4 = 2 };
@@ -168,8 +167,8 @@ void ql_dequantize256(const ql_weight *w, int64_t n0, int64_t n1, float *out, in
 
 /* pool.c */
 typedef void (*ql_task)(void *arg, int64_t chunk);
-void ql_run(ql_task task, void *arg, int64_t chunks, int threads);     /* bulk: torch's team if known */
-void ql_run_own(ql_task task, void *arg, int64_t chunks, int threads); /* latency: our own pool */
+void ql_run(ql_task task, void *arg, int64_t chunks, int threads);     /* torch's team if known */
+void ql_run_own(ql_task task, void *arg, int64_t chunks, int threads); /* our own pool */
 int ql_threads(int requested, int64_t work);
 int64_t ql_chunk_features(int64_t n, int threads);
 
