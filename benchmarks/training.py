@@ -69,6 +69,13 @@ LABELS = {
 }
 ALLOCATORS = {"mmap65536": {"MALLOC_MMAP_THRESHOLD_": "65536"}, "default": {}}
 BATCH, SEQ_LEN, RANK = 4, 256, 16
+OLD_LOOP_PEAK_MIB = 1392  # quantlab's own training loop before transformers.Trainer (issue 14)
+
+
+def resident_memory_bytes() -> int:
+    """Resident memory of this process now."""
+    with open("/proc/self/status") as status:
+        return int(status.read().split("VmRSS:")[1].split()[0]) * 1024
 
 
 def peak_memory_bytes() -> int:
@@ -110,8 +117,11 @@ def child_recipe(name: str, steps: int) -> dict[str, Any]:
     """Run in a fresh process: `steps` optimizer steps of one configuration, timed step by step."""
     torch.set_num_threads(2)
     started_load = os.getloadavg()[0]
+    import peft  # noqa: F401  (imported here so that the import figure below includes it)
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
+    after_imports = resident_memory_bytes()
+    heavy_imports = [module for module in ("datasets", "pyarrow", "pandas") if module in sys.modules]
     tokenizer = _tokenizer()
     model = recipe_model(name)
     after_load = peak_memory_bytes()
@@ -133,6 +143,8 @@ def child_recipe(name: str, steps: int) -> dict[str, Any]:
     seconds, losses = timer.seconds, logged_losses(trainer)
     return {
         "configuration": name,
+        "resident_after_imports_mib": after_imports / MIB,
+        "imports_loaded": heavy_imports,
         "peak_after_load_mib": after_load / MIB,
         "peak_training_mib": peak_memory_bytes() / MIB,
         "seconds_per_step": statistics.median(seconds[1:] or seconds),  # the first step warms up
@@ -173,6 +185,7 @@ def recipe_table(runs: dict[str, list[dict[str, Any]]]) -> str:
         rows.append(
             [
                 RECIPE_LABELS[name],
+                _spread([r["resident_after_imports_mib"] for r in results]),
                 _spread([r["peak_after_load_mib"] for r in results]),
                 _spread([r["peak_training_mib"] for r in results]),
                 _spread(memory_ratios, digits=2, suffix="x"),
@@ -183,6 +196,7 @@ def recipe_table(runs: dict[str, list[dict[str, Any]]]) -> str:
         )
     columns = [
         "configuration",
+        "after imports MiB",
         "peak after load MiB",
         "peak training MiB",
         "memory vs fp32",
@@ -190,7 +204,14 @@ def recipe_table(runs: dict[str, list[dict[str, Any]]]) -> str:
         "time vs fp32 (per round)",
         "load average",
     ]
-    return format_table(columns, rows)
+    loaded = sorted({module for results in runs.values() for r in results for module in r["imports_loaded"]})
+    note = (
+        f"\n'after imports': torch, transformers' Trainer and PEFT imported, no model yet; transformers.trainer "
+        f"also imported {', '.join(loaded)} (installed here: TRL needs `datasets`)."
+        if loaded
+        else ""
+    )
+    return format_table(columns, rows) + note
 
 
 # -- building one configuration ---------------------------------------------------------------
@@ -575,6 +596,7 @@ def memory_table(memory: dict[str, list[dict[str, Any]]]) -> str:
         )
     columns = [
         "configuration",
+        "after imports MiB",
         "peak after load MiB",
         "+ first forward MiB",
         "peak training MiB",
@@ -634,6 +656,11 @@ def acceptance(results: dict[str, Any]) -> list[tuple[bool, str]]:
         ratios = [n["seconds_per_step"] / f["seconds_per_step"] for n, f in zip(nf4, fp32, strict=True)]
         median_ratio = statistics.median(ratios)
         checks.append((median_ratio <= 1.2, f"recipe NF4 QLoRA {median_ratio:.2f}x fp32 LoRA per step, <= 1.2x"))
+        imports = statistics.median(r["resident_after_imports_mib"] for r in nf4)
+        checks.append(
+            (worst_nf4 <= OLD_LOOP_PEAK_MIB, f"recipe NF4 QLoRA peak {worst_nf4:.0f} MiB (worst run) <= the old loop's "
+             f"{OLD_LOOP_PEAK_MIB} MiB (issue 14), of which {imports:.0f} MiB resident after imports")
+        )  # fmt: skip
     if speed:
         nf4 = speed["quantlab-nf4"]
         checks.append(
