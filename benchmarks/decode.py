@@ -13,8 +13,9 @@ others; tables print the median and [min-max] over rounds, ratios taken inside e
 - decode tokens/s: (tokens - 1) / (time of `tokens` new tokens - time of 1), greedy: the prompt
   and the first token cancel out.
 - first token: the time of one new token after a `--prompt-tokens` prompt (prefill included).
-- prefill 512: a 512-token prompt processed into the KV cache (eager on both paths: transformers
-  compiles only the one-token steps), tokens/s.
+- prefill 512: a 512-token prompt processed into the KV cache, logits for its last position only (as
+  `generate` and llama.cpp's `eval` do; eager on both paths: transformers compiles only the
+  one-token steps), tokens/s.
 - peak RSS: each candidate alone in a fresh process (load, warm-up, prefill, generation), the
   process's maximum resident memory (`--no-memory` skips it; compiling adds the compiler's share).
 - `--batch-sizes`: aggregate decode tokens/s of B prompts decoded together, through `generate`
@@ -104,8 +105,8 @@ class TorchCandidate:
 
     def prefill_seconds(self, prompt: torch.Tensor) -> float:
         start = time.perf_counter()
-        with torch.no_grad():
-            self.model(prompt, use_cache=True)
+        with torch.no_grad():  # logits of the last position only, as generate's prefill and llama.cpp's eval
+            self.model(prompt, use_cache=True, logits_to_keep=1)
         return time.perf_counter() - start
 
 
