@@ -236,7 +236,7 @@ def run_alone(args, name: str) -> float:
         path = _llama_cpp.quantized_file(name.split()[-1], args.threads)
         candidate = _llama_cpp.LlamaCppModel(path, args.threads, 2 * PREFILL_TOKENS)
     else:
-        method, path = name.split()
+        method, path = name.rsplit(maxsplit=1)  # method names may hold a space ("4bit e8")
         candidate = TorchCandidate(load(method, directory), path, args.prompt_tokens + args.tokens, args.compile_mode)
     candidate.generate(as_input(candidate, prompt), args.tokens)
     candidate.prefill_seconds(as_input(candidate, long_prompt))
