@@ -52,7 +52,7 @@ from quantlab.kernels.cpu import native
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _llama_cpp
-from kernels import Spread, print_table
+from kernel_speed import Spread, print_table
 
 METHODS = {
     "fp32": None,

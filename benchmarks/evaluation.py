@@ -24,7 +24,7 @@ from quantlab.eval.models import smollm2_dir
 from quantlab.eval.perplexity import perplexity
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernels import Spread, print_table
+from kernel_speed import Spread, print_table
 
 METHODS = {
     "4bit": CustomBitsConfig(bits=4, group_size=64),

@@ -1,7 +1,7 @@
 """Quantized Linear kernels on CPU, side by side in one process: milliseconds per call and ratios.
 
-    python benchmarks/kernels.py                      # every shape, rows 1/16/128/512, 5 rounds
-    python benchmarks/kernels.py --shapes 2048x8192 --rows 1 --rounds 9 --json
+    python benchmarks/kernel_speed.py                      # every shape, rows 1/16/128/512, 5 rounds
+    python benchmarks/kernel_speed.py --shapes 2048x8192 --rows 1 --rounds 9 --json
 
 Candidates: torch fp32 `nn.Linear`; quantlab's reference kernel (dequantize then matmul, 4-bit);
 quantlab's layers as users run them (int8 per channel, 4-bit asymmetric and symmetric, 3-bit
