@@ -22,7 +22,9 @@ others; tables print the median and [min-max] over rounds, ratios taken inside e
   (eager, fast: a static cache compiled for each B) and transformers' continuous batching
   (`generate_batch`, paged cache) for the methods in `--batch-methods`.
 
-llama.cpp peers (Q8_0, Q4_0, Q4_K_M made by its own quantize API from the same weights) run when
+onnxruntime runs quantlab's 4-bit g64 export (MatMulNBits) with its own greedy loop when the `onnx`
+extra is installed (`--no-onnx` skips it). llama.cpp peers (Q8_0, Q4_0, Q4_K_M made by its own
+quantize API from the same weights) run when
 llama-cpp-python is installed (`pip install 'quantlab[peers]'`, a long compile); else a note says
 they were skipped. The output head stays fp32 in quantlab's plain methods (transformers keeps tied
 embeddings unquantized); the `e8` methods store the tied table and head in int8 (`embedding_bits=8`),
@@ -36,6 +38,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +113,43 @@ class TorchCandidate:
         return time.perf_counter() - start
 
 
+class OnnxCandidate:
+    """quantlab's 4-bit g64 model exported to ONNX (MatMulNBits, past key values), run by onnxruntime.
+
+    Its greedy loop is `OnnxCausalLM.generate` (numpy around one session run per token); the
+    exported graph returns the logits of every prompt position, so its prefill computes the
+    whole head, as an ONNX user's would. Exported once per run into a temporary folder.
+    """
+
+    NAME = "onnxruntime 4bit"
+
+    def __init__(self, directory: Path, threads: int) -> None:
+        from quantlab.export import OnnxCausalLM, to_onnx
+
+        self._folder = tempfile.TemporaryDirectory(prefix="quantlab-decode-onnx-")
+        path = Path(self._folder.name) / "smollm2-4bit-g64.onnx"
+        to_onnx(load("4bit", directory), path, with_past=True, overwrite=True)
+        self.model = OnnxCausalLM(path, threads=threads)
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            import onnxruntime  # noqa: F401
+
+            from quantlab.export import to_onnx  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def generate(self, prompt: torch.Tensor, tokens: int) -> tuple[float, list[int]]:
+        start = time.perf_counter()
+        out = self.model.generate(prompt, max_new_tokens=tokens)
+        return time.perf_counter() - start, out[0, prompt.shape[1] :].tolist()
+
+    def prefill_seconds(self, prompt: torch.Tensor) -> float:
+        return self.generate(prompt, 1)[0]
+
+
 class ContinuousBatching:
     """transformers' continuous batching (`generate_batch`) over a model's eager forward."""
 
@@ -157,6 +197,11 @@ def build(args, directory: Path, tokenizer) -> dict[str, object]:
         with count_compilations() as counts:
             candidate.generate(torch.arange(100, 100 + args.prompt_tokens)[None], 3)
         print(f"  warm-up {key}: {time.perf_counter() - start:.1f} s, {counts}", flush=True)
+    if args.onnx and OnnxCandidate.available():
+        candidates[OnnxCandidate.NAME] = OnnxCandidate(directory, args.threads)
+        candidates[OnnxCandidate.NAME].generate(torch.arange(100, 100 + args.prompt_tokens)[None], 3)
+    elif args.onnx:
+        print("  note: onnxruntime is not installed, the ONNX candidate skipped (pip install 'quantlab[onnx]')")
     if _llama_cpp.available():
         for quant_type in _llama_cpp.PEER_TYPES:
             path = _llama_cpp.quantized_file(quant_type, args.threads)
@@ -235,6 +280,8 @@ def run_alone(args, name: str) -> float:
     if name.startswith("llama.cpp "):
         path = _llama_cpp.quantized_file(name.split()[-1], args.threads)
         candidate = _llama_cpp.LlamaCppModel(path, args.threads, 2 * PREFILL_TOKENS)
+    elif name == OnnxCandidate.NAME:  # the export's own peak counts too, as the fast path's compile does
+        candidate = OnnxCandidate(directory, args.threads)
     else:
         method, path = name.rsplit(maxsplit=1)  # method names may hold a space ("4bit e8")
         candidate = TorchCandidate(load(method, directory), path, args.prompt_tokens + args.tokens, args.compile_mode)
@@ -302,6 +349,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", nargs="*", type=int, default=[], help="e.g. 1 4 16 64")
     parser.add_argument("--batch-methods", nargs="+", default=["4bit e8"], choices=list(METHODS))
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    parser.add_argument("--no-onnx", dest="onnx", action="store_false", help="skip the onnxruntime 4-bit candidate")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--peak-memory-of", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -327,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     rates = {}
     if args.batch_sizes:
         windows = text[: max(args.batch_sizes) * args.prompt_tokens].view(-1, args.prompt_tokens)
-        models = {name.split()[0]: c.model for name, c in candidates.items() if isinstance(c, TorchCandidate)}
+        models = {
+            name.rsplit(maxsplit=1)[0]: c.model for name, c in candidates.items() if isinstance(c, TorchCandidate)
+        }
         rates = batched_rounds(args, directory, models, windows)
         report_batched(args, rates)
     if args.json:

@@ -24,17 +24,14 @@ from memory (small weights sit in cache and can beat it).
 """
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import statistics
-import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -164,27 +161,14 @@ def bitsandbytes_layers(linear: torch.nn.Linear) -> dict[str, Forward]:
         return {"bnb nf4": nf4.to("cpu"), "bnb int8": int8.to("cpu")}
 
 
-@contextlib.contextmanager
-def without_this_folder_on_path() -> Iterator[None]:
-    """benchmarks/onnx.py would shadow the `onnx` package while this folder leads sys.path."""
-    here = Path(__file__).resolve().parent
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != here]
-    try:
-        yield
-    finally:
-        sys.path[:] = saved
-
-
 def onnxruntime_matmul_nbits(linear: torch.nn.Linear, bits: int, threads: int) -> tuple[Forward | None, int]:
     """A one-node MatMulNBits model (block 64, zero points) quantized by onnxruntime's own tool."""
     try:
         import logging
 
-        with without_this_folder_on_path():
-            import onnxruntime as ort
-            from onnx import TensorProto, helper, numpy_helper
-            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     except ImportError as error:
         warnings.warn(f"onnxruntime MatMulNBits left out: {error}", stacklevel=2)
         return None, 0

@@ -1,7 +1,7 @@
 """ONNX export of SmolLM2-135M: file sizes, fidelity and decoding speed, side by side in one process.
 
-    python benchmarks/onnx.py                          # 4-bit asymmetric, groups of 64
-    python benchmarks/onnx.py --workdir /tmp/onnx-bench --reuse --json report.json
+    python benchmarks/onnx_export.py                          # 4-bit asymmetric, groups of 64
+    python benchmarks/onnx_export.py --workdir /tmp/onnx-bench --reuse --json report.json
 
 Exports SmolLM2 (fp32) and its quantlab 4-bit model to ONNX with past key values, and
 onnxruntime's own `quantize_dynamic` int8 of the fp32 export for comparison. Then:
@@ -19,24 +19,17 @@ onnxruntime's own `quantize_dynamic` int8 of the fp32 export for comparison. The
 Ends with the acceptance checks of issue 6 (4-bit file <= 0.35x fp32, logits within 1e-3,
 perplexity within 0.05, onnxruntime 4-bit decoding >= 3x PyTorch fp32).
 """
-# ruff: noqa: E402  (the import path is fixed before the imports)
-
-import sys
-from pathlib import Path
-
-# This script is named like the `onnx` package: search its own folder last, so that `import onnx`
-# (done by onnxruntime and onnx_ir) finds the package, while `_common` is still found here.
-_HERE = Path(__file__).resolve().parent
-sys.path = [entry for entry in sys.path if Path(entry or ".").resolve() != _HERE] + [str(_HERE)]
 
 import argparse
 import copy
 import math
 import statistics
+import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
