@@ -82,9 +82,10 @@ def fast_decoding_config(
     options: dict[str, Any] | None = None,
     module_guards: bool = False,
 ) -> GenerationConfig:
-    """A copy of `model.generation_config` set up as `compile_for_decoding` does, the model untouched:
-    `model.generate(ids, generation_config=config)` takes the fast path for that call only (the
-    model keeps the compiled step for the next call with this config)."""
+    """A copy of `model.generation_config` set up as `compile_for_decoding` does, the model's own
+    config untouched: `model.generate(ids, generation_config=config)` takes the fast path for that
+    call only. The model keeps the compiled step made for this config; use one such config per model
+    (with a second one, transformers compiles its own step, shared with other models of its class)."""
     _check_can_compile(model, max_cache_len, mode)
     if fullgraph is None:
         fullgraph = _quantized_layers_trace()
