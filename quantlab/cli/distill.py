@@ -141,7 +141,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--student", required=True, metavar="S", help="student model folder (float, sparse, quantized)")
     parser.add_argument("--lora-r", type=int, metavar="R", help="train LoRA adapters of rank R (quantized students)")
     add_distillation_arguments(parser)
-    add_training_flags(parser, "distill")
+    add_training_flags(parser)
     add_eval_arguments(parser, help="measure the student's perplexity before and after", window_flags=False)
     add_output_options(parser)
 

@@ -66,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     lora.add_argument("--merge", choices=("quantized", "float"), help="merge the adapter at the end, and report")
 
-    add_training_flags(parser, "finetune")
+    add_training_flags(parser)
     add_output_options(parser)
 
 

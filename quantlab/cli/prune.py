@@ -89,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--distill-from", metavar="TEACHER", help="recover by distillation from this model (needs --max-steps)"
     )
     add_distillation_arguments(parser)
-    add_training_flags(parser, "prune")
+    add_training_flags(parser)
     add_eval_arguments(parser, help="measure perplexity before and after", window_flags=False)
     add_output_options(parser)
 

@@ -14,13 +14,10 @@ Where a value is: the table's default < the command's default (`COMMAND_DEFAULTS
   `--output-dir`; with a folder, from that checkpoint or that run folder's newest.
 - `--max-seq-length` is the length of a training example; `--eval-seq-len` x `--eval-windows`
   are the evaluation windows.
-
-The spellings of the previous release are kept as hidden aliases that print one deprecation line.
 """
 
 import argparse
 import dataclasses
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -150,80 +147,9 @@ def training_flags() -> list[TrainingFlag]:
     ]  # fmt: skip
 
 
-# Old spelling -> (new flag, how its value maps onto the new flag's dest/value).
-def _same(name: str) -> tuple[str, Callable[[Any], dict[str, Any]]]:
-    return name, lambda value: {name: value}
-
-
-def _precision(value: str) -> dict[str, Any]:
-    return {"bf16": value == "bf16", "fp16": value == "fp16"}
-
-
-def _deprecated(command: str) -> dict[str, tuple[str, Callable[[Any], dict[str, Any]], dict[str, Any]]]:
-    """Old flag -> (new flag name, value mapper, argparse options of the old flag) for `command`."""
-    specs = {spec.name: spec for spec in training_flags()}
-
-    def value(name: str) -> dict[str, Any]:
-        return {"type": specs[name].type, "choices": specs[name].choices}
-
-    switch = {"nargs": 0}
-    renames = {
-        "--output": "output_dir", "--grad-accum": "gradient_accumulation_steps", "--save-every": "save_steps",
-        "--keep-last": "save_total_limit", "--log-every": "logging_steps", "--eval-every": "eval_steps",
-        "--empty-cache-every": "torch_empty_cache_steps", "--lr": "learning_rate", "--schedule": "lr_scheduler_type",
-        "--train-seq-len": "max_seq_length",
-    }  # fmt: skip
-    old: dict[str, tuple[str, Callable[[Any], dict[str, Any]], dict[str, Any]]] = {
-        flag: (*_same(name), value(name)) for flag, name in renames.items()
-    }
-    old["--precision"] = ("bf16/--fp16", _precision, {"choices": ("fp32", "bf16", "fp16")})
-    old["--compile"] = ("torch_compile", lambda _: {"torch_compile": True}, switch)
-    old["--warmup-ratio"] = (*_same("warmup_steps"), {"type": float})
-    old["--resume"] = (
-        "resume_from_checkpoint",
-        lambda v: {"resume_from_checkpoint": v},
-        {"nargs": "?", "const": "latest"},
-    )
-    if command == "finetune":
-        old["--steps"] = (*_same("max_steps"), value("max_steps"))
-        old["--seq-len"] = (*_same("max_seq_length"), value("max_seq_length"))
-    else:
-        old["--seq-len"] = (*_same("eval_seq_len"), value("eval_seq_len"))
-        old["--windows"] = (*_same("eval_windows"), value("eval_windows"))
-        old["--steps" if command == "distill" else "--finetune-steps"] = (*_same("max_steps"), value("max_steps"))
-    return old
-
-
-class _DeprecatedFlag(argparse.Action):
-    """An old spelling: sets what the new flag would, and says once on stderr which flag replaces it."""
-
-    def __init__(self, option_strings, dest, replacement: str, mapper: Callable[[Any], dict[str, Any]], **kwargs):
-        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
-                         **kwargs)  # fmt: skip
-        self.replacement, self.mapper = replacement, mapper
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        new = "--" + self.replacement.replace("_", "-")
-        moved = self.replacement == "output_dir" and parser.prog.split()[-1] != "finetune"
-        where = " (DIR is now the run folder; the model goes to DIR/final)" if moved else ""
-        print(f"quantlab: warning: {option_string} is deprecated and will be removed in the next release; "
-              f"use {new}{where}", file=sys.stderr)  # fmt: skip
-        for dest, value in self.mapper(values).items():
-            setattr(namespace, dest, value)
-
-
-class _RemovedFlag(argparse.Action):
-    def __init__(self, option_strings, dest, message: str, **kwargs):
-        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
-                         **kwargs)  # fmt: skip
-        self.message = message
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(self.message)
-
-
-def add_training_flags(parser: argparse.ArgumentParser, command: str) -> None:
-    """The shared training flags (identical in every training command), then the old spellings, hidden."""
+def add_training_flags(parser: argparse.ArgumentParser) -> None:
+    """The shared training flags, identical in every training command; no abbreviations (one spelling each)."""
+    parser.allow_abbrev = False
     groups: dict[str, argparse._ArgumentGroup] = {}
     for spec in training_flags():
         group = groups.get(spec.group) or groups.setdefault(spec.group, parser.add_argument_group(spec.group))
@@ -246,13 +172,6 @@ def add_training_flags(parser: argparse.ArgumentParser, command: str) -> None:
     passthrough.add_argument(
         "--training-args", metavar="FILE", dest="training_args_file",
         help="TrainingArguments fields from a JSON or YAML file; flags given on the command line win",
-    )  # fmt: skip
-    for old, (replacement, mapper, options) in _deprecated(command).items():
-        parser.add_argument(old, action=_DeprecatedFlag, replacement=replacement, mapper=mapper, **options)
-    parser.add_argument(
-        "--run-dir", action=_RemovedFlag, nargs=1,
-        message="--run-dir is gone: the run's log and checkpoints now live in --output-dir DIR "
-        "(the model in DIR/final)",
     )  # fmt: skip
 
 

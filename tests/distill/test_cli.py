@@ -56,25 +56,13 @@ def test_vocabulary_mismatch_is_a_clear_error(tmp_path, capsys, make_checkpoint)
     assert not (tmp_path / "out").exists()
 
 
-def test_distill_with_last_release_spellings_runs_warns_and_resumes(tmp_path, capsys, make_checkpoint):
-    """The old flags still drive a whole run (one deprecation line each); the run folder resumes in place."""
+def test_distill_run_folder_resumes_in_place(tmp_path, capsys, make_checkpoint):
+    """A run with checkpoints every step; the run folder then resumes from its first checkpoint."""
     teacher, student = make_checkpoint(tmp_path / "teacher", 0), make_checkpoint(tmp_path / "student", 1)
-    old = [
-        "distill",
-        "--teacher",
-        str(teacher),
-        "--student",
-        str(student),
-        "--steps",
-        "2",
-        "--output",
-        str(tmp_path / "out"),
-    ]
-    old += ["--train-seq-len", "32", "--grad-accum", "1", "--save-every", "1", "--precision", "fp32"]
-    code, _, err = _run(capsys, *old)
+    first_run = ["distill", "--teacher", str(teacher), "--student", str(student), "--max-steps", "2"]
+    first_run += ["--output-dir", str(tmp_path / "out"), "--max-seq-length", "32", "--gradient-accumulation-steps", "1"]
+    code, _, err = _run(capsys, *first_run, "--save-steps", "1")
     assert code == 0, err
-    warned = [line.split()[2] for line in err.splitlines() if "is deprecated" in line]
-    assert warned == ["--steps", "--output", "--train-seq-len", "--grad-accum", "--save-every", "--precision"]
     assert (tmp_path / "out" / "final" / "config.json").is_file()
     assert sorted(p.name for p in (tmp_path / "out").glob("*checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert (tmp_path / "out" / "log.jsonl").is_file() and (tmp_path / "out" / "quantlab_report.json").is_file()
@@ -86,6 +74,6 @@ def test_distill_with_last_release_spellings_runs_warns_and_resumes(tmp_path, ca
     first = tmp_path / "out" / "checkpoint-1"
     code, out, err = _run(capsys, *new, "--resume-from-checkpoint", str(first))
     assert code == 0, err
-    assert json.loads(out.strip().splitlines()[-1])["steps"] == 2 and "deprecated" not in err
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 2
     log = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
     assert [record["step"] for record in log if "loss" in record] == [1, 2]  # step 2 retrained once, from step 1

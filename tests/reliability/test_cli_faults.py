@@ -162,7 +162,7 @@ CASES: dict[str, tuple[Callable[[Setup], list[str]], str]] = {
     ),
     "prune --run-dir (removed)": (
         lambda s: _prune(s.llama, s.tmp / "out", "--max-steps", "1", "--run-dir", str(s.tmp / "r")),
-        "--run-dir is gone: the run's log and checkpoints now live in --output-dir",
+        "unrecognized arguments: --run-dir",
     ),
     "prune -o an existing file": (
         lambda s: _prune(s.llama, s.existing("out", "file")),
