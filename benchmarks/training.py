@@ -58,14 +58,12 @@ from transformers import TrainerCallback
 MIB = 1024 * 1024
 
 CONFIGURATIONS = ("fp32-lora", "quantlab-nf4", "quantlab-4bit", "bnb-nf4")
-# Memory only: bitsandbytes through quantlab's preparation, which also returns the checkpoint pages.
-MEMORY_CONFIGURATIONS = (*CONFIGURATIONS, "bnb-nf4-quantlab-prepare")
+MEMORY_CONFIGURATIONS = CONFIGURATIONS
 LABELS = {
     "fp32-lora": "fp32 base + LoRA",
     "quantlab-nf4": "quantlab NF4 (blocksize 64, double quant) + LoRA",
     "quantlab-4bit": "quantlab custom_bits 4-bit (group 64, asymmetric) + LoRA",
     "bnb-nf4": "bitsandbytes NF4 (double quant) + LoRA, PEFT's prepare_model_for_kbit_training",
-    "bnb-nf4-quantlab-prepare": "bitsandbytes NF4 + LoRA, quantlab's prepare_for_kbit_training",
 }
 ALLOCATORS = {"mmap65536": {"MALLOC_MMAP_THRESHOLD_": "65536"}, "default": {}}
 BATCH, SEQ_LEN, RANK = 4, 256, 16
@@ -245,19 +243,16 @@ def load_base(name: str) -> torch.nn.Module:
 
 def lora_model(base: torch.nn.Module, name: str) -> torch.nn.Module:
     from accelerate.utils import set_seed
+    from peft import prepare_model_for_kbit_training
 
-    from quantlab.training import add_lora, enable_activation_checkpointing, prepare_for_kbit_training
+    from quantlab.training import add_lora
 
     if name == "fp32-lora":
         base.requires_grad_(False)
-        enable_activation_checkpointing(base)
-    elif name == "bnb-nf4":  # the usual bitsandbytes recipe, as in notes/baselines.md
-        from peft import prepare_model_for_kbit_training
-
+        base.activation_checkpointing_enable({"use_reentrant": False})
+    else:  # the usual k-bit recipe, as in notes/baselines.md (quantlab's layers are k-bit to PEFT)
         options = {"use_reentrant": False}
         prepare_model_for_kbit_training(base, use_gradient_checkpointing=True, gradient_checkpointing_kwargs=options)
-    else:
-        prepare_for_kbit_training(base, activation_checkpointing=True)
     set_seed(0)
     return add_lora(base, r=RANK, alpha=2 * RANK, dropout=0.05)
 

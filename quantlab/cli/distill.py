@@ -242,7 +242,7 @@ def distill_checkpoints(
     started = time.perf_counter()
     windows = eval_windows(args, data)
     eval_steps = args.eval_steps if windows is not None else 0
-    training_args = training_arguments(args, trainable, console, eval_steps=eval_steps)
+    training_args = training_arguments(args, console, eval_steps=eval_steps)
     trainer = DistillationTrainer(
         trainable, teacher, training_args, data.train, distillation=distillation, eval_windows=windows,
         data_collator=CausalLMCollator.for_tokenizer(tokenizer), save_final=False,
@@ -260,16 +260,16 @@ def distill_checkpoints(
 
 
 def _prepare_student(student: Any, lora_r: int | None, quantized: bool) -> Any:
-    from quantlab.training import add_lora, prepare_for_kbit_training
+    from peft import prepare_model_for_kbit_training
+
+    from quantlab.training import add_lora
 
     student.train()
     if lora_r is None:
         freeze_embeddings(student)
         return student
     if quantized:
-        prepare_for_kbit_training(student)
-    else:
-        student.requires_grad_(False)
+        prepare_model_for_kbit_training(student, use_gradient_checkpointing=False)  # Trainer turns checkpointing on
     return add_lora(student, r=lora_r, alpha=2 * lora_r, dropout=0.0)
 
 

@@ -153,8 +153,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
 def _load_base(folder: Path, cls: type, config: Any, quantization: Any, args: argparse.Namespace):
     """The base model, quantized as asked, prepared for k-bit training when it is quantized."""
     import torch
-
-    from quantlab.training import prepare_for_kbit_training
+    from peft import prepare_model_for_kbit_training
 
     saved_method = quantization_method_of(config)
     if saved_method is not None and (quantization is not None or args.bitsandbytes):
@@ -173,9 +172,7 @@ def _load_base(folder: Path, cls: type, config: Any, quantization: Any, args: ar
         base = saved_method or "float32"
     model = load_model(folder, cls, **options)
     if quantization is not None or args.bitsandbytes or saved_method is not None:
-        prepare_for_kbit_training(model, activation_checkpointing=args.activation_checkpointing)
-    else:
-        model.requires_grad_(False)
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # Trainer turns checkpointing on
     return model, base
 
 
@@ -195,7 +192,7 @@ def _train(
     from transformers import set_seed
 
     from quantlab.training import CausalLMCollator, Trainer, add_lora, read_log, trainable_parameters
-    from quantlab.training.memory import MIB, peak_memory_bytes
+    from quantlab.training.reporting import MIB, peak_memory_bytes
 
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
     alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
@@ -204,7 +201,7 @@ def _train(
     data = training_data(args, tokenizer)
     evaluate = bool(args.eval_windows)
     eval_steps = (args.eval_steps or args.max_steps) if evaluate else 0
-    training_args = training_arguments(args, model, console, eval_steps=eval_steps, eval_on_start=evaluate)
+    training_args = training_arguments(args, console, eval_steps=eval_steps, eval_on_start=evaluate)
     collator = CausalLMCollator.for_tokenizer(tokenizer)
     trainer = Trainer(model, training_args, data.train, eval_windows=data.eval_windows, data_collator=collator)
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)

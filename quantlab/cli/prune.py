@@ -268,7 +268,7 @@ def _recover(
     freeze_embeddings(model)
     started = time.perf_counter()
     windows = eval_windows(args, data)
-    training_args = training_arguments(args, model, console, eval_steps=args.eval_steps if windows is not None else 0)
+    training_args = training_arguments(args, console, eval_steps=args.eval_steps if windows is not None else 0)
     options = {"eval_windows": windows, "data_collator": CausalLMCollator.for_tokenizer(tokenizer), "save_final": False}
     if teacher_source is None:
         callbacks = [KeepMasks()] if masked_layers(model) else []

@@ -234,21 +234,12 @@ def _check_passthrough(chosen: dict[str, Any]) -> None:
             chosen[name] = convert_value(name, value)
 
 
-def training_arguments(args: argparse.Namespace, model: Any, console: Any, **fixed: Any):
-    """`TrainingArguments` of the run from the resolved values; `fixed` (what the command decides) wins.
-
-    `--activation-checkpointing` is turned on here, on `model` (the trained model before any
-    wrapper), rather than by Trainer, which only knows how on a bare transformers model.
-    """
-    from quantlab.training import enable_activation_checkpointing
+def training_arguments(args: argparse.Namespace, console: Any, **fixed: Any):
+    """`TrainingArguments` of the run from the resolved values; `fixed` (what the command decides) wins."""
     from quantlab.training.arguments import training_arguments as build
 
-    given = {name: value for name, value in args.training_values.items() if name not in CLI_ONLY}
-    given = {name: value for name, value in given.items() if value is not None}
-    if given.get("activation_checkpointing"):
-        enable_activation_checkpointing(model)
-    given.update(output_dir=str(args.output_dir), activation_checkpointing=False, disable_tqdm=not console.progress)
-    return build(given, **fixed)
+    given = {name: v for name, v in args.training_values.items() if name not in CLI_ONLY and v is not None}
+    return build({**given, "output_dir": str(args.output_dir), "disable_tqdm": not console.progress}, **fixed)
 
 
 def check_training_values(args: argparse.Namespace, steps_required: bool) -> None:

@@ -1,9 +1,9 @@
 """Training quantized models on `transformers.Trainer`: QLoRA, full fine-tuning, pruning and distillation.
 
-from quantlab.training import Trainer, add_lora, bundled_data, prepare_for_kbit_training, training_arguments
+from quantlab.training import Trainer, add_lora, bundled_data, training_arguments
 
 model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantlab.NF4Config())
-model = add_lora(prepare_for_kbit_training(model), r=16)
+model = add_lora(peft.prepare_model_for_kbit_training(model), r=16)  # PEFT's, knowing quantlab's layers
 data = bundled_data(tokenizer, seq_len=256)
 args = training_arguments({"output_dir": "runs/qlora", "max_steps": 50, "learning_rate": 2e-4})
 Trainer(model, args, data.train, eval_windows=data.eval_windows,
@@ -21,7 +21,6 @@ from quantlab.training.data import (
     read_documents,
 )
 from quantlab.training.evaluation import heldout_perplexity
-from quantlab.training.kbit import enable_activation_checkpointing, prepare_for_kbit_training
 from quantlab.training.lora import add_lora, load_adapter, save_adapter
 from quantlab.training.merge import MergeReport, merge_adapter, merge_to_float, merge_to_quantized
 
@@ -52,7 +51,6 @@ __all__ = [
     "add_lora",
     "bundled_data",
     "causal_lm_data",
-    "enable_activation_checkpointing",
     "heldout_perplexity",
     "latest_checkpoint",
     "list_checkpoints",
@@ -60,7 +58,6 @@ __all__ = [
     "merge_adapter",
     "merge_to_float",
     "merge_to_quantized",
-    "prepare_for_kbit_training",
     "read_documents",
     "read_log",
     "read_training_arguments_file",

@@ -7,15 +7,26 @@ dropped first, so the log of a resumed run reads as that of an uninterrupted one
 """
 
 import json
+import resource
+import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
-from quantlab.training.memory import MIB, peak_memory_bytes
 from quantlab.utils.atomic import atomic_file
 
 LOG_FILE = "log.jsonl"
+MIB = 1 << 20
+
+
+def peak_memory_bytes(device: torch.device | None = None) -> int:
+    """Peak memory of the process so far: the caching allocator's on CUDA, resident memory (`ru_maxrss`) otherwise."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
 class RunLog(TrainerCallback):

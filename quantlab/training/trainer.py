@@ -36,7 +36,6 @@ from quantlab.training import FINAL_DIR
 from quantlab.training import checkpoints as ckpt
 from quantlab.training.data import CausalLMCollator, TokenSequences
 from quantlab.training.evaluation import heldout_perplexity
-from quantlab.training.memory import release_cached_memory
 from quantlab.training.reporting import RunLog
 from quantlab.training.state_files import write_state
 from quantlab.utils.atomic import atomic_directory, is_staging_of_live_process
@@ -73,7 +72,7 @@ class Trainer(transformers.Trainer):
         self.eval_windows, self.save_final = eval_windows, save_final
         if eval_windows is not None and kwargs.get("eval_dataset") is None:
             kwargs["eval_dataset"] = TokenSequences(list(eval_windows))
-        callbacks = [*(callbacks or []), RunLog(Path(args.output_dir)), ReleaseMemory()]
+        callbacks = [*(callbacks or []), RunLog(Path(args.output_dir))]
         super().__init__(
             model=model,
             args=args,
@@ -241,14 +240,6 @@ class Trainer(transformers.Trainer):
             )
         for callback, entry in zip(callbacks, entries, strict=True):
             ckpt.load_into(callback, entry["state"] or {}, checkpoint / "callbacks.json")
-
-
-class ReleaseMemory(transformers.TrainerCallback):
-    """Every `torch_empty_cache_steps` steps, give freed heap pages back on CPU too (Trainer empties GPU caches)."""
-
-    def on_step_end(self, args, state, control, **kwargs) -> None:
-        if args.torch_empty_cache_steps and state.global_step % args.torch_empty_cache_steps == 0:
-            release_cached_memory()
 
 
 def _raise_full_disk(error: Exception, run_dir: Path) -> None:

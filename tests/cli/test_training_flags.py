@@ -16,7 +16,6 @@ from quantlab.cli.training_flags import (
     training_arguments,
     training_flags,
 )
-from quantlab.testing import tiny_llama
 
 BASE = {
     "finetune": ["finetune"],
@@ -97,7 +96,7 @@ def test_old_spellings_are_refused_in_one_line_exit_2(command, old, tmp_path, ca
 def _config(command: str, *extra: str) -> TrainingArguments:
     args = parse([*BASE[command], "-o", "run", "--max-steps", "5", *extra])
     resolve_training_flags(args, command)
-    return training_arguments(args, tiny_llama(), Console(quiet=True))
+    return training_arguments(args, Console(quiet=True))
 
 
 def test_training_arg_passes_fields_through_and_flags_win(tmp_path):

@@ -188,10 +188,12 @@ def test_damaged_untied_head_is_refused(tmp_path):
 
 
 def test_lora_trains_the_projections_while_the_quantized_embedding_stays_frozen():
-    from quantlab.training import add_lora, prepare_for_kbit_training
+    from peft import prepare_model_for_kbit_training
+
+    from quantlab.training import add_lora
 
     model = quantlab.quantize(tiny_llama(tie_word_embeddings=True), quantlab.NF4Config(embedding_bits=8))
-    prepare_for_kbit_training(model, activation_checkpointing=True)
+    prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
     model = add_lora(model, r=4, alpha=8, init_lora_weights=False)
     codes_before = model.base_model.model.model.embed_tokens.weight.clone()
     trainable = [p for p in model.parameters() if p.requires_grad]

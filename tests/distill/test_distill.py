@@ -5,13 +5,14 @@ import json
 
 import pytest
 import torch
+from peft import prepare_model_for_kbit_training
 from transformers import TrainerCallback
 
 import quantlab
 from quantlab.distill import DistillationConfig, distillation_trainer, token_kl
 from quantlab.prune import mask_of, masked_layers, prune
 from quantlab.testing import tiny_llama
-from quantlab.training import TokenSequences, add_lora, prepare_for_kbit_training, training_arguments
+from quantlab.training import TokenSequences, add_lora, training_arguments
 
 
 def _sequences(count: int, seed: int) -> list[torch.Tensor]:
@@ -80,7 +81,7 @@ def test_quantized_teacher_and_quantized_student_with_lora(tmp_path):
     student = copy.deepcopy(float_teacher)
     prune(student, "unstructured", 0.6)
     student = quantlab.quantize(student, quantlab.Int8SymmetricConfig())
-    student = add_lora(prepare_for_kbit_training(student, activation_checkpointing=False), r=4, dropout=0.0)
+    student = add_lora(prepare_model_for_kbit_training(student, use_gradient_checkpointing=False), r=4, dropout=0.0)
     teacher = quantlab.quantize(float_teacher, quantlab.NF4Config(blocksize=32))
     before = _heldout_kl(teacher, student, seed=0)  # on training text: only the adapters move, slowly
     trainer = distillation_trainer(

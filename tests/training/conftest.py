@@ -6,12 +6,13 @@ suite imports test modules with `--import-mode=importlib`, where test modules ca
 
 import pytest
 import torch
+from peft import prepare_model_for_kbit_training
 from transformers import PreTrainedTokenizerFast
 
 from quantlab.convert import quantize
 from quantlab.registry import get_method, list_methods
 from quantlab.testing import byte_tokenizer, tiny_llama
-from quantlab.training import TokenSequences, add_lora, prepare_for_kbit_training, training_arguments
+from quantlab.training import TokenSequences, add_lora, training_arguments
 
 
 def default_configs() -> list:
@@ -33,7 +34,8 @@ def qlora_model(
     model = tiny_llama(seed)
     if config is not None:
         quantize(model, config)
-        prepare_for_kbit_training(model, activation_checkpointing=checkpointing)
+        options = {"use_reentrant": False}  # PEFT's recipe; quantlab's layers are k-bit layers to it
+        prepare_model_for_kbit_training(model, checkpointing, gradient_checkpointing_kwargs=options)
     else:
         model.requires_grad_(False)
     torch.manual_seed(lora_seed)

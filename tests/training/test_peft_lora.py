@@ -175,16 +175,17 @@ def test_registration_is_lazy_and_needs_no_call(imports: str):
 
 def _bnb_4bit_model(tmp_path):
     pytest.importorskip("bitsandbytes")
+    from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from quantlab.testing import tiny_model_dir
-    from quantlab.training import prepare_for_kbit_training
 
     directory = tiny_model_dir(tiny_llama(0), tmp_path / "float")
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
     model = AutoModelForCausalLM.from_pretrained(directory, quantization_config=config, dtype=torch.float32)
     torch.manual_seed(1)
-    return add_lora(prepare_for_kbit_training(model), r=4, alpha=8, dropout=0.0, init_lora_weights=False)
+    model = prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
+    return add_lora(model, r=4, alpha=8, dropout=0.0, init_lora_weights=False)
 
 
 def test_bitsandbytes_4bit_qlora_trains_and_merges_to_float(tmp_path):

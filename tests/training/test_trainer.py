@@ -130,12 +130,3 @@ def test_callbacks_with_state_are_checkpointed(make_qlora, make_data, make_confi
     trainer = Trainer(make_qlora(), make_config(tmp_path, max_steps=3, **options), make_data(), callbacks=[resumed])
     trainer.train(resume_from_checkpoint="latest")
     assert resumed.counted == 3
-
-
-def test_empty_cache_steps_also_release_heap_pages_on_cpu(make_qlora, make_data, make_config, tmp_path, monkeypatch):
-    import quantlab.training.trainer as trainer_module
-
-    calls = []
-    monkeypatch.setattr(trainer_module, "release_cached_memory", lambda: calls.append(1))
-    Trainer(make_qlora(), make_config(tmp_path, max_steps=4, torch_empty_cache_steps=2), make_data()).train()
-    assert len(calls) == 2
