@@ -247,6 +247,14 @@ def load_model(folder: Path, cls: type, **kwargs: Any) -> Any:
     return model.eval()
 
 
+def load_checkpoint(folder: Path, **kwargs: Any) -> Any:
+    """A float, quantized or sparse checkpoint (a sparse one with its pruning masks), in eval mode."""
+    from quantlab.prune import is_sparse_checkpoint, load_sparse
+
+    cls = model_class(read_config(folder))
+    return load_sparse(folder, **kwargs) if is_sparse_checkpoint(folder) else load_model(folder, cls, **kwargs)
+
+
 def load_tokenizer(folder: Path) -> Any | None:
     """The tokenizer saved in `folder`, or None when there is none."""
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):

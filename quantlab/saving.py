@@ -67,6 +67,21 @@ def save_checkpoint(model: Any, tokenizer: Any | None, folder: Path) -> None:
             tokenizer.save_pretrained(folder)
 
 
+def save_model(model: Any, tokenizer: Any | None, output: Path, protect: Iterable[str | os.PathLike] = ()) -> None:
+    """Replace `output` atomically: sparse storage when the model carries pruning masks, else `save_pretrained`.
+
+    `protect`: the input models, which replacing `output` must never delete.
+    """
+    from quantlab.prune import masked_layers, save_sparse
+    from quantlab.utils.atomic import atomic_directory
+
+    if masked_layers(model):
+        save_sparse(model, output, tokenizer=tokenizer, overwrite=True, protect=list(protect))
+        return
+    with atomic_directory(output, overwrite=True, protect=list(protect)) as staging:
+        save_checkpoint(model, tokenizer, staging)
+
+
 def is_quantized(model: Any) -> bool:
     """Whether any layer of `model` holds quantized weights (quantlab's layers or tables)."""
     from quantlab.nn import QuantizedLinear

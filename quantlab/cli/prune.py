@@ -15,42 +15,26 @@ typically), which recovers more than plain fine-tuning.
 """
 
 import argparse
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
-from quantlab.cli.console import Console, add_output_options, disk_size, key_value_table, seconds
-from quantlab.cli.distill import (
-    add_distillation_arguments,
-    data_inputs,
-    distillation_config,
-    eval_windows,
-    freeze_embeddings,
-    is_quantized,
-    last_loss,
-    load_checkpoint,
-    save_model,
-    training_data,
-)
-from quantlab.cli.evaluation import TextSpec, add_eval_arguments, measure_perplexity, read_text
-from quantlab.cli.models import (
-    ModelSource,
-    add_model_argument,
-    float_checkpoint,
-    load_tokenizer,
-    resolve_model,
-    weights_size,
-)
-from quantlab.cli.output import write_report
+from quantlab.cli.console import Console, add_output_options, disk_size, seconds
+from quantlab.cli.distill import add_distillation_arguments, distillation_config
+from quantlab.cli.evaluation import add_eval_arguments, measure_perplexity, read_text
+from quantlab.cli.models import add_model_argument, float_checkpoint, load_tokenizer, resolve_model, weights_size
 from quantlab.cli.training_flags import (
     add_training_flags,
     check_training_values,
+    finish_run,
     prepare_run_folder,
     resolve_training_flags,
     training_arguments,
+    training_data,
 )
 from quantlab.errors import QuantlabError
+from quantlab.loading import load_checkpoint, quantization_method_of, read_config
+from quantlab.saving import save_model
 from quantlab.training import FINAL_DIR
 
 
@@ -94,55 +78,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_output_options(parser)
 
 
-@dataclasses.dataclass
-class PruneReport:
-    model: str
-    output: str
-    pattern: str
-    sparsity: float
-    achieved_sparsity: float
-    layers_pruned: int
-    parameters_before: int
-    parameters_after: int
-    size_before_bytes: int
-    size_after_bytes: int
-    prune_seconds: float
-    linear_weights_stored_ratio: float | None = None
-    head_sparsity: float | None = None
-    finetune_steps: int = 0
-    teacher: str | None = None
-    finetune_loss: float | None = None
-    finetune_seconds: float | None = None
-    perplexity_before: float | None = None
-    perplexity_pruned: float | None = None
-    perplexity_after: float | None = None
-    evaluation_text: str | None = None
-
-    def as_table(self) -> str:
-        sizes = f"{disk_size(self.size_before_bytes)} -> {disk_size(self.size_after_bytes)}"
-        sizes += f" ({self.size_after_bytes / self.size_before_bytes:.2f}x)"
-        if self.linear_weights_stored_ratio is not None:
-            sizes += f"; pruned Linear weights stored at {self.linear_weights_stored_ratio:.3f}x their dense size"
-        rows = [
-            ("pattern", f"{self.pattern}, {self.achieved_sparsity:.1%} removed in {self.layers_pruned} layers"),
-            ("parameters", f"{self.parameters_before:,} -> {self.parameters_after:,}"),
-            ("size on disk", sizes),
-            ("time", f"{seconds(self.prune_seconds)} prune"),
-        ]
-        if self.finetune_steps:
-            how = f"distilled from {self.teacher}" if self.teacher else "fine-tuned"
-            rows.append(
-                ("recovery", f"{how}, {self.finetune_steps} steps, {seconds(self.finetune_seconds)}, "
-                 f"final loss {self.finetune_loss:.4f}")
-            )  # fmt: skip
-        if self.perplexity_before is not None:
-            line = f"{self.perplexity_before:.3f} dense -> {self.perplexity_pruned:.3f} pruned"
-            if self.perplexity_after is not None and self.finetune_steps:
-                line += f" -> {self.perplexity_after:.3f} recovered"
-            rows.append(("perplexity", f"{line} on {self.evaluation_text}"))
-        return key_value_table(f"pruned {self.model} -> {self.output}", rows)
-
-
 def run(args: argparse.Namespace) -> int:
     from quantlab.prune import parse_pattern
     from quantlab.prune.patterns import check_sparsity, resolve_sparsity
@@ -162,70 +97,40 @@ def run(args: argparse.Namespace) -> int:
     check_training_values(args, steps_required=False)
     if args.distill_from and not args.max_steps:
         raise QuantlabError("--distill-from trains the pruned model from a teacher: give --max-steps N too")
-    distillation = distillation_config(args) if args.distill_from else None
     output = Path(args.output_dir).expanduser()
     text = read_text(args, seq_len=args.eval_seq_len, windows=args.eval_windows) if args.eval else None
     if args.model is None:
         console.note("using the embedded SmolLM2-135M-Instruct (converted into the cache on first use)")
     source = resolve_model(args.model)
     teacher = resolve_model(args.distill_from) if args.distill_from else None
-    prepare_run_folder(output, args, [source.path, *([teacher.path] if teacher else []), *data_inputs(args)])
+    inputs = [source.path, *([teacher.path] if teacher else [])]
+    prepare_run_folder(output, args, inputs)
     with float_checkpoint(source, scratch=output.parent, progress=console.progress) as folder:
-        report = prune_checkpoint(args, source, folder, pattern, sparsity, output, teacher, distillation, text, console)
-    console.report(report.as_table(), {"command": "prune", **dataclasses.asdict(report)})
-    return 0
-
-
-def prune_checkpoint(
-    args: argparse.Namespace,
-    source: ModelSource,
-    folder: Path,
-    pattern: Any,
-    sparsity: float,
-    output: Path,
-    teacher_source: ModelSource | None,
-    distillation: Any,
-    text: TextSpec | None,
-    console: Console,
-) -> PruneReport:
-    if is_quantized(folder):
-        raise QuantlabError(f"{source} is quantized; prune its float original, then quantize the pruned model")
-    tokenizer = load_tokenizer(folder)
-    if (text is not None or args.max_steps) and tokenizer is None:
-        raise QuantlabError(f"{source} has no tokenizer, which --eval and --max-steps need")
-    model = load_checkpoint(folder)
-    parameters_before = sum(p.numel() for p in model.parameters())
-    report_eval: dict[str, Any] = {}
-    if text is not None:
-        console.note(f"measuring perplexity on {text.describe()}")
-        report_eval["perplexity_before"] = measure_perplexity(model, tokenizer, text, console)
-    console.note(f"pruning {source}: {pattern}")
-    started = time.perf_counter()
-    achieved, layers = _prune(model, pattern, sparsity, args, tokenizer)
-    report = PruneReport(
-        model=str(source), output=str(output / FINAL_DIR),
-        pattern=str(pattern), sparsity=sparsity, achieved_sparsity=achieved,
-        layers_pruned=layers, parameters_before=parameters_before,
-        parameters_after=sum(p.numel() for p in model.parameters()), size_before_bytes=weights_size(source.path),
-        size_after_bytes=0, prune_seconds=time.perf_counter() - started,
-        head_sparsity=args.head_sparsity if pattern.kind == "structured" else None, **report_eval,
-    )  # fmt: skip
-    if text is not None:
-        report.perplexity_pruned = measure_perplexity(model, tokenizer, text, console)
-        report.evaluation_text = text.describe()
-    if args.max_steps:
-        _recover(args, model, tokenizer, teacher_source, distillation, output, report, console)
+        if quantization_method_of(read_config(folder)) is not None:
+            raise QuantlabError(f"{source} is quantized; prune its float original, then quantize the pruned model")
+        tokenizer = load_tokenizer(folder)
+        if (text is not None or args.max_steps) and tokenizer is None:
+            raise QuantlabError(f"{source} has no tokenizer, which --eval and --max-steps need")
+        model = load_checkpoint(folder)
+        report: dict[str, Any] = {"command": "prune", "model": str(source), "output": str(output / FINAL_DIR)}
+        report |= {"pattern": str(pattern), "sparsity": sparsity, "teacher": None, "finetune_steps": 0}
+        report["parameters_before"] = sum(p.numel() for p in model.parameters())
+        perplexity = [measure_perplexity(model, tokenizer, text, console)] if text is not None else []
+        console.note(f"pruning {source}: {pattern}")
+        started = time.perf_counter()
+        report["achieved_sparsity"], report["layers_pruned"] = _prune(model, pattern, sparsity, args, tokenizer)
+        report["prune_seconds"] = time.perf_counter() - started
+        report["parameters_after"] = sum(p.numel() for p in model.parameters())
+        report["head_sparsity"] = args.head_sparsity if pattern.kind == "structured" else None
         if text is not None:
-            report.perplexity_after = measure_perplexity(model, tokenizer, text, console)
-    inputs = [source.path, *([teacher_source.path] if teacher_source else [])]
-    save_model(model, tokenizer, output / FINAL_DIR, protect=inputs)
-    report.size_after_bytes = weights_size(output / FINAL_DIR)
-    if pattern.kind != "structured":
-        from quantlab.prune import sparse_storage
-
-        report.linear_weights_stored_ratio = sparse_storage(output / FINAL_DIR).ratio()
-    write_report(output, dataclasses.asdict(report))
-    return report
+            perplexity.append(measure_perplexity(model, tokenizer, text, console))
+        if args.max_steps:
+            _recover(args, model, tokenizer, teacher, output, report, console)
+            if text is not None:
+                perplexity.append(measure_perplexity(model, tokenizer, text, console))
+        save_model(model, tokenizer, output / FINAL_DIR, protect=inputs)
+    _report(args, report, source, pattern, output, text, perplexity, console)
+    return 0
 
 
 def _prune(model: Any, pattern: Any, sparsity: float, args: argparse.Namespace, tokenizer: Any) -> tuple[float, int]:
@@ -235,39 +140,26 @@ def _prune(model: Any, pattern: Any, sparsity: float, args: argparse.Namespace, 
     if pattern.kind != "structured":
         result = prune(model, pattern, sparsity, scope=args.scope)
         return result.achieved_sparsity, len(result.layers)
-    calibration = _calibration_batches(args, tokenizer) if args.calibration_samples > 0 else None
+    calibration = None
+    if args.calibration_samples > 0 and tokenizer is not None:  # the first training examples, one per batch
+        examples = training_data(args, tokenizer).train
+        count = min(args.calibration_samples, len(examples))
+        calibration = [{"input_ids": examples[i]["input_ids"].unsqueeze(0)} for i in range(count)]
     result = prune_structured(model, mlp_sparsity=sparsity, head_sparsity=args.head_sparsity, calibration=calibration)
     return result.neuron_sparsity, model.config.num_hidden_layers
 
 
-def _calibration_batches(args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any]]:
-    """The first training examples (never the evaluation windows), one per batch."""
-    if tokenizer is None:
-        return None
-    examples = training_data(args, tokenizer).train
-    count = min(args.calibration_samples, len(examples))
-    return [{"input_ids": examples[i]["input_ids"].unsqueeze(0)} for i in range(count)]
-
-
-def _recover(
-    args: argparse.Namespace,
-    model: Any,
-    tokenizer: Any,
-    teacher_source: ModelSource | None,
-    distillation: Any,
-    output: Path,
-    report: PruneReport,
-    console: Console,
-) -> None:
-    from quantlab.distill import DistillationTrainer
+def _recover(args, model: Any, tokenizer: Any, teacher_source: Any, output: Path, report: dict, console) -> None:
+    """Train the pruned model (masks held) for `--max-steps`, or distill it from `--distill-from`."""
+    from quantlab.distill import DistillationTrainer, freeze_embeddings
     from quantlab.prune import KeepMasks, masked_layers
-    from quantlab.training import CausalLMCollator, Trainer
+    from quantlab.training import CausalLMCollator, Trainer, read_log
 
     data = training_data(args, tokenizer)
     model.train()
     freeze_embeddings(model)
     started = time.perf_counter()
-    windows = eval_windows(args, data)
+    windows = data.eval_windows if args.eval_steps and args.eval_windows else None
     training_args = training_arguments(args, console, eval_steps=args.eval_steps if windows is not None else 0)
     options = {"eval_windows": windows, "data_collator": CausalLMCollator.for_tokenizer(tokenizer), "save_final": False}
     if teacher_source is None:
@@ -275,16 +167,44 @@ def _recover(
         trainer = Trainer(model, training_args, data.train, callbacks=callbacks, **options)
     else:
         with float_checkpoint(teacher_source, scratch=output.parent, progress=console.progress) as teacher_dir:
-            teacher = load_checkpoint(teacher_dir)
-            teacher_tokenizer = load_tokenizer(teacher_dir)
+            teacher, teacher_tokenizer = load_checkpoint(teacher_dir), load_tokenizer(teacher_dir)
         console.note(f"distilling from {teacher_source} for {args.max_steps} steps")
         trainer = DistillationTrainer(
-            model, teacher, training_args, data.train, distillation=distillation,
+            model, teacher, training_args, data.train, distillation=distillation_config(args),
             teacher_tokenizer=teacher_tokenizer, student_tokenizer=tokenizer, **options,
         )  # fmt: skip
-        report.teacher = str(teacher_source)
+        report["teacher"] = str(teacher_source)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     model.eval()
-    report.finetune_steps = args.max_steps
-    report.finetune_loss = last_loss(output)
-    report.finetune_seconds = time.perf_counter() - started
+    losses = [r["loss"] for r in read_log(output) if "loss" in r]
+    report |= {"finetune_steps": args.max_steps, "finetune_loss": losses[-1] if losses else None}
+    report["finetune_seconds"] = time.perf_counter() - started
+
+
+def _report(args, report: dict, source, pattern, output: Path, text, perplexity: list[float], console) -> None:
+    from quantlab.prune import sparse_storage
+
+    before, after = weights_size(source.path), weights_size(output / FINAL_DIR)
+    stored = sparse_storage(output / FINAL_DIR).ratio() if pattern.kind != "structured" else None
+    report |= {"size_before_bytes": before, "size_after_bytes": after, "linear_weights_stored_ratio": stored}
+    names = ("perplexity_before", "perplexity_pruned", "perplexity_after")
+    report |= dict(zip(names, [*perplexity, None, None, None], strict=False))
+    report["evaluation_text"] = text.describe() if text is not None else None
+    sizes = f"{disk_size(before)} -> {disk_size(after)} ({after / before:.2f}x)"
+    if stored is not None:
+        sizes += f"; pruned Linear weights stored at {stored:.3f}x their dense size"
+    rows = [
+        ("pattern", f"{pattern}, {report['achieved_sparsity']:.1%} removed in {report['layers_pruned']} layers"),
+        ("parameters", f"{report['parameters_before']:,} -> {report['parameters_after']:,}"),
+        ("size on disk", sizes),
+        ("time", f"{seconds(report['prune_seconds'])} prune"),
+    ]
+    if report["finetune_steps"]:
+        how = f"distilled from {report['teacher']}" if report["teacher"] else "fine-tuned"
+        rows.append(("recovery", f"{how}, {report['finetune_steps']} steps, {seconds(report['finetune_seconds'])}, "
+                     f"final loss {report['finetune_loss']:.4f}"))  # fmt: skip
+    if perplexity:
+        labels = ("dense", "pruned", "recovered")
+        line = " -> ".join(f"{value:.3f} {label}" for value, label in zip(perplexity, labels, strict=False))
+        rows.append(("perplexity", f"{line} on {report['evaluation_text']}"))
+    finish_run(console, output, f"pruned {report['model']} -> {report['output']}", rows, report)

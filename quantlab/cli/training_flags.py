@@ -262,12 +262,14 @@ def check_training_values(args: argparse.Namespace, steps_required: bool) -> Non
 def prepare_run_folder(output: Path, args: argparse.Namespace, inputs: list[Path]) -> None:
     """The run folder: continued with --resume-from-checkpoint, replaced with --overwrite, else it must be new.
 
-    `inputs` (the models and data read) are never deleted by `--overwrite`.
+    `inputs` (the models read) and the `--data` file are never deleted by `--overwrite`.
     """
     import os
     import shutil
 
     from quantlab.utils.atomic import OutputExistsError, check_replaceable, make_staging
+
+    inputs = [*inputs, *([Path(args.data).expanduser()] if args.data else [])]
 
     for path in inputs:
         if output.resolve() == Path(path).resolve():
@@ -286,3 +288,25 @@ def prepare_run_folder(output: Path, args: argparse.Namespace, inputs: list[Path
         retired = make_staging(output.parent, output.name, "old")
         os.replace(output, retired / output.name)
         shutil.rmtree(retired, ignore_errors=True)
+
+
+# -- what the commands share around a run -------------------------------------------------------------------
+
+
+def training_data(args: argparse.Namespace, tokenizer: Any):
+    """Training examples and the held-out windows (`--eval-windows` x `--eval-seq-len`) kept out of them."""
+    from quantlab.training import causal_lm_data, read_documents
+
+    if tokenizer is None:
+        raise QuantlabError("training needs the model's tokenizer, and the model folder has none")
+    documents = read_documents(Path(args.data).expanduser(), text_field=args.text_field) if args.data else None
+    return causal_lm_data(tokenizer, documents, args.max_seq_length, args.eval_windows, args.eval_seq_len)
+
+
+def finish_run(console: Any, output: Path, title: str, rows: list[tuple[str, str]], report: dict[str, Any]) -> None:
+    """The run's report as JSON in the run folder, and as a table (or one JSON line with --json) on stdout."""
+    from quantlab.cli.console import key_value_table
+    from quantlab.cli.output import write_report
+
+    write_report(output, report)
+    console.report(key_value_table(title, rows), report)

@@ -16,6 +16,7 @@ from quantlab.distill.compat import VocabularyMismatchError, check_vocabularies,
 from quantlab.distill.config import DistillationConfig
 from quantlab.distill.hidden import HiddenStateProjection, hidden_state_error
 from quantlab.distill.loss import DistillationLoss, token_kl
+from quantlab.distill.student import finished_student, freeze_embeddings, trainable_student
 from quantlab.distill.trainer import DistillationModel, DistillationTrainer, distillation_trainer
 
 __all__ = [
@@ -27,7 +28,10 @@ __all__ = [
     "VocabularyMismatchError",
     "check_vocabularies",
     "distillation_trainer",
+    "finished_student",
+    "freeze_embeddings",
     "hidden_state_error",
     "token_kl",
+    "trainable_student",
     "vocabulary_size",
 ]

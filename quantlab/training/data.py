@@ -112,12 +112,14 @@ def read_documents(path: str | os.PathLike, text_field: str = "text") -> list[st
 
 def causal_lm_data(
     tokenizer: Any,
-    documents: list[str],
+    documents: list[str] | None = None,
     seq_len: int = 256,
     eval_windows: int = 16,
     eval_seq_len: int = 512,
 ) -> CausalLMData:
     """Held-out windows from the start of the token stream, training examples from the rest.
+
+    `documents` None: the WikiText-2 slice shipped with quantlab, whose windows are the harness's.
 
     One document (a text file) is tokenized whole, as the perplexity harness does, and cut
     into examples of `seq_len`. Several documents (JSONL) are tokenized one by one, each
@@ -126,6 +128,10 @@ def causal_lm_data(
     """
     if seq_len < 2:
         raise QuantlabError(f"seq_len={seq_len} must be at least 2")
+    if documents is None:
+        from quantlab.eval.data import bundled_text
+
+        documents = [bundled_text()]
     held_out = eval_windows * eval_seq_len
     if len(documents) == 1:
         ids = _token_ids(tokenizer, documents[0])
@@ -148,9 +154,7 @@ def causal_lm_data(
 
 def bundled_data(tokenizer: Any, seq_len: int = 256, eval_windows: int = 16, eval_seq_len: int = 512) -> CausalLMData:
     """The WikiText-2 slice shipped with quantlab: the harness's windows held out, the rest to train on."""
-    from quantlab.eval.data import bundled_text
-
-    return causal_lm_data(tokenizer, [bundled_text()], seq_len, eval_windows, eval_seq_len)
+    return causal_lm_data(tokenizer, None, seq_len, eval_windows, eval_seq_len)
 
 
 def _token_ids(tokenizer: Any, text: str) -> list[int]:
