@@ -29,29 +29,13 @@ SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant
 
 # Defaults that differ by command: LoRA (finetune) wants a larger learning rate than full-weight recovery.
 COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
-    "finetune": {
-        "learning_rate": 2e-4,
-        "lr_scheduler_type": "linear",
-        "warmup_steps": 0,
-        "activation_checkpointing": True,
-        "eval_windows": 4,
-    },
-    "prune": {
-        "learning_rate": 5e-5,
-        "lr_scheduler_type": "cosine",
-        "warmup_steps": 0.05,
-        "activation_checkpointing": False,
-        "eval_windows": 16,
-        "max_steps": 0,
-    },
-    "distill": {
-        "learning_rate": 1e-4,
-        "lr_scheduler_type": "cosine",
-        "warmup_steps": 0.05,
-        "activation_checkpointing": False,
-        "eval_windows": 16,
-    },
-}
+    "finetune": {"learning_rate": 2e-4, "lr_scheduler_type": "linear", "warmup_steps": 0,
+                 "activation_checkpointing": True, "eval_windows": 4},
+    "prune": {"learning_rate": 5e-5, "lr_scheduler_type": "cosine", "warmup_steps": 0.05,
+              "activation_checkpointing": False, "eval_windows": 16, "max_steps": 0},
+    "distill": {"learning_rate": 1e-4, "lr_scheduler_type": "cosine", "warmup_steps": 0.05,
+                "activation_checkpointing": False, "eval_windows": 16},
+}  # fmt: skip
 # Names the CLI itself uses; they are not TrainingArguments fields.
 CLI_ONLY = ("max_seq_length", "eval_windows", "eval_seq_len", "data", "text_field", "overwrite")
 
@@ -76,22 +60,15 @@ class TrainingFlag:
         return "--" + self.name.replace("_", "-")
 
     def default_text(self) -> str:
-        per_command = [
-            f"{_shown(COMMAND_DEFAULTS[command][self.name])} {command}"
-            for command in TRAINING_COMMANDS
-            if self.name in COMMAND_DEFAULTS[command]
-        ]
-        if self.shown_default is not None:
-            return self.shown_default
-        if per_command:
-            return ", ".join(per_command)
+        def shown(value: Any) -> str:
+            if isinstance(value, bool):
+                return "on" if value else "off"
+            return f"{value:g}" if isinstance(value, float) else str(value)
+
+        defaults = [f"{shown(d[self.name])} {c}" for c, d in COMMAND_DEFAULTS.items() if self.name in d]
+        if self.shown_default is not None or defaults:
+            return self.shown_default or ", ".join(defaults)
         return "off" if self.default in (None, False, 0) and self.kind != "value" else str(self.default)
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _steps_or_fraction(text: str) -> int | float:

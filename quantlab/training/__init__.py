@@ -21,7 +21,7 @@ from quantlab.training.data import (
     read_documents,
 )
 from quantlab.training.evaluation import heldout_perplexity
-from quantlab.training.lora import add_lora, load_adapter, save_adapter
+from quantlab.training.lora import add_lora
 from quantlab.training.merge import MergeReport, merge_adapter, merge_to_float, merge_to_quantized
 
 FINAL_DIR = "final"  # where a run's trained model goes, inside output_dir
@@ -54,14 +54,12 @@ __all__ = [
     "heldout_perplexity",
     "latest_checkpoint",
     "list_checkpoints",
-    "load_adapter",
     "merge_adapter",
     "merge_to_float",
     "merge_to_quantized",
     "read_documents",
     "read_log",
     "read_training_arguments_file",
-    "save_adapter",
     "trainable_parameters",
     "training_arguments",
 ]

@@ -16,7 +16,7 @@ def heldout_perplexity(model: nn.Module, windows: torch.Tensor, accelerator=None
     """Perplexity of `model` on `windows` (token ids `[windows, seq_len]`), in eval mode, without gradients."""
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
-    device = accelerator.device if accelerator is not None else _device_of(model)
+    device = accelerator.device if accelerator is not None else next(model.parameters()).device
     predicted = windows.shape[1] - 1
     total = torch.zeros(2, dtype=torch.float64, device=device)  # summed token loss, windows scored
     was_training = model.training
@@ -32,9 +32,3 @@ def heldout_perplexity(model: nn.Module, windows: torch.Tensor, accelerator=None
     if world > 1:
         total = accelerator.reduce(total, reduction="sum")
     return math.exp(float(total[0]) / (float(total[1]) * predicted))
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    return torch.device("cpu")

@@ -3,11 +3,9 @@
 PEFT knows quantlab's quantized layers out of the box (`quantlab.integrations.peft`: its LoRA
 layer, and `target_modules="all-linear"` selecting them, the output head left out), so this is
 `get_peft_model(model, LoraConfig(...))` with a causal-LM task, plus a check PEFT lacks (every
-target name given must match a layer); saving is atomic, reloading checks the folder holds an adapter.
+target name given must match a layer). Save and reload with PEFT: `model.save_pretrained(folder)`,
+`PeftModel.from_pretrained(base, folder)` (the base quantized as it was for training).
 """
-
-import os
-from pathlib import Path
 
 from torch import nn
 
@@ -48,23 +46,3 @@ def _check_targets(model: nn.Module, target_modules: str | list[str]) -> None:
                 f"LoRA target module {target!r} matches no Linear layer of {type(model).__name__}; its Linear "
                 f"layers are named {', '.join(linear)} (or pass 'all-linear')"
             )
-
-
-def save_adapter(model: nn.Module, directory: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Write the adapter weights and config (PEFT's format) atomically."""
-    from quantlab.utils.atomic import atomic_directory
-
-    directory = Path(directory)
-    with atomic_directory(directory, overwrite=overwrite) as staging:
-        model.save_pretrained(staging)
-    return directory
-
-
-def load_adapter(base_model: nn.Module, directory: str | os.PathLike, trainable: bool = False) -> nn.Module:
-    """A saved adapter on `base_model` (the same base, quantized the same way, it was trained on)."""
-    from peft import PeftModel
-
-    directory = Path(directory)
-    if not (directory / "adapter_config.json").is_file():
-        raise QuantlabError(f"{directory} holds no adapter (adapter_config.json is missing)")
-    return PeftModel.from_pretrained(base_model, directory, is_trainable=trainable)

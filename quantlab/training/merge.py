@@ -159,15 +159,9 @@ def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     model.eval()
     try:
         with torch.inference_mode():
-            return model(input_ids=input_ids.to(_device_of(model))).logits.float().cpu()
+            return model(input_ids=input_ids.to(next(model.parameters()).device)).logits.float().cpu()
     finally:
         model.train(was_training)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    return torch.device("cpu")
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -14,7 +14,7 @@ from quantlab.integrations.peft_lora import QuantizedLoraLinear
 from quantlab.nn import QuantizedLinear
 from quantlab.registry import get_method, list_methods
 from quantlab.testing import tiny_llama
-from quantlab.training import add_lora, load_adapter, merge_to_float, merge_to_quantized, save_adapter
+from quantlab.training import add_lora, merge_to_float, merge_to_quantized
 
 CONFIGS = [get_method(name).config_class() for name in list_methods()]
 IDS = [config.method for config in CONFIGS]
@@ -82,10 +82,10 @@ def test_adapter_saves_and_reloads(config: QuantlabConfig, make_qlora, tmp_path)
     model = make_qlora(config)
     x = _input()
     expected = _logits(model, x)
-    save_adapter(model, tmp_path / "adapter")
+    model.save_pretrained(tmp_path / "adapter")
     base = tiny_llama(0)
     quantize(base, config)
-    reloaded = load_adapter(base, tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
     assert isinstance(reloaded, PeftModel)
     assert torch.equal(_logits(reloaded, x), expected)
 
