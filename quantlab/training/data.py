@@ -40,9 +40,6 @@ class TokenSequences(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.sequences[index]}
 
-    def num_tokens(self) -> int:
-        return sum(len(s) for s in self.sequences)
-
     def fingerprint(self) -> str:
         """A hash of every example, so a resumed run can check that it reads the same data."""
         digest = hashlib.sha256()

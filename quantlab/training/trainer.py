@@ -223,13 +223,10 @@ class Trainer(transformers.Trainer):
             ckpt.restore_rng(ckpt.read_checked_state(Path(checkpoint), name), Path(checkpoint) / f"{name}.json")
 
     def _load_stateful_callbacks(self, checkpoint: Path) -> None:
-        saved = ckpt.read_checked_state(checkpoint, "callbacks")
+        entries = ckpt.read_checked_state(checkpoint, "callbacks")
         callbacks = self._stateful_callbacks()
         names = [type(c).__name__ for c in callbacks]
-        entries = (
-            saved if isinstance(saved, list) and all(isinstance(e, dict) and "state" in e for e in saved) else None
-        )
-        if entries is None:
+        if not (isinstance(entries, list) and all(isinstance(e, dict) and "state" in e for e in entries)):
             raise ckpt.ResumeError(f"{checkpoint / 'callbacks.json'} does not hold callback states; resume from "
                                    f"another checkpoint or start a new run")  # fmt: skip
         found = [entry.get("callback") for entry in entries]
