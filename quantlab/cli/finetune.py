@@ -188,4 +188,4 @@ def _merge(model: Any, tokenizer: Any, output: Path, args: argparse.Namespace, c
     windows = max(args.eval_windows, 1)
     merged, report = merge_adapter(model, tokenizer, text, mode=args.merge, seq_len=args.eval_seq_len, windows=windows)
     save_model(merged, tokenizer, output / "merged")
-    return {**report.to_dict(), "path": str(output / "merged")}
+    return {**report, "path": str(output / "merged")}

@@ -22,7 +22,7 @@ from quantlab.training.data import (
 )
 from quantlab.training.evaluation import heldout_perplexity
 from quantlab.training.lora import add_lora
-from quantlab.training.merge import MergeReport, merge_adapter, merge_to_float, merge_to_quantized
+from quantlab.training.merge import merge_adapter, merge_to_float, merge_to_quantized
 
 FINAL_DIR = "final"  # where a run's trained model goes, inside output_dir
 
@@ -44,7 +44,6 @@ __all__ = [
     "FINAL_DIR",
     "CausalLMCollator",
     "CausalLMData",
-    "MergeReport",
     "ResumeError",
     "TokenSequences",
     "Trainer",
