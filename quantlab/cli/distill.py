@@ -16,7 +16,6 @@ from quantlab.cli.evaluation import add_eval_arguments, measure_perplexity, read
 from quantlab.cli.models import float_checkpoint, load_tokenizer, quantization_method_of, read_config, resolve_model
 from quantlab.cli.training_flags import (
     add_training_flags,
-    check_training_values,
     finish_run,
     prepare_run_folder,
     resolve_training_flags,
@@ -63,14 +62,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     console = Console.from_args(args)
     resolve_training_flags(args, "distill")
-    check_training_values(args, steps_required=True)
     distillation = distillation_config(args)
     if args.lora_r is not None and args.lora_r < 1:
         raise QuantlabError("--lora-r must be at least 1")
-    output = Path(args.output_dir).expanduser()
     text = read_text(args, seq_len=args.eval_seq_len, windows=args.eval_windows) if args.eval else None
     teacher_source, student_source = resolve_model(args.teacher), resolve_model(args.student)
-    prepare_run_folder(output, args, [teacher_source.path, student_source.path])
+    output = prepare_run_folder(args, [teacher_source.path, student_source.path])
     with (
         float_checkpoint(teacher_source, scratch=output.parent, progress=console.progress) as teacher_folder,
         float_checkpoint(student_source, scratch=output.parent, progress=console.progress) as student_folder,

@@ -29,7 +29,6 @@ from quantlab.cli.models import (
 from quantlab.cli.options import add_method_argument, config_from_args
 from quantlab.cli.training_flags import (
     add_training_flags,
-    check_training_values,
     finish_run,
     prepare_run_folder,
     resolve_training_flags,
@@ -64,15 +63,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     console = Console.from_args(args)
     resolve_training_flags(args, "finetune")
-    check_training_values(args, steps_required=True)
     if args.lora_r < 1:
         raise QuantlabError("--lora-r must be at least 1")
     if args.method and args.bitsandbytes:
         raise QuantlabError("--method quantizes with quantlab, --bitsandbytes with bitsandbytes: pass one of them")
     quantization = config_from_args(args) if args.method else None
-    output = Path(args.output_dir).expanduser()
     source = resolve_model(args.model)
-    prepare_run_folder(output, args, [source.path])
+    output = prepare_run_folder(args, [source.path])
     with float_checkpoint(source, scratch=output.parent, progress=console.progress) as folder:
         model, tokenizer, base = _load_base(folder, source, quantization, args)
         _train(model, tokenizer, base, str(source), output, args, console)

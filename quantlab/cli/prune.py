@@ -25,7 +25,6 @@ from quantlab.cli.evaluation import add_eval_arguments, measure_perplexity, read
 from quantlab.cli.models import add_model_argument, float_checkpoint, load_tokenizer, resolve_model, weights_size
 from quantlab.cli.training_flags import (
     add_training_flags,
-    check_training_values,
     finish_run,
     prepare_run_folder,
     resolve_training_flags,
@@ -94,17 +93,15 @@ def run(args: argparse.Namespace) -> int:
         sparsity = resolve_sparsity(pattern, args.sparsity)
         if args.head_sparsity:
             raise QuantlabError("--head-sparsity applies to --pattern structured only")
-    check_training_values(args, steps_required=False)
     if args.distill_from and not args.max_steps:
         raise QuantlabError("--distill-from trains the pruned model from a teacher: give --max-steps N too")
-    output = Path(args.output_dir).expanduser()
     text = read_text(args, seq_len=args.eval_seq_len, windows=args.eval_windows) if args.eval else None
     if args.model is None:
         console.note("using the embedded SmolLM2-135M-Instruct (converted into the cache on first use)")
     source = resolve_model(args.model)
     teacher = resolve_model(args.distill_from) if args.distill_from else None
     inputs = [source.path, *([teacher.path] if teacher else [])]
-    prepare_run_folder(output, args, inputs)
+    output = prepare_run_folder(args, inputs)
     with float_checkpoint(source, scratch=output.parent, progress=console.progress) as folder:
         if quantization_method_of(read_config(folder)) is not None:
             raise QuantlabError(f"{source} is quantized; prune its float original, then quantize the pruned model")

@@ -159,8 +159,11 @@ def resolve_training_flags(args: argparse.Namespace, command: str) -> dict[str, 
     """Every shared value, by name: defaults, command defaults, file, `--training-arg`, then the flags given.
 
     Sets each on `args` too, and keeps the lot as `args.training_values` for `training_arguments`.
+    Bad values are refused here, before any model is loaded; `--max-steps` is required but by prune.
     """
-    from quantlab.training.arguments import read_training_arguments_file
+    from transformers.hf_argparser import string_to_bool
+
+    from quantlab.training.arguments import convert_value, read_training_arguments_file
 
     values: dict[str, Any] = {spec.name: spec.default for spec in training_flags()}
     values.update(COMMAND_DEFAULTS[command])
@@ -173,17 +176,18 @@ def resolve_training_flags(args: argparse.Namespace, command: str) -> dict[str, 
             raise QuantlabError(f"--training-arg {item!r}: write NAME=VALUE, e.g. --training-arg weight_decay=0.01")
         chosen[name.strip().replace("-", "_")] = text
     specs = {spec.name: spec for spec in training_flags()}
-    for name in CLI_ONLY:  # passed through by name: typed as their flag would type them
-        convert = _switch_value if specs[name].kind == "switch" else specs[name].type
-        if isinstance(chosen.get(name), str) and convert is not None:
-            try:
-                chosen[name] = convert(chosen[name])
-            except ValueError as error:
-                raise QuantlabError(f"training argument {name}={chosen[name]!r}: {error}") from error
     for spec in specs.values():
         if getattr(args, spec.name, None) is not None:
             chosen[spec.name] = getattr(args, spec.name)
-    _check_passthrough(chosen)
+    for name, value in chosen.items():  # unknown names and bad values fail now, before any model is loaded
+        if name not in CLI_ONLY and value is not None:
+            chosen[name] = convert_value(name, value)
+        elif isinstance(value, str):  # a CLI value passed through by name: typed as its flag types it
+            convert = string_to_bool if specs[name].kind == "switch" else specs[name].type or str
+            try:
+                chosen[name] = convert(value)
+            except (ValueError, argparse.ArgumentTypeError) as error:
+                raise QuantlabError(f"training argument {name}={value!r}: {error}") from error
     values.update(chosen)
     if values["output_dir"] is None:
         raise QuantlabError("--output-dir DIR is required: the run folder (log, checkpoints, the result in DIR/final)")
@@ -192,23 +196,8 @@ def resolve_training_flags(args: argparse.Namespace, command: str) -> dict[str, 
     for name, value in values.items():
         setattr(args, name, value)
     args.training_values = values
+    _check_values(args, steps_required=command != "prune")
     return values
-
-
-def _switch_value(text: str) -> bool:
-    words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
-    if text.strip().lower() not in words:
-        raise ValueError("expects true or false")
-    return words[text.strip().lower()]
-
-
-def _check_passthrough(chosen: dict[str, Any]) -> None:
-    """Unknown names and bad values fail now, before any model is loaded (one line, exit 2)."""
-    from quantlab.training.arguments import convert_value
-
-    for name, value in chosen.items():
-        if name not in CLI_ONLY and value is not None:
-            chosen[name] = convert_value(name, value)
 
 
 def training_arguments(args: argparse.Namespace, console: Any, **fixed: Any):
@@ -219,8 +208,7 @@ def training_arguments(args: argparse.Namespace, console: Any, **fixed: Any):
     return build({**given, "output_dir": str(args.output_dir), "disable_tqdm": not console.progress}, **fixed)
 
 
-def check_training_values(args: argparse.Namespace, steps_required: bool) -> None:
-    """Refuse bad shared values before any model is loaded."""
+def _check_values(args: argparse.Namespace, steps_required: bool) -> None:
     if args.max_steps is None and steps_required:
         raise QuantlabError("--max-steps N is required: the number of optimizer steps")
     if args.max_steps is not None and args.max_steps < (1 if steps_required else 0):
@@ -236,8 +224,8 @@ def check_training_values(args: argparse.Namespace, steps_required: bool) -> Non
         raise QuantlabError(f"--data {args.data}: no such file")
 
 
-def prepare_run_folder(output: Path, args: argparse.Namespace, inputs: list[Path]) -> None:
-    """The run folder: continued with --resume-from-checkpoint, replaced with --overwrite, else it must be new.
+def prepare_run_folder(args: argparse.Namespace, inputs: list[Path]) -> Path:
+    """The run folder `--output-dir`: continued with --resume-from-checkpoint, replaced with --overwrite, else new.
 
     `inputs` (the models read) and the `--data` file are never deleted by `--overwrite`.
     """
@@ -246,15 +234,15 @@ def prepare_run_folder(output: Path, args: argparse.Namespace, inputs: list[Path
 
     from quantlab.utils.atomic import OutputExistsError, check_replaceable, make_staging
 
+    output = Path(args.output_dir).expanduser()
     inputs = [*inputs, *([Path(args.data).expanduser()] if args.data else [])]
-
     for path in inputs:
         if output.resolve() == Path(path).resolve():
             raise QuantlabError(f"--output-dir {output} is one of the inputs; write somewhere else")
     if output.exists() and not output.is_dir():
         raise QuantlabError(f"--output-dir {output} is a file; the run needs a folder there, so pick a folder path")
     if args.resume_from_checkpoint or not output.exists():
-        return
+        return output
     if not args.overwrite:
         raise OutputExistsError(
             f"output {output} already exists; pass --resume-from-checkpoint to continue its run, --overwrite to "
@@ -265,6 +253,7 @@ def prepare_run_folder(output: Path, args: argparse.Namespace, inputs: list[Path
         retired = make_staging(output.parent, output.name, "old")
         os.replace(output, retired / output.name)
         shutil.rmtree(retired, ignore_errors=True)
+    return output
 
 
 # -- what the commands share around a run -------------------------------------------------------------------
