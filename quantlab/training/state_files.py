@@ -30,26 +30,19 @@ class StateFileError(QuantlabError, ValueError):
     """A state file cannot be written (an unsupported value) or read back (damaged, edited, not ours)."""
 
 
-def state_files(name: str) -> tuple[str, str]:
-    """The two file names `write_state(..., name)` writes."""
-    return f"{name}.json", f"{name}.safetensors"
-
-
 def write_state(state: Any, folder: Path, name: str) -> list[Path]:
     """Store `state` as `folder/name.json` + `folder/name.safetensors`; returns both paths."""
     tensors: dict[str, torch.Tensor] = {}
     structure = _encode(state, tensors, name)
-    json_name, tensors_name = state_files(name)
-    folder = Path(folder)
-    (folder / json_name).write_text(json.dumps(structure, allow_nan=False), encoding="utf-8")
-    save_file(tensors, str(folder / tensors_name))
-    return [folder / json_name, folder / tensors_name]
+    json_path, tensors_path = Path(folder) / f"{name}.json", Path(folder) / f"{name}.safetensors"
+    json_path.write_text(json.dumps(structure, allow_nan=False), encoding="utf-8")
+    save_file(tensors, str(tensors_path))
+    return [json_path, tensors_path]
 
 
 def read_state(folder: Path, name: str) -> Any:
     """The state `write_state` stored under `name` in `folder`."""
-    json_name, tensors_name = state_files(name)
-    json_path, tensors_path = Path(folder) / json_name, Path(folder) / tensors_name
+    json_path, tensors_path = Path(folder) / f"{name}.json", Path(folder) / f"{name}.safetensors"
     try:
         structure = json.loads(json_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
