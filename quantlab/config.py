@@ -44,7 +44,9 @@ class QuantlabConfig(QuantizationConfigMixin):
     `solver` chooses how codes are found (`quantlab.solvers`): `rtn` and `mse` need no data
     and run while `from_pretrained` streams the weights in; `gptq` (and `awq`) calibrate
     block by block on `calibration_samples` windows of `calibration_seq_len` tokens from
-    `calibration_text` (default: the bundled WikiText-2 after the evaluation windows).
+    `calibration_text` (default: the bundled WikiText-2 after the evaluation windows), or, with
+    `self_calibration`, on windows the float model samples itself (no data needed: GPTQ on NF4
+    this way is quantlab's data-free solver that beats round-to-nearest at the same size).
     """
 
     method: ClassVar[str] = ""
@@ -66,6 +68,10 @@ class QuantlabConfig(QuantizationConfigMixin):
     calibration_text: str | None = dataclasses.field(
         default=None,
         metadata={"help": "text or JSONL file to calibrate on (default: bundled WikiText-2 after the eval windows)"},
+    )
+    self_calibration: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "calibrate on text the float model samples itself: no data needed (causal LMs)"},
     )
     calibration_samples: int = dataclasses.field(default=128, metadata={"help": "calibration windows"})
     calibration_seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per calibration window"})
@@ -122,11 +128,20 @@ class QuantlabConfig(QuantizationConfigMixin):
                 raise ConfigError(f"{self.method}: {name}={value!r} is not valid; use a whole number >= {low}")
         if self.calibration_text is not None and not isinstance(self.calibration_text, str):
             raise ConfigError(f"{self.method}: calibration_text={self.calibration_text!r} must be a file path")
+        if self.self_calibration and self.calibration_text is not None:
+            raise ConfigError(
+                f"{self.method}: self_calibration samples its own text; drop calibration_text or self_calibration"
+            )
         if self.target_bits is not None:
             if isinstance(self.target_bits, bool) or not isinstance(self.target_bits, int | float):
                 raise ConfigError(f"{self.method}: target_bits={self.target_bits!r} is not valid; use a number")
             if not self.allocation_candidates():
                 raise ConfigError(f"{self.method}: target_bits is not supported; use custom_bits for mixed precision")
+        if self.self_calibration and not self.needs_calibration:
+            raise ConfigError(
+                f"{self.method}: self_calibration makes calibration text, and solver={self.solver!r} uses none; "
+                f"add solver='gptq' (or awq / target_bits), or drop self_calibration"
+            )
         self._validate_embedding()
         self._validate_layer_options()
 
@@ -162,7 +177,7 @@ class QuantlabConfig(QuantizationConfigMixin):
         overrides = (self.layer_options or {}).get(layer)
         if not overrides:
             return self
-        return dataclasses.replace(self, layer_options=None, target_bits=None, **overrides)
+        return dataclasses.replace(self, layer_options=None, target_bits=None, self_calibration=False, **overrides)
 
     def allocation_candidates(self) -> list[dict[str, Any]]:
         """Per-layer option sets mixed precision may choose from (none: the method has no mixed precision)."""

@@ -36,7 +36,8 @@ def quantize(
 
     A calibrated config (`solver="gptq"`, `awq=True`) quantizes block by block on
     `calibration`: token ids `[samples, seq_len]`, a list of texts (with `tokenizer`), or None
-    for `config.calibration_text` (default: the bundled WikiText-2 after the evaluation windows).
+    for `config.calibration_text` (default: the bundled WikiText-2 after the evaluation windows);
+    with `config.self_calibration` the float model samples its own windows (no data, no tokenizer).
     """
     from quantlab.integrations.transformers import quantizer_class_of
     from quantlab.registry import method_of
@@ -76,7 +77,17 @@ def calibrate(
     from quantlab.calibration import calibration_windows, quantize_blocks
     from quantlab.calibration.data import windows_from_texts
 
-    if isinstance(calibration, torch.Tensor):
+    if config.self_calibration:
+        if calibration is not None:
+            raise QuantizationError(
+                "self_calibration samples its own text; pass calibration=None or drop self_calibration"
+            )
+        from quantlab.calibration.self_generated import self_generated_windows
+
+        windows = self_generated_windows(
+            model, config.calibration_samples, config.calibration_seq_len, progress=progress
+        )
+    elif isinstance(calibration, torch.Tensor):
         windows = calibration.long()
     elif tokenizer is None:
         raise QuantizationError(
@@ -106,7 +117,9 @@ def data_free_config(config: QuantlabConfig) -> QuantlabConfig:
         return config
     solver = "mse" if get_solver(config.solver).needs_calibration else config.solver
     options = config.solver_options if solver == config.solver else None
-    return dataclasses.replace(config, solver=solver, solver_options=options, awq=False, target_bits=None)
+    return dataclasses.replace(
+        config, solver=solver, solver_options=options, awq=False, target_bits=None, self_calibration=False
+    )
 
 
 def without_vocabulary(

@@ -193,7 +193,8 @@ class QuantlabHfQuantizer(HfQuantizer):
         config = self.quantization_config
         skip = self.modules_to_not_convert
         selected = without_vocabulary(model, config, lambda name: should_convert_module(name, skip))
-        converted = calibrate(model, config, self.module_class, selected, None, _tokenizer_of(model))
+        tokenizer = None if config.self_calibration else _tokenizer_of(model)  # self-calibration reads no text
+        converted = calibrate(model, config, self.module_class, selected, None, tokenizer)
         converted += replace_linear_layers(model, data_free_config(config), self.module_class, selected, quantize=True)
         if not converted:
             raise_nothing_to_quantize(model, config)

@@ -46,6 +46,7 @@ def test_flags_follow_the_config_fields_of_every_builtin() -> None:
     shared = ["--modules-to-not-convert", "--solver", "--solver-options", "--awq"]
     shared += [
         "--calibration-text",
+        "--self-calibration",
         "--calibration-samples",
         "--calibration-seq-len",
         "--target-bits",
@@ -74,6 +75,7 @@ def test_kinds_and_defaults_come_from_annotations() -> None:
         "solver_options": ("json", True),
         "awq": ("bool", False),
         "calibration_text": ("str", True),
+        "self_calibration": ("bool", False),
         "calibration_samples": ("int", False),
         "calibration_seq_len": ("int", False),
         "target_bits": ("float", True),

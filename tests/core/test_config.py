@@ -54,6 +54,7 @@ def test_config_is_public_and_serializable():
         "solver_options": None,
         "awq": False,
         "calibration_text": None,
+        "self_calibration": False,
         "calibration_samples": 128,
         "calibration_seq_len": 256,
         "target_bits": None,
