@@ -32,7 +32,9 @@ from quantlab.utils.threads import single_thread
 
 # static_groups None: static with act order. grid "mse": each group's grid from the input-weighted
 # clipping search of the mse solver (GPTQ's reference code has the same option); "minmax": min-max.
-DEFAULTS = {"damp": 0.01, "act_order": True, "block_size": 128, "static_groups": None, "grid": "mse"}
+# grid None: "mse" below 8 bits, "minmax" at 8 bits, where 255 levels leave the search nothing to
+# gain and its clipping cost SmolLM2 int8 0.06 perplexity (36.102 against 36.046 with min-max).
+DEFAULTS = {"damp": 0.01, "act_order": True, "block_size": 128, "static_groups": None, "grid": None}
 _DAMP_RETRIES = 4
 
 
@@ -48,6 +50,7 @@ class GptqSolver(Solver):
             raise QuantizationError("the gptq solver needs calibration inputs; pass calibration data")
         damp, act_order, block_size, static, grid = _options(options)
         static = static or act_order or layout.double_quant
+        grid = grid or ("minmax" if layout.bits >= 8 else "mse")
         with single_thread():  # thousands of small steps: a second thread costs more than it gives
             return self._solve(weight, layout, stats, damp, act_order, block_size, static, grid)
 
@@ -177,8 +180,8 @@ def _options(options: dict[str, Any]) -> tuple[float, bool, int, bool | None]:
         raise ConfigError(f"gptq solver: static_groups={static!r} must be true, false or null")
     if act_order and static is False:
         raise ConfigError("gptq solver: act_order needs static_groups (so the checkpoint keeps its layout)")
-    if merged["grid"] not in ("mse", "minmax"):
-        raise ConfigError(f"gptq solver: grid={merged['grid']!r} must be 'mse' or 'minmax'")
+    if merged["grid"] not in (None, "mse", "minmax"):
+        raise ConfigError(f"gptq solver: grid={merged['grid']!r} must be 'mse', 'minmax' or null (by width)")
     return float(damp), act_order, block_size, bool(static), merged["grid"]
 
 

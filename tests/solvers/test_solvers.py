@@ -86,6 +86,17 @@ def test_gptq_codes_land_in_the_normal_layout(problem):
     assert (layout.dequantize(stored) - weight).abs().max() < 4 * params.scale.max()
 
 
+@pytest.mark.parametrize(("layout", "expected"), [(LAYOUTS[4], "minmax"), (LAYOUTS[0], "mse"), (LAYOUTS[5], "mse")])
+def test_gptq_grid_by_width_min_max_at_8_bits_clipping_search_below(problem, layout, expected):
+    weight, stats, _ = problem
+    gptq = get_solver("gptq")
+    default = gptq.solve(weight, layout, stats, {})
+    chosen = gptq.solve(weight, layout, stats, {"grid": expected})
+    other = gptq.solve(weight, layout, stats, {"grid": "mse" if expected == "minmax" else "minmax"})
+    assert torch.equal(default.codes, chosen.codes) and torch.equal(default.params.scale, chosen.params.scale)
+    assert not torch.equal(default.params.scale, other.params.scale)  # the two grids differ on this problem
+
+
 def test_gptq_needs_calibration():
     with pytest.raises(QuantizationError, match="calibration"):
         get_solver("gptq").solve(torch.randn(8, 64), StorageLayout("int8", 8, None, 64, 8), None, {})
