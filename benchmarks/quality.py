@@ -512,7 +512,7 @@ def run_minilm(variants: list[Variant], text: str) -> list[dict[str, Any]]:
     rows = []
     calibration = _text_after(text, lines[-1])
     for variant in variants:
-        if "self-calibrated" in variant.name:
+        if getattr(variant.make_config and variant.make_config(), "self_calibration", False):
             continue  # an encoder samples no text to calibrate on (quantlab refuses it with that message)
         row = guarded(lambda v=variant, ref=reference: minilm_row(v, tokenizer, lines, ref, calibration), variant)
         embeddings = row.extra.pop("embeddings", None)

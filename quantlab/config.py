@@ -177,7 +177,13 @@ class QuantlabConfig(QuantizationConfigMixin):
         overrides = (self.layer_options or {}).get(layer)
         if not overrides:
             return self
-        return dataclasses.replace(self, layer_options=None, target_bits=None, self_calibration=False, **overrides)
+        return self.for_one_layer(**overrides)
+
+    def for_one_layer(self, **overrides: Any) -> "QuantlabConfig":
+        """This config as one layer is quantized with it: the options that act on the whole run
+        (`layer_options`, `target_bits`, `self_calibration`) cleared, `overrides` applied."""
+        run_level = {"layer_options": None, "target_bits": None, "self_calibration": False}
+        return dataclasses.replace(self, **{**run_level, **overrides})
 
     def allocation_candidates(self) -> list[dict[str, Any]]:
         """Per-layer option sets mixed precision may choose from (none: the method has no mixed precision)."""

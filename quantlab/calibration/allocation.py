@@ -76,8 +76,7 @@ def measure_layers(
     measured: dict[str, list[Candidate]] = {}
     weights = 0
     options = config.allocation_candidates()
-    layer_config = dataclasses.replace(config, layer_options=None, target_bits=None, self_calibration=False)
-    candidates = [(o, dataclasses.replace(layer_config, **o)) for o in options]
+    candidates = [(o, config.for_one_layer(**o)) for o in options]
     for index, block in enumerate(tqdm(blocks, desc="measuring layers", disable=not progress)):
         names = selected_linears(block, f"{prefix}.{index}", selected)
         outputs: list[torch.Tensor] = []

@@ -49,7 +49,7 @@ def self_generated_windows(
             batches = range(0, samples, GENERATION_BATCH)
             for first in tqdm(batches, desc="self-calibration: generating text", disable=not progress):
                 count = min(GENERATION_BATCH, samples - first)
-                prompt = torch.full((count, 1), start, dtype=torch.long, device=_device_of(model))
+                prompt = torch.full((count, 1), start, dtype=torch.long, device=model.device)
                 mask = torch.ones_like(prompt)
                 windows.append(model.generate(prompt, attention_mask=mask, generation_config=sampling)[:, :seq_len])
     finally:
@@ -82,8 +82,3 @@ def _config_value(model: nn.Module, name: str) -> int | None:
         if isinstance(value, int):
             return value
     return None
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    parameter = next(model.parameters(), None)
-    return parameter.device if parameter is not None else torch.device("cpu")

@@ -10,6 +10,7 @@ from quantlab.calibration import data as calibration_data
 from quantlab.calibration.data import CalibrationDataError
 from quantlab.calibration.self_generated import self_generated_windows
 from quantlab.errors import ConfigError, QuantizationError
+from quantlab.eval import data as eval_data
 from quantlab.testing.models import tiny_bert, tiny_llama, tiny_model_dir
 
 UNSEEN = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(1))
@@ -38,8 +39,9 @@ def test_self_calibration_reads_no_text(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("self-calibration read text")
 
-    monkeypatch.setattr(calibration_data, "bundled_text", refuse)
-    monkeypatch.setattr(calibration_data, "read_text", refuse)
+    for module in (calibration_data, eval_data):
+        monkeypatch.setattr(module, "bundled_text", refuse)
+        monkeypatch.setattr(module, "read_text", refuse)
     model = tiny_llama()
     quantlab.quantize(model, _self_calibrated(), progress=False)  # no tokenizer, no calibration argument
     assert len(quantlab.convert.quantized_layers(model)) == 2 * 7
