@@ -1,5 +1,5 @@
 """Building and loading the torch operator extension (`csrc/torch_ops.cpp`): the native kernels as
-`torch.ops.quantlab.linear` / `torch.ops.quantlab.dequantize`.
+`torch.ops.quantlab.linear` / `linear_group` / `dequantize`.
 
 The extension is a small C++ file compiled against the running torch's headers with the flags
 `torch.utils.cpp_extension` uses (its include and library paths, C++20, position-independent,
@@ -94,12 +94,16 @@ def _compile(cxx: str, output: Path) -> None:
 
 def _bind(extension: ctypes.CDLL, kernels: ctypes.CDLL) -> ctypes.CDLL:
     bind = extension.quantlab_torch_ops_bind
-    bind.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float)]
+    floats = ctypes.POINTER(ctypes.c_float)
+    bind.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, floats, floats]
     bind.restype = ctypes.c_int
     levels = (ctypes.c_float * 16)(*nf4.NF4_LEVELS)
     absmax_map = (ctypes.c_float * 256)(*nf4.dynamic_map())
-    address = functools.partial(ctypes.cast, typ=ctypes.c_void_p)
-    version = bind(address(kernels.ql_gemm).value, address(kernels.ql_dequantize).value, levels, absmax_map)
+    entries = (
+        ctypes.cast(entry, ctypes.c_void_p).value
+        for entry in (kernels.ql_gemm, kernels.ql_gemm_group, kernels.ql_dequantize)
+    )
+    version = bind(*entries, levels, absmax_map)
     if version != native.ABI_VERSION:
         raise native.NativeBuildError(f"torch operators built for ABI {version}, quantlab's is {native.ABI_VERSION}")
     return extension

@@ -38,7 +38,7 @@ from quantlab.kernels import trusted
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("csrc")
-ABI_VERSION = 2
+ABI_VERSION = 3
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 # -ffp-contract=off: a*b+c stays two roundings, as torch computes it (decoded weights are bit-exact).
 _COMPILE = ["-O3", "-std=c11", "-fPIC", "-pthread", "-fvisibility=hidden", "-ffp-contract=off", "-fno-math-errno"]
@@ -168,6 +168,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     integer = ctypes.c_int
     lib.ql_gemm.argtypes = [weight, ptr, i64, i64, ptr, i64, integer]
     lib.ql_gemm.restype = ctypes.c_int
+    lib.ql_gemm_group.argtypes = [weight, i64, ptr, i64, i64, ptr, i64, integer]
+    lib.ql_gemm_group.restype = ctypes.c_int
     lib.ql_dequantize.argtypes = [weight, i64, i64, ptr, i64, integer]
     lib.ql_dequantize.restype = ctypes.c_int
     lib.ql_quantize_affine.argtypes = [ptr, i64, i64, i64, i64, integer, integer, integer, ptr, ptr, ptr, integer]

@@ -1,7 +1,10 @@
 """The native kernels as torch operators: what torch needs beside the C++ (`csrc/torch_ops.cpp`).
 
 `torch.ops.quantlab.linear(x, *linear_arguments(layer))` is `x @ W.T + bias` for a quantized layer, and
-`torch.ops.quantlab.dequantize(*weight_arguments(layer))` its float32 `[out, in]` weight. Here
+`torch.ops.quantlab.dequantize(*weight_arguments(layer))` its float32 `[out, in]` weight.
+`torch.ops.quantlab.linear_group(x, biases, codes, scales, ...)` is several such layers of one layout
+on one `x`, their outputs side by side in one call (`group_arguments`); the compiled decode step
+fuses q/k/v and gate/up into it (quantlab.generation.fusion). Here
 they get their fake (meta) implementations, so torch.compile and torch.export trace shapes
 without running them. The autograd formula of `linear` with respect to `x` (QLoRA trains
 adapters on top of frozen quantized layers), `grad @ W` decoding the weight again in the
@@ -77,6 +80,14 @@ def _nf4(module: torch.nn.Module, layout: StorageLayout) -> WeightArguments:
     return (codes, _stored(module, "weight_absmax"), None, None, None, None, *shape)
 
 
+def group_arguments(modules: list[torch.nn.Module]) -> tuple:
+    """The arguments of `torch.ops.quantlab.linear_group` after `x`, for layers of one layout: the
+    biases, then each tensor argument of `weight_arguments` as a list, then the shared integers."""
+    per_module = [linear_arguments(module) for module in modules]
+    tensors = [list(column) for column in zip(*(arguments[:7] for arguments in per_module), strict=True)]
+    return (*tensors, *per_module[0][7:])
+
+
 @torch.compiler.assume_constant_result
 def available() -> bool:
     """True when `linear_op` runs the native kernels here (building the extension on first use).
@@ -95,20 +106,27 @@ def available() -> bool:
 
 linear_op: torch._ops.OpOverload | None = None  # torch.ops.quantlab.linear.default, once loaded
 dequantize_op: torch._ops.OpOverload | None = None
+linear_group_op: torch._ops.OpOverload | None = None
 
 
 def _register() -> None:
     """The operators' fake implementations (shapes only), and their overloads looked up once: calling the
     overload costs about 1.5 us less per call than the `torch.ops.quantlab.linear` packet."""
-    global linear_op, dequantize_op
+    global linear_op, dequantize_op, linear_group_op
     torch.library.register_fake("quantlab::linear")(_linear_shape)
+    torch.library.register_fake("quantlab::linear_group")(_linear_group_shape)
     torch.library.register_fake("quantlab::dequantize")(_dequantize_shape)
     dequantize_op = torch.ops.quantlab.dequantize.default
+    linear_group_op = torch.ops.quantlab.linear_group.default
     linear_op = torch.ops.quantlab.linear.default
 
 
 def _linear_shape(x: torch.Tensor, bias: torch.Tensor | None, codes: torch.Tensor, *weight) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+def _linear_group_shape(x: torch.Tensor, biases: list, codes: list[torch.Tensor], *weights) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(c.shape[0] for c in codes)))
 
 
 def _dequantize_shape(codes: torch.Tensor, *weight) -> torch.Tensor:

@@ -157,17 +157,24 @@ static void ql_dequantize_chunk(void *arg, int64_t chunk) {
     free(scratch);
 }
 
+/* x copied once into the kernels' layout (ql_prepare_x): 64-byte aligned, freed by the caller; NULL if out of memory. */
+static float *ql_prepared_x(const ql_weight *w, const ql_layout *layout, const float *x, int64_t m, int64_t x_stride) {
+    int64_t row_length = w->groups * layout->padded_group;
+    float *xp = NULL;
+    if (posix_memalign((void **)&xp, 64, (size_t)ql_round_up(m * row_length * (int64_t)sizeof(float) + 64, 64)))
+        return NULL;
+    ql_prepare_x(w, layout, x, m, x_stride, xp);
+    return xp;
+}
+
 /* y[m, n] (row stride y_stride) = x[m, k] (row stride x_stride) times the weight, transposed. */
 QL_API int ql_gemm(const ql_weight *w, const float *x, int64_t m, int64_t x_stride, float *y, int64_t y_stride, int threads) {
     int status = ql_check(w);
     if (status != QL_OK) return status;
     ql_job job = {.w = w, .isa = ql_isa(), .m = m, .out = y, .out_stride = y_stride};
     job.layout = ql_layout_for(w, job.isa);
-    int64_t row_length = w->groups * job.layout.padded_group;
-    float *xp = NULL;
-    if (posix_memalign((void **)&xp, 64, (size_t)ql_round_up(m * row_length * (int64_t)sizeof(float) + 64, 64)))
-        return QL_NO_MEMORY;
-    ql_prepare_x(w, &job.layout, x, m, x_stride, xp);
+    float *xp = ql_prepared_x(w, &job.layout, x, m, x_stride);
+    if (!xp) return QL_NO_MEMORY;
     job.xp = xp;
     threads = ql_threads(threads, w->n * w->groups * w->group_bytes * (m < 4 ? 1 : m / 4));
     job.per_chunk = threads > 1 ? ql_chunk_features(w->n, threads) : w->n;
@@ -175,6 +182,73 @@ QL_API int ql_gemm(const ql_weight *w, const float *x, int64_t m, int64_t x_stri
     ql_run(ql_gemm_chunk, &job, chunks, threads);
     free(xp);
     return atomic_load(&job.failed) ? QL_NO_MEMORY : QL_OK;
+}
+
+/* Several weights of one layout on the same x, as one call: chunk c belongs to the weight i with
+ * first_chunk[i] <= c < first_chunk[i + 1], and is that weight's chunk c - first_chunk[i]. */
+typedef struct {
+    ql_job *jobs;
+    int64_t *first_chunk;
+} ql_group_job;
+
+static void ql_gemm_group_chunk(void *arg, int64_t chunk) {
+    ql_group_job *group = (ql_group_job *)arg;
+    int64_t i = 0;
+    while (chunk >= group->first_chunk[i + 1]) i++;
+    ql_gemm_chunk(&group->jobs[i], chunk - group->first_chunk[i]);
+}
+
+static int ql_same_layout(const ql_weight *a, const ql_weight *b) {
+    return a->kind == b->kind && a->bits == b->bits && a->k == b->k && a->groups == b->groups &&
+           a->group_size == b->group_size && a->group_codes == b->group_codes && a->group_bytes == b->group_bytes;
+}
+
+/* y[m, n_0 + ... + n_{count-1}] = x times each weight, transposed, side by side (weight i's outputs in
+ * the columns after those of weights 0..i-1): q/k/v or gate/up projections of one input in one call.
+ * x is prepared once and the features of all weights are cut into chunks of one size, which one
+ * thread team takes in turn. Every chunk starts on a whole block of 4 features of its weight, as in
+ * ql_gemm, so each output is computed by the same code as ql_gemm of its weight alone: bit for bit
+ * the same values. The weights must share a layout (kind, bits, in_features, group shape). */
+QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x, int64_t m, int64_t x_stride, float *y,
+                         int64_t y_stride, int threads) {
+    if (count < 1) return QL_BAD_FORMAT;
+    int64_t features = 0, work = 0, widest = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const ql_weight *w = &weights[i];
+        int status = ql_check(w);
+        if (status != QL_OK) return status;
+        if (!ql_same_layout(w, &weights[0])) return QL_BAD_FORMAT;
+        features += w->n;
+        work += w->n * w->groups * w->group_bytes;
+        if (w->n > widest) widest = w->n;
+    }
+    if (features > y_stride) return QL_BAD_FORMAT;
+    ql_job *jobs = calloc((size_t)count, sizeof(ql_job));
+    int64_t *first_chunk = malloc((size_t)(count + 1) * sizeof(int64_t));
+    int isa = ql_isa();
+    ql_layout layout = ql_layout_for(&weights[0], isa);
+    float *xp = jobs && first_chunk ? ql_prepared_x(&weights[0], &layout, x, m, x_stride) : NULL;
+    if (!xp) {
+        free(jobs);
+        free(first_chunk);
+        return QL_NO_MEMORY;
+    }
+    threads = ql_threads(threads, work * (m < 4 ? 1 : m / 4));
+    int64_t per_chunk = threads > 1 ? ql_chunk_features(features, threads) : widest;
+    first_chunk[0] = 0;
+    for (int64_t i = 0, column = 0; i < count; column += weights[i].n, i++) {
+        jobs[i] = (ql_job){.w = &weights[i], .isa = isa, .layout = layout, .xp = xp, .m = m, .out = y + column,
+                           .out_stride = y_stride, .per_chunk = per_chunk};
+        first_chunk[i + 1] = first_chunk[i] + (weights[i].n + per_chunk - 1) / per_chunk;
+    }
+    ql_group_job group = {.jobs = jobs, .first_chunk = first_chunk};
+    ql_run(ql_gemm_group_chunk, &group, first_chunk[count], threads);
+    int failed = 0;
+    for (int64_t i = 0; i < count; i++) failed |= atomic_load(&jobs[i].failed);
+    free(xp);
+    free(jobs);
+    free(first_chunk);
+    return failed ? QL_NO_MEMORY : QL_OK;
 }
 
 /* Rows [n0, n1) of the float weight into out (row stride out_stride). */

@@ -22,7 +22,7 @@
 
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
-#define QL_ABI_VERSION 2
+#define QL_ABI_VERSION 3
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 
 enum { QL_AFFINE = 0, QL_INT8 = 1, QL_NF4 = 2 };

@@ -1,4 +1,5 @@
-// quantlab's native CPU kernels as PyTorch operators: `quantlab::linear` and `quantlab::dequantize`.
+// quantlab's native CPU kernels as PyTorch operators: `quantlab::linear`, `quantlab::linear_group` and
+// `quantlab::dequantize`.
 //
 // The operators describe a layer's stored tensors to the C kernels (ql_weight, quantlab_cpu.h) and
 // call them; they are registered with the dispatcher, so a quantized layer is one operator call that
@@ -8,8 +9,10 @@
 // paths run the same code and share its thread pool. The gradient with respect to x (QLoRA trains
 // adapters on frozen quantized layers) is `grad @ W`, decoding W again in the backward pass (a tile of
 // output features at a time when W is large: see `grad_input`); it is registered here for the
-// Autograd key, so an eager call never leaves C++. Fake (meta) shapes are registered in Python
-// (quantlab/kernels/cpu/ops.py).
+// Autograd key, so an eager call never leaves C++. `linear_group` is several `linear`s of one layout on
+// one x in one call, their outputs side by side (the compiled decode step's q/k/v and gate/up, fused by
+// quantlab.generation.fusion after autograd): it has no autograd formula. Fake (meta) shapes are
+// registered in Python (quantlab/kernels/cpu/ops.py).
 
 extern "C" {
 #include "quantlab_cpu.h"
@@ -34,8 +37,10 @@ namespace {
 
 using GemmFn = int (*)(const ql_weight *, const float *, int64_t, int64_t, float *, int64_t, int);
 using DequantizeFn = int (*)(const ql_weight *, int64_t, int64_t, float *, int64_t, int);
+using GemmGroupFn = int (*)(const ql_weight *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int);
 
 GemmFn gemm_fn = nullptr;
+GemmGroupFn gemm_group_fn = nullptr;
 DequantizeFn dequantize_fn = nullptr;
 float nf4_levels[16];
 float absmax_map[256];
@@ -70,7 +75,7 @@ struct Described {
 Described describe(const at::Tensor &codes, Optional scale, Optional zero, Optional absmax_codes,
                    Optional absmax_scale, Optional absmax_offset, int64_t kind, int64_t bits, int64_t in_features,
                    int64_t group_size, int64_t absmax_block, double zero_const) {
-    TORCH_CHECK(gemm_fn && dequantize_fn, "quantlab: the torch operators are not bound to the C kernels");
+    TORCH_CHECK(gemm_fn && dequantize_fn && gemm_group_fn, "quantlab: the torch operators are not bound to the C kernels");
     TORCH_CHECK(codes.dim() == 3 && codes.element_size() == 1, "quantlab: codes must be [out, groups, bytes] of one-byte "
                 "integers, got ", codes.sizes(), " ", codes.scalar_type());
     TORCH_CHECK(bits >= 2 && bits <= 8 && kind >= QL_AFFINE && kind <= QL_NF4, "quantlab: bad kind ", kind, " or bits ",
@@ -157,6 +162,51 @@ at::Tensor linear(const at::Tensor &x, Optional bias, const at::Tensor &codes, O
     if (bias.has_value()) out.add_(bias->to(out.scalar_type()));  // as the reference: the output's dtype, then add
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = n;
+    return out.view(shape);
+}
+
+using OptionalList = const c10::List<std::optional<at::Tensor>> &;
+
+// x @ W_i.T + bias_i for every weight i, side by side in one [..., sum of out_i] tensor; each value as
+// `linear` computes it for that weight alone.
+at::Tensor linear_group(const at::Tensor &x, OptionalList bias, at::TensorList codes, OptionalList scale,
+                        OptionalList zero, OptionalList absmax_codes, OptionalList absmax_scale,
+                        OptionalList absmax_offset, int64_t kind, int64_t bits, int64_t in_features,
+                        int64_t group_size, int64_t absmax_block, double zero_const) {
+    TORCH_CHECK(x.device().is_cpu() && x.is_floating_point(), "quantlab::linear_group: x must be a floating CPU tensor");
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_features, "quantlab::linear_group: x has ", x.size(-1),
+                " features, the weights ", in_features);
+    const size_t count = codes.size();
+    TORCH_CHECK(count >= 1, "quantlab::linear_group: no weights");
+    for (const auto *list : {&bias, &scale, &zero, &absmax_codes, &absmax_scale, &absmax_offset})
+        TORCH_CHECK(list->size() == count, "quantlab::linear_group: every argument list needs ", count, " entries");
+    std::vector<Described> described;
+    std::vector<ql_weight> weights;
+    described.reserve(count);
+    weights.reserve(count);
+    int64_t features = 0;
+    for (size_t i = 0; i < count; i++) {
+        described.push_back(describe(codes[i], scale[i], zero[i], absmax_codes[i], absmax_scale[i], absmax_offset[i],
+                                     kind, bits, in_features, group_size, absmax_block, zero_const));
+        weights.push_back(described.back().weight);
+        features += weights.back().n;
+    }
+    at::Tensor flat = x.reshape({-1, in_features});
+    if (flat.scalar_type() != at::kFloat || flat.stride(1) != 1) flat = flat.to(at::kFloat).contiguous();
+    const int64_t rows = flat.size(0);
+    at::Tensor out = at::empty({rows, features}, flat.options());
+    if (rows) {
+        int status = gemm_group_fn(weights.data(), static_cast<int64_t>(count), flat.data_ptr<float>(), rows,
+                                   flat.stride(0), out.data_ptr<float>(), features, at::get_num_threads());
+        TORCH_CHECK(status == 0, "quantlab native grouped matmul failed with status ", status);
+    }
+    if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
+    for (int64_t i = 0, column = 0; i < static_cast<int64_t>(count); column += weights[i].n, i++) {
+        std::optional<at::Tensor> b = bias[i];
+        if (b.has_value()) out.narrow(1, column, weights[i].n).add_(b->to(out.scalar_type()));  // as `linear` does
+    }
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = features;
     return out.view(shape);
 }
 
@@ -296,12 +346,31 @@ at::Tensor linear_autograd(const at::Tensor &x, Optional bias, const at::Tensor 
                                  in_features, group_size, absmax_block, zero_const);
 }
 
+// linear_group runs after autograd (in compiled inference graphs): with gradients asked for it refuses
+// instead of silently giving none.
+at::Tensor linear_group_autograd(const at::Tensor &x, OptionalList bias, at::TensorList codes, OptionalList scale,
+                                 OptionalList zero, OptionalList absmax_codes, OptionalList absmax_scale,
+                                 OptionalList absmax_offset, int64_t kind, int64_t bits, int64_t in_features,
+                                 int64_t group_size, int64_t absmax_block, double zero_const) {
+    bool needs_grad = x.requires_grad();
+    for (const std::optional<at::Tensor> &b : bias) needs_grad |= b.has_value() && b->requires_grad();
+    TORCH_CHECK(!at::GradMode::is_enabled() || !needs_grad, "quantlab::linear_group has no gradient: call "
+                "quantlab::linear per layer when training");
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("quantlab::linear_group", "")
+                         .typed<decltype(linear_group)>();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, bias, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind, bits, in_features,
+                   group_size, absmax_block, zero_const);
+}
+
 }  // namespace
 
 // Called once from Python with the C library's entry points and NF4's constant tables.
-extern "C" __attribute__((visibility("default"))) int quantlab_torch_ops_bind(void *gemm, void *dequantize_entry,
+extern "C" __attribute__((visibility("default"))) int quantlab_torch_ops_bind(void *gemm, void *gemm_group,
+                                                                             void *dequantize_entry,
                                                                              const float *levels, const float *map) {
     gemm_fn = reinterpret_cast<GemmFn>(gemm);
+    gemm_group_fn = reinterpret_cast<GemmGroupFn>(gemm_group);
     dequantize_fn = reinterpret_cast<DequantizeFn>(dequantize_entry);
     std::memcpy(nf4_levels, levels, sizeof nf4_levels);
     std::memcpy(absmax_map, map, sizeof absmax_map);
@@ -314,12 +383,19 @@ extern "C" __attribute__((visibility("default"))) int quantlab_torch_ops_bind(vo
 
 TORCH_LIBRARY(quantlab, m) {
     m.def("linear(Tensor x, Tensor? bias, " WEIGHT_ARGS ") -> Tensor");
+    m.def("linear_group(Tensor x, Tensor?[] bias, Tensor[] codes, Tensor?[] scale, Tensor?[] zero, "
+          "Tensor?[] absmax_codes, Tensor?[] absmax_scale, Tensor?[] absmax_offset, int kind, int bits, "
+          "int in_features, int group_size, int absmax_block, float zero_const) -> Tensor");
     m.def("dequantize(" WEIGHT_ARGS ") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantlab, CPU, m) {
     m.impl("linear", &linear);
+    m.impl("linear_group", &linear_group);
     m.impl("dequantize", &dequantize);
 }
 
-TORCH_LIBRARY_IMPL(quantlab, Autograd, m) { m.impl("linear", &linear_autograd); }
+TORCH_LIBRARY_IMPL(quantlab, Autograd, m) {
+    m.impl("linear", &linear_autograd);
+    m.impl("linear_group", &linear_group_autograd);
+}
