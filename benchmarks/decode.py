@@ -4,9 +4,12 @@ fast path (`quantlab.generation.compile_for_decoding`), with llama.cpp as an opt
     python benchmarks/decode.py                       # 64 new tokens, 5 rounds, 2 threads
     python benchmarks/decode.py --rounds 3 --tokens 32 --batch-sizes 1 4 16 64
     python benchmarks/decode.py --methods 4bit --paths fast --no-memory --json
+    python benchmarks/decode.py --methods "4bit e8" --paths fast fast-unfused --no-memory --no-onnx
 
 Every model is loaded once (quantized while loading); the eager and fast paths of a method share
-its weights (one `generate` call each, with its own generation config). All candidates are timed
+its weights (one `generate` call each, with its own generation config); `fast-unfused`, the fast path
+with `fuse_projections=False` (one quantized call per layer), loads a copy of its own, since a model
+keeps one compiled step. All candidates are timed
 in every round, in rotated order, so ratios compare runs seconds apart on a machine shared with
 others; tables print the median and [min-max] over rounds, ratios taken inside each round.
 
@@ -69,7 +72,7 @@ METHODS = {
     "nf4 e8": NF4Config(embedding_bits=8),
     "4bit e8": CustomBitsConfig(bits=4, group_size=64, embedding_bits=8),
 }
-PATHS = ("eager", "fast")
+PATHS = ("eager", "fast", "fast-unfused")
 PREFILL_TOKENS = 512
 
 
@@ -86,8 +89,9 @@ class TorchCandidate:
 
     def __init__(self, model, path: str, max_cache_len: int, mode: str) -> None:
         self.model, self.path = model, path
-        if path == "fast":
-            self.config = fast_decoding_config(model, max_cache_len=max_cache_len, mode=mode)
+        if path != "eager":
+            fuse = path != "fast-unfused"
+            self.config = fast_decoding_config(model, max_cache_len=max_cache_len, mode=mode, fuse_projections=fuse)
         else:
             self.config = copy.deepcopy(model.generation_config)
 
@@ -183,6 +187,18 @@ def load(name: str, directory: Path):
     return AutoModelForCausalLM.from_pretrained(directory, **kwargs).eval()
 
 
+def models_by_path(name: str, directory: Path, paths: list[str], model=None) -> dict[str, object]:
+    """The model each path runs: one for eager and the first compiled path, a copy for each further
+    compiled path (a model keeps one compiled step: two would recompile each other's)."""
+    model = model or load(name, directory)
+    models, compiled = {}, 0
+    for path in paths:
+        models[path] = load(name, directory) if path != "eager" and compiled else model
+        models[path].generation_config.pad_token_id = model.generation_config.pad_token_id
+        compiled += path != "eager"
+    return models
+
+
 def build(args, directory: Path, tokenizer) -> dict[str, object]:
     """name -> candidate, warmed up (the fast paths compiled for one sequence)."""
     candidates: dict[str, object] = {}
@@ -190,8 +206,8 @@ def build(args, directory: Path, tokenizer) -> dict[str, object]:
     for name in args.methods:
         model = load(name, directory)
         model.generation_config.pad_token_id = tokenizer.eos_token_id
-        for path in args.paths:
-            candidates[f"{name} {path}"] = TorchCandidate(model, path, max_cache_len, args.compile_mode)
+        for path, path_model in models_by_path(name, directory, args.paths, model).items():
+            candidates[f"{name} {path}"] = TorchCandidate(path_model, path, max_cache_len, args.compile_mode)
     for key, candidate in candidates.items():
         start = time.perf_counter()
         with count_compilations() as counts:
@@ -239,10 +255,10 @@ def batched_rounds(
     candidates: dict[str, object] = {}
     max_cache_len = args.prompt_tokens + args.tokens
     for name in args.batch_methods:
-        model = models.get(name) or load(name, directory)
-        for path in args.paths:
+        by_path = models_by_path(name, directory, args.paths, models.get(name))
+        for path, model in by_path.items():
             candidates[f"{name} {path}"] = TorchCandidate(model, path, max_cache_len, args.compile_mode)
-        candidates[f"{name} continuous batching"] = ContinuousBatching(model)
+        candidates[f"{name} continuous batching"] = ContinuousBatching(next(iter(by_path.values())))
     rates: dict[str, dict[int, Spread]] = {name: {b: Spread() for b in args.batch_sizes} for name in candidates}
     for batch in args.batch_sizes:
         prompts = texts[:batch]
@@ -340,7 +356,7 @@ def report_batched(args, rates: dict[str, dict[int, Spread]]) -> None:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    parser.add_argument("--paths", nargs="+", default=["eager", "fast"], choices=list(PATHS))
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per generation")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
@@ -375,9 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     rates = {}
     if args.batch_sizes:
         windows = text[: max(args.batch_sizes) * args.prompt_tokens].view(-1, args.prompt_tokens)
-        models = {
-            name.rsplit(maxsplit=1)[0]: c.model for name, c in candidates.items() if isinstance(c, TorchCandidate)
-        }
+        models = {}  # each method's first model (its eager and fast paths)
+        for name, candidate in candidates.items():
+            if isinstance(candidate, TorchCandidate):
+                models.setdefault(name.rsplit(maxsplit=1)[0], candidate.model)
         rates = batched_rounds(args, directory, models, windows)
         report_batched(args, rates)
     if args.json:
