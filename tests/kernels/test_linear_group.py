@@ -6,7 +6,9 @@ import torch
 
 import quantlab
 from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
-from quantlab.kernels.cpu import ops
+from quantlab.kernels.cpu import native, ops
+from quantlab.kernels.cpu.linear import ctypes_linear
+from quantlab.kernels.cpu.weights import native_weight
 
 # 320 inputs: not a multiple of the group size (the last group is padded); 130 and 66 outputs: not
 # whole blocks of 4 features. Every layout has work enough for the kernels to use two threads.
@@ -84,8 +86,21 @@ def test_gradients_are_refused_not_silently_dropped(operators):
         operators.linear_group_op(x, *operators.group_arguments(layers))
 
 
-def test_weights_of_different_layouts_are_refused(operators):
-    layers = projections(FORMATS["4bit-g64"])[:1] + projections(FORMATS["3bit-g32"])[1:]
-    arguments = list(operators.group_arguments(layers))
-    with torch.no_grad(), pytest.raises(RuntimeError, match="quantlab"):
-        operators.linear_group_op(torch.randn(1, IN_FEATURES), *arguments)
+def _gemm_group(layers: list[torch.nn.Module], x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """`ql_gemm_group` called through ctypes on the layers' C descriptions: (status, output)."""
+    structs = (native.QuantlabCpuWeight * len(layers))(*(native_weight(layer).struct for layer in layers))
+    out = torch.zeros(x.shape[0], sum(layer.out_features for layer in layers))
+    status = native.library().ql_gemm_group(
+        structs, len(layers), x.data_ptr(), x.shape[0], x.stride(0), out.data_ptr(), out.stride(0), 2
+    )
+    return status, out
+
+
+def test_the_c_entry_point_refuses_weights_of_different_layouts(library):
+    x = torch.randn(3, IN_FEATURES)
+    same = projections(FORMATS["4bit-g64"])
+    status, out = _gemm_group(same, x)
+    assert status == 0 and torch.equal(out, torch.cat([ctypes_linear(layer, x) for layer in same], dim=-1))
+    for other in ("3bit-g32", "nf4-dq"):  # each weight valid alone, not the layout of the first
+        status, _ = _gemm_group([same[0], projections(FORMATS[other])[1]], x)
+        assert status == 1  # QL_BAD_FORMAT
