@@ -5,11 +5,13 @@ fast path (`quantlab.generation.compile_for_decoding`), with llama.cpp as an opt
     python benchmarks/decode.py --rounds 3 --tokens 32 --batch-sizes 1 4 16 64
     python benchmarks/decode.py --methods 4bit --paths fast --no-memory --json
     python benchmarks/decode.py --methods "4bit e8" --paths fast fast-unfused --no-memory --no-onnx
+    python benchmarks/decode.py --methods "4bit e8" --paths fast fast-int8 --no-memory --no-onnx
 
 Every model is loaded once (quantized while loading); the eager and fast paths of a method share
 its weights (one `generate` call each, with its own generation config); `fast-unfused`, the fast path
-with `fuse_projections=False` (one quantized call per layer), loads a copy of its own, since a model
-keeps one compiled step. All candidates are timed
+with `fuse_projections=False` (one quantized call per layer), and `fast-int8`, the fast path with
+`int8_activations=True` (4-bit layers on int8 activations, llama.cpp's scheme: not bit-exact), load a
+copy of their own, since a model keeps one compiled step. All candidates are timed
 in every round, in rotated order, so ratios compare runs seconds apart on a machine shared with
 others; tables print the median and [min-max] over rounds, ratios taken inside each round.
 
@@ -72,7 +74,7 @@ METHODS = {
     "nf4 e8": NF4Config(embedding_bits=8),
     "4bit e8": CustomBitsConfig(bits=4, group_size=64, embedding_bits=8),
 }
-PATHS = ("eager", "fast", "fast-unfused")
+PATHS = ("eager", "fast", "fast-unfused", "fast-int8")
 PREFILL_TOKENS = 512
 
 
@@ -90,8 +92,10 @@ class TorchCandidate:
     def __init__(self, model, path: str, max_cache_len: int, mode: str) -> None:
         self.model, self.path = model, path
         if path != "eager":
-            fuse = path != "fast-unfused"
-            self.config = fast_decoding_config(model, max_cache_len=max_cache_len, mode=mode, fuse_projections=fuse)
+            self.config = fast_decoding_config(
+                model, max_cache_len=max_cache_len, mode=mode, fuse_projections=path != "fast-unfused",
+                int8_activations=path == "fast-int8",
+            )  # fmt: skip
         else:
             self.config = copy.deepcopy(model.generation_config)
 

@@ -9,7 +9,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import quantlab
 from quantlab.generation import compile_for_decoding, count_compilations, warm_up
 from quantlab.generation.fusion import FUSE_PROJECTIONS
-from quantlab.kernels.cpu import ops
+from quantlab.kernels.cpu import native, ops
 from quantlab.testing.models import tiny_llama
 
 PROMPT = torch.tensor([[7, 8, 200, 31, 64, 64, 12, 250, 1, 90, 77]])
@@ -163,3 +163,33 @@ def test_without_native_kernels_the_graphs_hold_no_quantlab_call_and_nothing_fus
     assert counters["quantlab_calls"]["graphs"] >= 1
     assert counters["quantlab_calls"]["linear"] == counters["quantlab_calls"]["linear_group"] == 0
     assert counters["quantlab"]["projection_groups"] == 0
+
+
+def test_int8_activations_run_every_4bit_layer_of_the_step_on_the_int8_kernel(operators):
+    """`int8_activations=True`: every 4-bit g64 layer of the step is a `linear_group` call with
+    activation_bits 8 (fused or alone), one compilation, and logits near the float step's (x rounded
+    to 8 bits: close, not equal)."""
+
+    def compiled(int8_activations: bool):
+        model = tiny_llama(seed=3)
+        quantlab.quantize(model, quantlab.CustomBitsConfig(bits=4, group_size=64))
+        model.generation_config.pad_token_id = 0
+        torch._dynamo.reset()
+        counters.clear()
+        options = {"post_grad_custom_post_pass": COUNT_CALLS}
+        compile_for_decoding(model, max_cache_len=64, options=options, int8_activations=int8_activations)
+        counts = warm_up(model)
+        assert (counts.frames, counts.graphs, counts.graph_breaks) == (1, 1, 0), counts.break_reasons
+        return model, dict(counters["quantlab"]), dict(counters["quantlab_calls"])
+
+    model, done, calls = compiled(int8_activations=True)
+    assert done["int8_activation_layers"] == 7 * LAYERS and done["fused_projections"] == 5 * LAYERS
+    assert calls["linear"] == 0 and calls["linear_group"] == 4 * LAYERS
+    with count_compilations() as counts:
+        _, logits = _decode(model, tokens=4)
+    assert (counts.frames, counts.graphs, counts.graph_breaks) == (0, 0, 0), counts.break_reasons
+    _, float_logits = _decode(compiled(int8_activations=False)[0], tokens=4)
+    relative = ((logits - float_logits).norm() / float_logits.norm()).item()
+    assert relative < 0.05
+    if native.int8_activations_supported():
+        assert relative > 0  # the int8 kernel ran (without VNNI it computes in float: equal logits)

@@ -91,7 +91,7 @@ def _gemm_group(layers: list[torch.nn.Module], x: torch.Tensor) -> tuple[int, to
     structs = (native.QuantlabCpuWeight * len(layers))(*(native_weight(layer).struct for layer in layers))
     out = torch.zeros(x.shape[0], sum(layer.out_features for layer in layers))
     status = native.library().ql_gemm_group(
-        structs, len(layers), x.data_ptr(), x.shape[0], x.stride(0), out.data_ptr(), out.stride(0), 2
+        structs, len(layers), x.data_ptr(), x.shape[0], x.stride(0), out.data_ptr(), out.stride(0), 2, 0
     )
     return status, out
 

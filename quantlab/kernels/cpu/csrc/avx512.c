@@ -37,7 +37,7 @@ QL_INLINE QL_AVX512 __m512 ql_load16(const void *base, int32_t dtype, int64_t i,
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 
-static QL_AVX512 void ql_params512(const ql_weight *w, int64_t n, float *scale, float *zero) {
+QL_AVX512 void ql_params512(const ql_weight *w, int64_t n, float *scale, float *zero) {
     int64_t first = n * w->groups;
     if (w->kind == QL_NF4 && w->absmax_codes) {
         /* Double-quantized absmax: scalar lookups. Two 16-lane gathers per 16 groups were slower

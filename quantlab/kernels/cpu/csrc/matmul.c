@@ -93,6 +93,9 @@ typedef struct {
     int64_t first;    /* dequantize: first feature */
     int64_t last;
     int64_t per_chunk;
+    const int8_t *xq; /* int8 activations (avx512_vnni.c): x quantized per block of 64, else NULL */
+    const float *xd;
+    const int32_t *xs;
     _Atomic int failed;
 } ql_job;
 
@@ -112,6 +115,13 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
         atomic_store(&job->failed, 1);
         return;
     }
+#ifdef QL_X86
+    if (job->xq) {
+        ql_gemm512_a8(w, job->xq, job->xd, job->xs, job->m, row_length, n0, n1, job->out, job->out_stride, scratch);
+        free(scratch);
+        return;
+    }
+#endif
     /* Rows in tiles whose x stays in L2 while every block of 4 features of the chunk streams past
      * it; untiled, 512 rows of 2048 inputs (4 MiB) are read again from L3 for each block. Tiles are
      * whole blocks of 4 rows, so every output is computed exactly as without tiles. Measured on
@@ -208,10 +218,12 @@ static int ql_same_layout(const ql_weight *a, const ql_weight *b) {
  * x is prepared once and the features of all weights are cut into chunks of one size, which one
  * thread team takes in turn. Every chunk starts on a whole block of 4 features of its weight, as in
  * ql_gemm, so each output is computed by the same code as ql_gemm of its weight alone: bit for bit
- * the same values. The weights must share a layout (kind, bits, in_features, group shape). */
+ * the same values. The weights must share a layout (kind, bits, in_features, group shape).
+ * activation_bits 8 (else 0) rounds x to int8 blocks of 64 for 4-bit affine weights on CPUs with
+ * AVX512-VNNI (avx512_vnni.c: faster, not bit-exact); other formats and CPUs ignore it. */
 QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x, int64_t m, int64_t x_stride, float *y,
-                         int64_t y_stride, int threads) {
-    if (count < 1) return QL_BAD_FORMAT;
+                         int64_t y_stride, int threads, int activation_bits) {
+    if (count < 1 || (activation_bits != 0 && activation_bits != 8)) return QL_BAD_FORMAT;
     int64_t features = 0, work = 0, widest = 0;
     for (int64_t i = 0; i < count; i++) {
         const ql_weight *w = &weights[i];
@@ -233,18 +245,38 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
         free(first_chunk);
         return QL_NO_MEMORY;
     }
+    int8_t *xq = NULL; /* activation_bits 8: x as int8 blocks of 64 (avx512_vnni.c), where the CPU and format allow */
+    float *xd = NULL;
+    int32_t *xs = NULL;
+#ifdef QL_X86
+    if (activation_bits == 8 && ql_has_vnni() && ql_a8_eligible(&weights[0])) {
+        int64_t blocks = m * weights[0].groups * layout.padded_group / 64;
+        void *buffer = malloc((size_t)(blocks * (64 + sizeof(float) + sizeof(int32_t))));
+        if (!buffer) {
+            free(xp);
+            free(jobs);
+            free(first_chunk);
+            return QL_NO_MEMORY;
+        }
+        xd = (float *)buffer;
+        xs = (int32_t *)(xd + blocks);
+        xq = (int8_t *)(xs + blocks);
+        ql_quantize_x_a8(xp, m, weights[0].groups * layout.padded_group, xq, xd, xs);
+    }
+#endif
     threads = ql_threads(threads, work * (m < 4 ? 1 : m / 4));
     int64_t per_chunk = threads > 1 ? ql_chunk_features(features, threads) : widest;
     first_chunk[0] = 0;
     for (int64_t i = 0, column = 0; i < count; column += weights[i].n, i++) {
         jobs[i] = (ql_job){.w = &weights[i], .isa = isa, .layout = layout, .xp = xp, .m = m, .out = y + column,
-                           .out_stride = y_stride, .per_chunk = per_chunk};
+                           .out_stride = y_stride, .per_chunk = per_chunk, .xq = xq, .xd = xd, .xs = xs};
         first_chunk[i + 1] = first_chunk[i] + (weights[i].n + per_chunk - 1) / per_chunk;
     }
     ql_group_job group = {.jobs = jobs, .first_chunk = first_chunk};
     ql_run(ql_gemm_group_chunk, &group, first_chunk[count], threads);
     int failed = 0;
     for (int64_t i = 0; i < count; i++) failed |= atomic_load(&jobs[i].failed);
+    free(xd); /* the start of the int8 buffer */
     free(xp);
     free(jobs);
     free(first_chunk);

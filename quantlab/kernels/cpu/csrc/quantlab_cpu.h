@@ -22,7 +22,7 @@
 
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
-#define QL_ABI_VERSION 3
+#define QL_ABI_VERSION 4
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 
 enum { QL_AFFINE = 0, QL_INT8 = 1, QL_NF4 = 2 };
@@ -159,6 +159,12 @@ int ql_mode512(const ql_weight *w);
 void ql_gemm512(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0, int64_t n1,
                 float *y, int64_t y_stride, float *params, float *decoded);
 void ql_dequantize512(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, float *params);
+void ql_params512(const ql_weight *w, int64_t n, float *scale, float *zero); /* scale and zero of row n's groups */
+/* avx512_vnni.c: int8 activations for 4-bit weights */
+int ql_a8_eligible(const ql_weight *w);
+void ql_quantize_x_a8(const float *xp, int64_t m, int64_t row_length, int8_t *xq, float *xd, int32_t *xs);
+void ql_gemm512_a8(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m,
+                   int64_t row_length, int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params);
 /* avx2.c */
 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0, int64_t n1,
                 float *y, int64_t y_stride, float *params);
@@ -174,5 +180,7 @@ int64_t ql_chunk_features(int64_t n, int threads);
 
 /* matmul.c */
 QL_API int ql_isa(void);
+/* avx512_vnni.c */
+QL_API int ql_has_vnni(void);
 
 #endif

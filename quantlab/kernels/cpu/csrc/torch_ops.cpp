@@ -37,7 +37,7 @@ namespace {
 
 using GemmFn = int (*)(const ql_weight *, const float *, int64_t, int64_t, float *, int64_t, int);
 using DequantizeFn = int (*)(const ql_weight *, int64_t, int64_t, float *, int64_t, int);
-using GemmGroupFn = int (*)(const ql_weight *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int);
+using GemmGroupFn = int (*)(const ql_weight *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int, int);
 
 GemmFn gemm_fn = nullptr;
 GemmGroupFn gemm_group_fn = nullptr;
@@ -172,8 +172,10 @@ using OptionalList = const c10::List<std::optional<at::Tensor>> &;
 at::Tensor linear_group(const at::Tensor &x, OptionalList bias, at::TensorList codes, OptionalList scale,
                         OptionalList zero, OptionalList absmax_codes, OptionalList absmax_scale,
                         OptionalList absmax_offset, int64_t kind, int64_t bits, int64_t in_features,
-                        int64_t group_size, int64_t absmax_block, double zero_const) {
+                        int64_t group_size, int64_t absmax_block, double zero_const, int64_t activation_bits) {
     TORCH_CHECK(x.device().is_cpu() && x.is_floating_point(), "quantlab::linear_group: x must be a floating CPU tensor");
+    TORCH_CHECK(activation_bits == 0 || activation_bits == 8, "quantlab::linear_group: activation_bits is 0 (float) "
+                "or 8, got ", activation_bits);
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_features, "quantlab::linear_group: x has ", x.size(-1),
                 " features, the weights ", in_features);
     const size_t count = codes.size();
@@ -197,7 +199,8 @@ at::Tensor linear_group(const at::Tensor &x, OptionalList bias, at::TensorList c
     at::Tensor out = at::empty({rows, features}, flat.options());
     if (rows) {
         int status = gemm_group_fn(weights.data(), static_cast<int64_t>(count), flat.data_ptr<float>(), rows,
-                                   flat.stride(0), out.data_ptr<float>(), features, at::get_num_threads());
+                                   flat.stride(0), out.data_ptr<float>(), features, at::get_num_threads(),
+                                   static_cast<int>(activation_bits));
         TORCH_CHECK(status == 0, "quantlab native grouped matmul failed with status ", status);
     }
     if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
@@ -351,7 +354,8 @@ at::Tensor linear_autograd(const at::Tensor &x, Optional bias, const at::Tensor 
 at::Tensor linear_group_autograd(const at::Tensor &x, OptionalList bias, at::TensorList codes, OptionalList scale,
                                  OptionalList zero, OptionalList absmax_codes, OptionalList absmax_scale,
                                  OptionalList absmax_offset, int64_t kind, int64_t bits, int64_t in_features,
-                                 int64_t group_size, int64_t absmax_block, double zero_const) {
+                                 int64_t group_size, int64_t absmax_block, double zero_const,
+                                 int64_t activation_bits) {
     bool needs_grad = x.requires_grad();
     for (const std::optional<at::Tensor> &b : bias) needs_grad |= b.has_value() && b->requires_grad();
     TORCH_CHECK(!at::GradMode::is_enabled() || !needs_grad, "quantlab::linear_group has no gradient: call "
@@ -360,7 +364,7 @@ at::Tensor linear_group_autograd(const at::Tensor &x, OptionalList bias, at::Ten
                          .typed<decltype(linear_group)>();
     at::AutoDispatchBelowADInplaceOrView guard;
     return op.call(x, bias, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind, bits, in_features,
-                   group_size, absmax_block, zero_const);
+                   group_size, absmax_block, zero_const, activation_bits);
 }
 
 }  // namespace
@@ -385,7 +389,7 @@ TORCH_LIBRARY(quantlab, m) {
     m.def("linear(Tensor x, Tensor? bias, " WEIGHT_ARGS ") -> Tensor");
     m.def("linear_group(Tensor x, Tensor?[] bias, Tensor[] codes, Tensor?[] scale, Tensor?[] zero, "
           "Tensor?[] absmax_codes, Tensor?[] absmax_scale, Tensor?[] absmax_offset, int kind, int bits, "
-          "int in_features, int group_size, int absmax_block, float zero_const) -> Tensor");
+          "int in_features, int group_size, int absmax_block, float zero_const, int activation_bits=0) -> Tensor");
     m.def("dequantize(" WEIGHT_ARGS ") -> Tensor");
 }
 
