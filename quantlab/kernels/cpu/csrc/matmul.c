@@ -219,8 +219,9 @@ static int ql_same_layout(const ql_weight *a, const ql_weight *b) {
  * thread team takes in turn. Every chunk starts on a whole block of 4 features of its weight, as in
  * ql_gemm, so each output is computed by the same code as ql_gemm of its weight alone: bit for bit
  * the same values. The weights must share a layout (kind, bits, in_features, group shape).
- * activation_bits 8 (else 0) rounds x to int8 blocks of 64 for 4-bit affine weights on CPUs with
- * AVX512-VNNI (avx512_vnni.c: faster, not bit-exact); other formats and CPUs ignore it. */
+ * activation_bits 8 (else 0) rounds x to int8 blocks of 64 for 4-bit affine and int8 weights in groups
+ * of 64 or a multiple, on CPUs with AVX512-VNNI (avx512_vnni.c: faster, not bit-exact); other formats
+ * and CPUs ignore it. */
 QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x, int64_t m, int64_t x_stride, float *y,
                          int64_t y_stride, int threads, int activation_bits) {
     if (count < 1 || (activation_bits != 0 && activation_bits != 8)) return QL_BAD_FORMAT;
@@ -261,7 +262,7 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
         xd = (float *)buffer;
         xs = (int32_t *)(xd + blocks);
         xq = (int8_t *)(xs + blocks);
-        ql_quantize_x_a8(xp, m, weights[0].groups * layout.padded_group, xq, xd, xs);
+        ql_quantize_x_a8(xp, m, weights[0].groups * layout.padded_group, layout.nibble, xq, xd, xs);
     }
 #endif
     threads = ql_threads(threads, work * (m < 4 ? 1 : m / 4));
