@@ -82,11 +82,12 @@ def compile_for_decoding(
     keeps its modules, so saving, ONNX export and PEFT see the original layers, and the eager path
     (prefill, plain `generate`) stays unfused. `False` keeps one call per layer.
 
-    `int8_activations=True` runs the step's 4-bit affine layers (groups of 64 or a multiple) on
+    `int8_activations=True` runs the step's 4-bit affine and int8 layers (groups of 64 or a multiple,
+    or one group per row of such a length; the int8 output head of `embedding_bits=8` too) on
     activations rounded to int8 per block of 64 inputs, with integer dot products on CPUs with
-    AVX512-VNNI (llama.cpp's Q4_0 x Q8_0 scheme): faster at one row, not bit-exact (about 0.5 %
-    relative error in each layer's output, so greedy tokens can differ from the eager path's); other
-    formats, and CPUs without VNNI, compute in float as before. Off by default.
+    AVX512-VNNI (llama.cpp's Q4_0 x Q8_0 and Q8_0 x Q8_0 schemes): faster at one row, not bit-exact
+    (about 0.5 % relative error in each layer's output, so greedy tokens can differ from the eager
+    path's); other formats, and CPUs without VNNI, compute in float as before. Off by default.
     """
     model.generation_config = fast_decoding_config(
         model, max_cache_len, mode, fullgraph, options, module_guards, fuse_projections, int8_activations

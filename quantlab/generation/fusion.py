@@ -8,10 +8,11 @@ same layout by one `quantlab::linear_group` call (x prepared once, one parallel 
 features of all of them) and slices its output back for their users; every value is the one
 `quantlab::linear` gives (see ql_gemm_group). A Llama block goes from 7 calls to 4.
 
-With `activation_bits=8` (`compile_for_decoding(int8_activations=True)`) every 4-bit affine layer of
-the step (groups of 64 or a multiple) runs on x rounded to int8 per block of 64 inputs, with integer
-dot products (AVX512-VNNI), as llama.cpp's Q4_0 x Q8_0 does: about twice as fast at one row, at
-about 0.5 % relative error in each output; off by default.
+With `activation_bits=8` (`compile_for_decoding(int8_activations=True)`) every 4-bit affine or int8
+layer of the step (groups of 64 or a multiple, an int8 output head included) runs on x rounded to int8
+per block of 64 inputs, with integer dot products (AVX512-VNNI), as llama.cpp's Q4_0 x Q8_0 and
+Q8_0 x Q8_0 do: about twice as fast at one row for 4-bit, at about 0.5 % relative error in each
+output; off by default.
 
 Only the compiled graph changes: the modules, what is saved, ONNX export and PEFT adapters see the
 original layers, and the eager path stays unfused. The pass runs after autograd on inference graphs
@@ -27,7 +28,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, get_hash_for_files
 
 from quantlab.kernels.cpu import ops
-from quantlab.kernels.cpu.weights import AFFINE
+from quantlab.kernels.cpu.weights import AFFINE, INT8
 
 # quantlab::linear(x, bias, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, <6 layout integers>)
 _PER_LAYER = slice(1, 8)
@@ -72,10 +73,11 @@ FUSE_PROJECTIONS = FuseProjections()
 
 
 def int8_ready(node: torch.fx.Node) -> bool:
-    """Whether the int8-activation kernel takes this layer: 4-bit affine codes in groups of 64 or a
-    multiple (on a CPU without AVX512-VNNI the kernel computes it in float instead)."""
+    """Whether the int8-activation kernel takes this layer (`ql_a8_eligible`): 4-bit affine or int8 codes
+    in groups of 64 or a multiple, a per-channel group being the row (on a CPU without AVX512-VNNI the
+    kernel computes it in float instead)."""
     kind, bits, _, group_size = node.args[_LAYOUT][:4]
-    return kind == AFFINE and bits == 4 and group_size % 64 == 0
+    return ((kind == AFFINE and bits == 4) or kind == INT8) and group_size % 64 == 0
 
 
 def _groups(graph: torch.fx.Graph, fuse: bool, activation_bits: int) -> list[list[torch.fx.Node]]:

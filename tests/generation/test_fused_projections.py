@@ -146,8 +146,8 @@ def test_the_pass_fuses_inference_graphs_only(operators):
 
 
 def test_without_native_kernels_the_graphs_hold_no_quantlab_call_and_nothing_fuses(operators, monkeypatch):
-    """The reference kernel traces as plain torch ops (with graph breaks on Python 3.11: its layouts'
-    cached_property takes a lock), so the pass finds nothing to fuse and changes nothing."""
+    """The reference kernel traces as plain torch ops, in one graph, so the pass finds nothing to fuse
+    and changes nothing (the whole fast path without native kernels: test_reference_fallback.py)."""
     q, k = _two_projections()
 
     def project(x):
@@ -159,20 +159,28 @@ def test_without_native_kernels_the_graphs_hold_no_quantlab_call_and_nothing_fus
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
-        assert torch.equal(torch.compile(project, options=options)(x), project(x))
-    assert counters["quantlab_calls"]["graphs"] >= 1
+        assert torch.equal(torch.compile(project, fullgraph=True, options=options)(x), project(x))
+    assert counters["quantlab_calls"]["graphs"] == 1
     assert counters["quantlab_calls"]["linear"] == counters["quantlab_calls"]["linear_group"] == 0
     assert counters["quantlab"]["projection_groups"] == 0
 
 
-def test_int8_activations_run_every_4bit_layer_of_the_step_on_the_int8_kernel(operators):
-    """`int8_activations=True`: every 4-bit g64 layer of the step is a `linear_group` call with
-    activation_bits 8 (fused or alone), one compilation, and logits near the float step's (x rounded
-    to 8 bits: close, not equal)."""
+@pytest.mark.parametrize(
+    "config, tied",
+    [
+        (quantlab.CustomBitsConfig(bits=4, group_size=64, embedding_bits=8), True),
+        (quantlab.Int8SymmetricConfig(embedding_bits=8), False),  # one group per row: 64 or 192 inputs
+    ],
+    ids=["4bit-g64-e8-tied", "int8-e8"],
+)
+def test_int8_activations_run_every_eligible_layer_of_the_step_on_the_int8_kernel(operators, config, tied):
+    """`int8_activations=True`: every 4-bit g64 or int8 layer of the step, the int8 output head (tied or
+    not) included, is a `linear_group` call with activation_bits 8 (fused or alone), one compilation, and
+    logits near the float step's (x rounded to 8 bits: close, not equal)."""
 
     def compiled(int8_activations: bool):
-        model = tiny_llama(seed=3)
-        quantlab.quantize(model, quantlab.CustomBitsConfig(bits=4, group_size=64))
+        model = tiny_llama(seed=3, tie_word_embeddings=tied)
+        quantlab.quantize(model, config)
         model.generation_config.pad_token_id = 0
         torch._dynamo.reset()
         counters.clear()
@@ -183,8 +191,8 @@ def test_int8_activations_run_every_4bit_layer_of_the_step_on_the_int8_kernel(op
         return model, dict(counters["quantlab"]), dict(counters["quantlab_calls"])
 
     model, done, calls = compiled(int8_activations=True)
-    assert done["int8_activation_layers"] == 7 * LAYERS and done["fused_projections"] == 5 * LAYERS
-    assert calls["linear"] == 0 and calls["linear_group"] == 4 * LAYERS
+    assert done["int8_activation_layers"] == 7 * LAYERS + 1 and done["fused_projections"] == 5 * LAYERS
+    assert calls["linear"] == 0 and calls["linear_group"] == 4 * LAYERS + 1
     with count_compilations() as counts:
         _, logits = _decode(model, tokens=4)
     assert (counts.frames, counts.graphs, counts.graph_breaks) == (0, 0, 0), counts.break_reasons
