@@ -111,6 +111,7 @@ def build_candidates(linear: torch.nn.Linear, threads: int) -> tuple[dict[str, F
         layer = quantlab_layer(linear, config)
         forwards[name] = layer
         sizes[name] = layer.stored_bytes()
+    forwards.update(bare_operators(quantlab_layer(linear, QUANTLAB["ql 4b"])))
     dequantize_then_mm = dequantize_then_gemm(quantlab_layer(linear, QUANTLAB["ql 4b"]))
     if dequantize_then_mm is not None:
         forwards["ql dq+mm 4b"] = dequantize_then_mm
@@ -122,6 +123,20 @@ def build_candidates(linear: torch.nn.Linear, threads: int) -> tuple[dict[str, F
             forwards[f"ort {bits}b"] = forward
             sizes[f"ort {bits}b"] = size
     return forwards, sizes
+
+
+def bare_operators(layer: quantlab.QuantizedLinear) -> dict[str, Forward]:
+    """The 4-bit layer as a compiled graph calls it: the bare `quantlab::linear` operator (`ql op 4b`),
+    and `quantlab::linear_group` on int8 activations (`ql op 4b i8act`, the fast path's
+    `int8_activations=True`: not bit-exact) where this CPU has the kernel for it."""
+    if not ops.available():
+        return {}
+    arguments = ops.linear_arguments(layer)
+    forwards = {"ql op 4b": lambda x: ops.linear_op(x, *arguments)}
+    if native.int8_activations_supported():
+        group = ops.group_arguments([layer])
+        forwards["ql op 4b i8act"] = lambda x: ops.linear_group_op(x, *group, 8)
+    return forwards
 
 
 def dequantize_then_gemm(layer: quantlab.QuantizedLinear) -> Forward | None:
@@ -198,6 +213,8 @@ def onnxruntime_matmul_nbits(linear: torch.nn.Linear, bits: int, threads: int) -
 
 RATIOS = {  # label -> (numerator, denominator): > 1 means the quantlab kernel is faster
     "fp32 / ql 4b": ("torch fp32", "ql 4b"),
+    "fp32 / ql op 4b": ("torch fp32", "ql op 4b"),
+    "fp32 / ql op 4b i8act": ("torch fp32", "ql op 4b i8act"),
     "fp32 / ql int8": ("torch fp32", "ql int8"),
     "bnb nf4 / ql 4b": ("bnb nf4", "ql 4b"),
     "bnb int8 / ql int8": ("bnb int8", "ql int8"),
