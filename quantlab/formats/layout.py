@@ -17,7 +17,6 @@ beyond torch, so everything is testable bit-exactly.
 
 import dataclasses
 from collections.abc import Callable
-from functools import cached_property
 
 import torch
 
@@ -55,7 +54,10 @@ class GroupParams:
 
 @dataclasses.dataclass(frozen=True)
 class StorageLayout:
-    """What a quantized `[out, in]` weight stores, and the grid its codes index."""
+    """What a quantized `[out, in]` weight stores, and the grid its codes index.
+
+    `tensors` (set on construction): name → `TensorSpec` of every stored tensor.
+    """
 
     codec: str
     bits: int
@@ -70,6 +72,11 @@ class StorageLayout:
         if self.codec not in CODECS:
             raise ValueError(f"codec {self.codec!r} is not one of {CODECS}")
         packing._check_bits(self.bits)
+        # A plain attribute, not a functools.cached_property: that one takes a lock on first
+        # read (Python < 3.12), which torch.compile cannot trace, and the reference kernel reads
+        # a layout's tensors inside the compiled decode step. Not a field: equality, hashing and
+        # repr stay those of the description above.
+        object.__setattr__(self, "tensors", self._tensor_specs())
 
     # -- shape ------------------------------------------------------------------------------
 
@@ -98,8 +105,7 @@ class StorageLayout:
             return 0.0
         return float(1 << (self.bits - 1))
 
-    @cached_property
-    def tensors(self) -> dict[str, TensorSpec]:
+    def _tensor_specs(self) -> dict[str, TensorSpec]:
         """Name → shape and dtype of every stored tensor; `weight` holds the codes `[out, groups, bytes]`."""
         out, groups = self.out_features, self.groups
         code_bytes = packing.packed_size(self.group_length, self.bits) if self.packed else self.group_length

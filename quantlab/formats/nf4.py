@@ -58,9 +58,19 @@ def levels(device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
 
 
-@cache
+@torch.compiler.assume_constant_result
 def dynamic_map() -> tuple[float, ...]:
-    """The signed dynamic 8-bit map of Dettmers (arXiv 1511.04561), as bitsandbytes builds it."""
+    """The signed dynamic 8-bit map of Dettmers (arXiv 1511.04561), as bitsandbytes builds it.
+
+    A constant to torch.compile: the reference kernel decodes double-quantized absmax inside the
+    compiled decode step, and dynamo would otherwise trace the construction below (it ignores
+    `functools.cache`), whose `tolist()` it cannot.
+    """
+    return _build_dynamic_map()
+
+
+@cache
+def _build_dynamic_map() -> tuple[float, ...]:
     max_exponent_bits, non_sign_bits = 7, 7
     values: list[float] = []
     for i in range(max_exponent_bits):
