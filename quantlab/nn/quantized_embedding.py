@@ -73,6 +73,7 @@ class QuantizedTable(StoredTensorsModule):
         self.out_features = rows
         self.in_features = width
         self.config = config
+        self._layout = self.layout_for(width, rows, config)  # once: a layout built while tracing cannot be kept
         spec = self.storage_spec(width, rows, config)
         for name, (shape, dtype) in spec.items():
             self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device))

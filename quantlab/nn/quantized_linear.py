@@ -49,8 +49,12 @@ class QuantizedLinear(StoredTensorsModule):
         self.in_features = in_features
         self.out_features = out_features
         self.config = config
-        for name, (shape, storage_dtype) in self.storage_spec(in_features, out_features, config).items():
+        # Built here, once: a layout built while torch.compile traces a call cannot be kept on the module.
+        self._layout = _declared_layout(type(self), in_features, out_features, config)
+        spec = self.storage_spec(in_features, out_features, config)
+        for name, (shape, storage_dtype) in spec.items():
             self.register_buffer(name, torch.zeros(shape, dtype=storage_dtype, device=device))
+        self.stored_names = tuple(spec)  # read on every call: a plain tuple traces without a guard
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
 
     # -- what a method defines --------------------------------------------------------------
@@ -79,7 +83,7 @@ class QuantizedLinear(StoredTensorsModule):
 
     @property
     def layout(self) -> StorageLayout:
-        """This layer's layout (computed once: the config and shape never change after construction)."""
+        """This layer's layout (built on construction: the config and shape never change after it)."""
         layout = self.__dict__.get("_layout")
         if layout is None:
             layout = self._layout = self.layout_for(self.in_features, self.out_features, self.config)
@@ -177,8 +181,7 @@ class QuantizedLinear(StoredTensorsModule):
             setattr(self, name, tensor.to(getattr(self, name).device))
 
     def stored_tensors(self) -> dict[str, torch.Tensor]:
-        names = self.storage_spec(self.in_features, self.out_features, self.config)
-        return {name: getattr(self, name) for name in names}
+        return {name: getattr(self, name) for name in self.stored_names}
 
     def stored_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.stored_tensors().values())
@@ -201,7 +204,18 @@ class QuantizedLinear(StoredTensorsModule):
         return f"{shape}, bias={self.bias is not None}, config={self.config!r}"
 
     def stored_tensor_names(self) -> tuple[str, ...]:
-        return tuple(self.storage_spec(self.in_features, self.out_features, self.config))
+        return self.stored_names
+
+
+def _declared_layout(
+    cls: type[QuantizedLinear], in_features: int, out_features: int, config: QuantlabConfig
+) -> StorageLayout | None:
+    """The class's layout of this shape, or None when it declares none (it then defines its own
+    `storage_spec` and `dequantize_weight`)."""
+    try:
+        return cls.layout_for(in_features, out_features, config)
+    except NotImplementedError:
+        return None
 
 
 def _check_finite(stored: dict[str, torch.Tensor], layer: str, weight: torch.Tensor) -> None:
