@@ -201,7 +201,9 @@ def _check_can_compile(model: Any, max_cache_len: int, mode: str) -> None:
 
 def _quantized_layers_trace() -> bool:
     """False when quantized layers would call the C library through ctypes (no C++ compiler for the
-    torch operators): dynamo breaks its graph at every such call, so fullgraph would fail."""
+    torch operators): dynamo breaks its graph at every such call, so fullgraph would fail. True on the
+    torch operators, and without the library (no C compiler, `QUANTLAB_NATIVE_KERNELS=0`): the reference
+    kernel is torch ops and traces too (tests/generation/test_reference_fallback.py)."""
     from quantlab.kernels.cpu import native, ops
 
     if native.library() is None or ops.available():
