@@ -14,7 +14,6 @@ that read one input (q/k/v, gate/up) run as one grouped call each (`fuse_project
 
 import copy
 import itertools
-import warnings
 from typing import Any
 
 import torch
@@ -52,7 +51,7 @@ def compile_for_decoding(
     model: Any,
     max_cache_len: int = DEFAULT_MAX_CACHE_LEN,
     mode: str = "default",
-    fullgraph: bool | None = None,
+    fullgraph: bool = True,
     options: dict[str, Any] | None = None,
     module_guards: bool = False,
     fuse_projections: bool = True,
@@ -63,10 +62,10 @@ def compile_for_decoding(
     `max_cache_len` is the longest prompt plus new tokens decoded without recompiling (a longer call
     grows the cache and compiles once more); attention reads the whole static cache at every step,
     so keep it near what you generate. `mode` is a torch.compile mode that runs on CPU. `fullgraph`
-    (default: True when every quantized layer traces) makes a graph break an error instead of a
-    slowdown. The first generation compiles (tens of seconds): call `warm_up` to pay it up front.
-    Generation options (sampling, stopping, streamers) work as in plain `generate`; a new batch size
-    compiles once more.
+    (default True: every quantized layer traces, on the torch operators, through ctypes, or on the
+    reference kernel) makes a graph break an error instead of a slowdown. The first generation
+    compiles (tens of seconds): call `warm_up` to pay it up front. Generation options (sampling,
+    stopping, streamers) work as in plain `generate`; a new batch size compiles once more.
 
     `module_guards=False` (the default) skips dynamo's checks of the model's modules before every
     step: on SmolLM2 they cost about 2 ms a step, a sixth of a 4-bit step. The compiled step then
@@ -99,7 +98,7 @@ def fast_decoding_config(
     model: Any,
     max_cache_len: int = DEFAULT_MAX_CACHE_LEN,
     mode: str = "default",
-    fullgraph: bool | None = None,
+    fullgraph: bool = True,
     options: dict[str, Any] | None = None,
     module_guards: bool = False,
     fuse_projections: bool = True,
@@ -110,8 +109,6 @@ def fast_decoding_config(
     call only. The model keeps the compiled step made for this config; use one such config per model
     (with a second one, transformers compiles its own step, shared with other models of its class)."""
     _check_can_compile(model, max_cache_len, mode)
-    if fullgraph is None:
-        fullgraph = _quantized_layers_trace()
     if not module_guards:
         options = {"guard_filter_fn": SKIP_MODULE_GUARDS, **(options or {})}
     if fuse_projections or int8_activations:
@@ -197,21 +194,3 @@ def _check_can_compile(model: Any, max_cache_len: int, mode: str) -> None:
     if quantizer is not None and not quantizer.is_compileable:
         method = getattr(quantizer.quantization_config, "quant_method", type(quantizer).__name__)
         raise ConfigError(f"this model's quantization ({method}) does not support torch.compile; use plain generate")
-
-
-def _quantized_layers_trace() -> bool:
-    """False when quantized layers would call the C library through ctypes (no C++ compiler for the
-    torch operators): dynamo breaks its graph at every such call, so fullgraph would fail. True on the
-    torch operators, and without the library (no C compiler, `QUANTLAB_NATIVE_KERNELS=0`): the reference
-    kernel is torch ops and traces too (tests/generation/test_reference_fallback.py)."""
-    from quantlab.kernels.cpu import native, ops
-
-    if native.library() is None or ops.available():
-        return True
-    warnings.warn(
-        "quantlab's torch operators are unavailable (see the earlier warning), so the compiled decode step "
-        "breaks its graph at every quantized layer and gains little; install a C++ compiler",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    return False

@@ -10,8 +10,8 @@ handed once (`quantlab_torch_ops_bind`). Like the C library it is built into the
 the compiler and flags) and verified before every load (`quantlab.kernels.trusted`).
 
 Without a C++ compiler, with `QUANTLAB_TORCH_OPS=0`, or when the C library is unavailable,
-`load()` returns None: quantized layers then call the C library through ctypes (eager only:
-torch.compile breaks its graph there) or run the reference kernel.
+`load()` returns None: quantized layers then call the C library through ctypes (under torch.compile
+as the Python operator `quantlab_ctypes::linear`, traced.py) or run the reference kernel.
 """
 
 import ctypes
@@ -120,7 +120,7 @@ def load() -> ctypes.CDLL | None:
     except (native.NativeBuildError, trusted.UntrustedLibraryError, OSError, AttributeError) as error:
         warnings.warn(
             "quantlab's torch operators are unavailable, quantized layers call the native kernels through "
-            f"ctypes (torch.compile breaks its graph there): {error}",
+            f"ctypes (slower, and not fused in the compiled decode step): {error}",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -21,7 +21,7 @@ import ctypes
 import torch
 
 from quantlab.kernels import register_kernel
-from quantlab.kernels.cpu import native, ops
+from quantlab.kernels.cpu import native, ops, traced
 from quantlab.kernels.cpu.weights import _DESCRIBERS, NativeWeight, describable, native_weight
 from quantlab.kernels.reference import dequantize_matmul
 
@@ -107,13 +107,17 @@ def native_linear(module, x: torch.Tensor) -> torch.Tensor:
     """The layer's output through the native kernels, or the reference kernel if they are unavailable.
 
     The kernels run as the torch operator `quantlab::linear` when its extension is available
-    (one dispatcher call, traced by torch.compile), else through ctypes.
+    (one dispatcher call, traced by torch.compile), else through ctypes: directly in eager mode,
+    under torch.compile as the Python operator `quantlab_ctypes::linear` (traced.py).
     """
     if not x.is_cpu or not x.is_floating_point() or not describable(module.layout):
         return dequantize_matmul(module, x)
     if ops.available():
         return ops.linear_op(x, *ops.linear_arguments(module))
-    out = ctypes_linear(module, x)
+    if torch.compiler.is_compiling():  # dynamo must not trace the ctypes call nor its per-layer cache
+        out = traced.linear(module, x) if traced.available() else None
+    else:
+        out = ctypes_linear(module, x)
     if out is None:
         return dequantize_matmul(module, x)
     if module.bias is not None:

@@ -143,3 +143,40 @@ def _describe_nf4(module: torch.nn.Module, layout: StorageLayout) -> NativeWeigh
     else:
         _set_scale(struct, keep, module.weight_absmax, None)
     return NativeWeight(struct, keep)
+
+
+def describe_arguments(
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    zero: torch.Tensor | None,
+    absmax_codes: torch.Tensor | None,
+    absmax_scale: torch.Tensor | None,
+    absmax_offset: torch.Tensor | None,
+    kind: int,
+    bits: int,
+    in_features: int,
+    group_size: int,
+    absmax_block: int,
+    zero_const: float,
+) -> NativeWeight:
+    """The description of a weight given as `ops.weight_arguments` gives it (what the C++ operators'
+    `describe` builds): no module, no cache, so a traced call is a pure function of its tensors."""
+    codes = _readable(codes)
+    struct = QuantlabCpuWeight()
+    struct.codes = codes.data_ptr()
+    struct.n, struct.k, struct.groups, struct.group_bytes = codes.shape[0], in_features, codes.shape[1], codes.shape[2]
+    struct.group_size, struct.group_codes = group_size, codes.shape[2] * 8 // bits
+    struct.bits, struct.kind, struct.zero_const = bits, kind, zero_const
+    keep = [codes]
+    if scale is not None:
+        _set_scale(struct, keep, scale, zero)
+    if kind == NF4:
+        struct.levels[:] = nf4.NF4_LEVELS
+    if absmax_codes is not None:
+        absmax_codes, absmax_scale = _readable(absmax_codes), _readable(absmax_scale).float()
+        struct.absmax_codes, struct.absmax_scale = absmax_codes.data_ptr(), absmax_scale.data_ptr()
+        struct.absmax_offset = float(absmax_offset.float().item())
+        struct.absmax_block = absmax_block
+        struct.absmax_map[:] = nf4.dynamic_map()
+        keep += [absmax_codes, absmax_scale]
+    return NativeWeight(struct, keep)
