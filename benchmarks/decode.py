@@ -10,7 +10,8 @@ fast path (`quantlab.generation.compile_for_decoding`), with llama.cpp as an opt
 Every model is loaded once (quantized while loading); the eager and fast paths of a method share
 its weights (one `generate` call each, with its own generation config); `fast-unfused`, the fast path
 with `fuse_projections=False` (one quantized call per layer), and `fast-int8`, the fast path with
-`int8_activations=True` (4-bit layers on int8 activations, llama.cpp's scheme: not bit-exact), load a
+`int8_activations=True` (4-bit and int8 layers and an int8 head on int8 activations, llama.cpp's
+scheme: not bit-exact), load a
 copy of their own, since a model keeps one compiled step. All candidates are timed
 in every round, in rotated order, so ratios compare runs seconds apart on a machine shared with
 others; tables print the median and [min-max] over rounds, ratios taken inside each round.
