@@ -192,7 +192,7 @@ def atomic_directory(
         if not overwrite and (target.exists() or target.is_symlink()):
             raise OutputExistsError(_appeared(target))
         check_replaceable(target, overwrite, protect)  # again: it may have changed while the block ran
-        _move_into_place(staging, target)
+        _move_into_place(staging, target, overwrite)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -205,12 +205,14 @@ def _appeared(target: Path) -> str:
     )
 
 
-def _move_into_place(staging: Path, target: Path) -> None:
-    if not (target.exists() or target.is_symlink()):
+def _move_into_place(staging: Path, target: Path, overwrite: bool = True) -> None:
+    """Rename `staging` to `target`; an existing `target` is replaced only with `overwrite` (without it, one
+    that appeared since the caller's check, another writer's, is kept and this one refused)."""
+    if not overwrite or not (target.exists() or target.is_symlink()):
         try:
-            os.rename(staging, target)  # fails if a non-empty folder took the name since the check
+            os.rename(staging, target)  # fails if a non-empty folder or a file took the name since the check
         except OSError as error:
-            if error.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            if error.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
                 raise OutputExistsError(_appeared(target)) from error
             raise
         return

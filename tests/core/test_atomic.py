@@ -86,6 +86,28 @@ def test_concurrent_writers_one_wins_whole_the_other_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_an_output_appearing_just_before_the_rename_is_kept_without_overwrite(tmp_path, monkeypatch):
+    """The race the concurrent test hits now and then, made certain: another writer's output appears after
+    the last check and before the rename; without overwrite it is kept and this writer is refused."""
+    from quantlab.utils import atomic
+
+    checks = []
+    real_check = atomic.check_replaceable
+
+    def check_then_other_writer_finishes(target, overwrite, protect):
+        real_check(target, overwrite, protect)
+        checks.append(target)
+        if len(checks) == 2:  # the check after the block ran: the other writer renames its output now
+            (target / "writer").parent.mkdir()
+            (target / "writer").write_text("other")
+
+    monkeypatch.setattr(atomic, "check_replaceable", check_then_other_writer_finishes)
+    with pytest.raises(OutputExistsError, match="appeared"), atomic_directory(tmp_path / "out") as staging:
+        (staging / "writer").write_text("this")
+    assert (tmp_path / "out" / "writer").read_text() == "other"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_overwrite_never_deletes_a_protected_input_or_the_current_directory(tmp_path, monkeypatch):
     from quantlab.utils.atomic import UnsafeOutputError
 
