@@ -15,8 +15,6 @@ import torch
 from quantlab.kernels.cpu import native, ops
 from quantlab.kernels.cpu.weights import describe_arguments
 
-OptionalTensor = torch.Tensor | None
-
 
 @torch.compiler.assume_constant_result
 def available() -> bool:
@@ -29,57 +27,35 @@ def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.quantlab_ctypes.linear(x, *ops.weight_arguments(module))
 
 
-@torch.library.custom_op("quantlab_ctypes::linear", mutates_args=())
-def _linear(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scale: OptionalTensor,
-    zero: OptionalTensor,
-    absmax_codes: OptionalTensor,
-    absmax_scale: OptionalTensor,
-    absmax_offset: OptionalTensor,
-    kind: int,
-    bits: int,
-    in_features: int,
-    group_size: int,
-    absmax_block: int,
-    zero_const: float,
-) -> torch.Tensor:
+# The weight's arguments, as `ops.weight_arguments` gives them (the C++ operators' WEIGHT_ARGS).
+WEIGHT_SCHEMA = (
+    "Tensor codes, Tensor? scale, Tensor? zero, Tensor? absmax_codes, Tensor? absmax_scale, Tensor? absmax_offset, "
+    "int kind, int bits, int in_features, int group_size, int absmax_block, float zero_const"
+)
+torch.library.define("quantlab_ctypes::linear", f"(Tensor x, {WEIGHT_SCHEMA}) -> Tensor")
+torch.library.define("quantlab_ctypes::dequantize", f"({WEIGHT_SCHEMA}) -> Tensor")
+
+
+@torch.library.impl("quantlab_ctypes::linear", "CPU")
+def _linear(x: torch.Tensor, *weight) -> torch.Tensor:
     from quantlab.kernels.cpu.linear import _forward
 
-    weight = describe_arguments(codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind, bits,
-                                in_features, group_size, absmax_block, zero_const)  # fmt: skip
-    return _forward(weight, x)
+    return _forward(describe_arguments(*weight), x)
 
 
-@_linear.register_fake
+@torch.library.register_fake("quantlab_ctypes::linear")
 def _linear_shape(x: torch.Tensor, codes: torch.Tensor, *weight) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
-@torch.library.custom_op("quantlab_ctypes::dequantize", mutates_args=())
-def _dequantize(
-    codes: torch.Tensor,
-    scale: OptionalTensor,
-    zero: OptionalTensor,
-    absmax_codes: OptionalTensor,
-    absmax_scale: OptionalTensor,
-    absmax_offset: OptionalTensor,
-    kind: int,
-    bits: int,
-    in_features: int,
-    group_size: int,
-    absmax_block: int,
-    zero_const: float,
-) -> torch.Tensor:
+@torch.library.impl("quantlab_ctypes::dequantize", "CPU")
+def _dequantize(*weight) -> torch.Tensor:
     from quantlab.kernels.cpu.linear import native_dequantize
 
-    weight = describe_arguments(codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind, bits,
-                                in_features, group_size, absmax_block, zero_const)  # fmt: skip
-    return native_dequantize(weight)
+    return native_dequantize(describe_arguments(*weight))
 
 
-@_dequantize.register_fake
+@torch.library.register_fake("quantlab_ctypes::dequantize")
 def _dequantize_shape(codes: torch.Tensor, *weight) -> torch.Tensor:
     in_features = weight[7]
     return codes.new_empty((codes.shape[0], in_features), dtype=torch.float32)
@@ -96,4 +72,4 @@ def _grad_input(ctx, grad: torch.Tensor):
     return grad_x.to(grad.dtype), *(None for _ in ctx.weight)
 
 
-_linear.register_autograd(_grad_input, setup_context=_save_weight)
+torch.library.register_autograd("quantlab_ctypes::linear", _grad_input, setup_context=_save_weight)
