@@ -58,12 +58,22 @@ QL_VNNI void ql_quantize_x_a8(const float *xp, int64_t m, int64_t row_length, in
                                         _mm512_max_ps(_mm512_abs_ps(v[2]), _mm512_abs_ps(v[3])));
             float a = _mm512_reduce_max_ps(amax);
             __m512 inverse = _mm512_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
-            int8_t *out = xq + (r * blocks + b) * 64;
+            int8_t *out[4];
+            if (nibble) { /* pairs of blocks: [lows of b, lows of b + 1, highs of b, highs of b + 1] */
+                const int lone = b == blocks - 1 && blocks % 2;
+                int8_t *pair = xq + r * blocks * 64 + (b / 2) * 128;
+                out[0] = pair + (lone ? 0 : (b % 2) * 32);
+                out[2] = lone ? out[0] + 32 : pair + 64 + (b % 2) * 32;
+                out[1] = out[0] + 16;
+                out[3] = out[2] + 16;
+            } else {
+                for (int i = 0; i < 4; i++) out[i] = xq + (r * blocks + b) * 64 + 16 * i;
+            }
             __m512i sum = _mm512_setzero_si512();
             for (int i = 0; i < 4; i++) {
                 __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse)); /* round to nearest even */
                 sum = _mm512_add_epi32(sum, q);
-                _mm_storeu_si128((__m128i *)(out + 16 * i), _mm512_cvtsepi32_epi8(q));
+                _mm_storeu_si128((__m128i *)out[i], _mm512_cvtsepi32_epi8(q));
             }
             xd[r * blocks + b] = a / 127.0f;
             xs[r * blocks + b] = _mm512_reduce_add_epi32(sum);
@@ -72,29 +82,47 @@ QL_VNNI void ql_quantize_x_a8(const float *xp, int64_t m, int64_t row_length, in
 }
 
 /* NR features from n, one row, 4-bit codes: acc_j += scale * d * float(q . xq) per block, the zero
- * point's share (scale * d * zero * sum xq) kept apart and taken off at the end. */
+ * point's share (scale * d * zero * sum xq) kept apart and taken off at the end. Two blocks a step:
+ * one 64-byte load holds both blocks' 128 codes, its low nibbles meet the pair's low-nibble inputs
+ * and its high nibbles theirs (ql_quantize_x_a8 lays x out in such pairs), so lanes 0-7 of the
+ * dot product are block b's and lanes 8-15 block b + 1's: half the instructions of a block at a
+ * time. An odd last block goes alone. */
 QL_INLINE QL_VNNI void ql_block_a8(const int NR, const ql_weight *w, const int8_t *xq, const float *xd,
                                    const int32_t *xs, int64_t n, float *y, const float *params) {
-    const int64_t G = w->groups, per_group = w->group_codes / 64;
-    const __m256i low = _mm256_set1_epi8(0x0f);
+    const int64_t G = w->groups, per_group = w->group_codes / 64, blocks = G * per_group;
+    const int64_t row_bytes = G * w->group_bytes;
+    const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[4];
     float correction[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int j = 0; j < NR; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        for (int64_t i = 0; i < per_group; i++) {
-            const int64_t b = g * per_group + i;
-            const __m512i x = _mm512_loadu_si512(xq + b * 64);
-            for (int j = 0; j < NR; j++) {
-                const uint8_t *codes = w->codes + ((n + j) * G + g) * w->group_bytes + i * 32;
-                __m256i packed = _mm256_loadu_si256((const __m256i *)codes);
-                __m256i lo = _mm256_and_si256(packed, low);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-                __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
-                float sd = params[2 * j * G + g] * xd[b];
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(sd), acc[j]);
-                correction[j] += sd * params[(2 * j + 1) * G + g] * (float)xs[b];
-            }
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        const __m512i lows = _mm512_loadu_si512(xq + b * 64), highs = _mm512_loadu_si512(xq + b * 64 + 64);
+        const int64_t first = b / per_group, second = (b + 1) / per_group;
+        for (int j = 0; j < NR; j++) {
+            __m512i packed = _mm512_loadu_si512(w->codes + (n + j) * row_bytes + b * 32);
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low), lows);
+            dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), highs);
+            const float sa = params[2 * j * G + first] * xd[b], sb = params[2 * j * G + second] * xd[b + 1];
+            __m512 sd = _mm512_insertf32x8(_mm512_set1_ps(sa), _mm256_set1_ps(sb), 1);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, acc[j]);
+            correction[j] += sa * params[(2 * j + 1) * G + first] * (float)xs[b] +
+                             sb * params[(2 * j + 1) * G + second] * (float)xs[b + 1];
+        }
+    }
+    if (b < blocks) { /* the odd last block: [its lows, its highs] */
+        const __m512i x = _mm512_loadu_si512(xq + b * 64);
+        const __m256i low256 = _mm256_set1_epi8(0x0f);
+        const int64_t g = b / per_group;
+        for (int j = 0; j < NR; j++) {
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(w->codes + (n + j) * row_bytes + b * 32));
+            __m256i lo = _mm256_and_si256(packed, low256);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low256);
+            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
+            const float sd = params[2 * j * G + g] * xd[b];
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(sd), acc[j]);
+            correction[j] += sd * params[(2 * j + 1) * G + g] * (float)xs[b];
         }
     }
     for (int j = 0; j < NR; j++) y[n + j] = _mm512_reduce_add_ps(acc[j]) - correction[j];
