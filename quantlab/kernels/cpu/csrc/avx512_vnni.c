@@ -42,9 +42,11 @@ static inline void ql_prefetch(const uint8_t *from, int64_t bytes, const uint8_t
 
 /* x, as prepared for the weight, into int8 blocks of 64 inputs, one scale and one sum of the int8
  * values per block. In the nibble layout (`nibble`: groups padded to whole chunks of 32, each chunk its
- * 16 even inputs, then its 16 odd ones) a block is ordered [evens of chunk 0, evens of chunk 1, odds of
- * chunk 0, odds of chunk 1] to line up with a 32-byte group's low nibbles then high nibbles; in the
- * byte layout it keeps x's order, one input per code byte. The order changes neither scale nor sum. */
+ * 16 even inputs, then its 16 odd ones) a block's inputs split into those meeting its 32 code bytes'
+ * low nibbles [evens of chunk 0, evens of chunk 1] and high nibbles [odds of chunk 0, odds of chunk 1],
+ * and blocks go in pairs: [lows of b, lows of b + 1, highs of b, highs of b + 1] (an odd last block:
+ * [lows, highs]), as ql_block_a8 reads two blocks' codes at once; in the byte layout x keeps its
+ * order, one input per code byte. The order changes neither scale nor sum. */
 QL_VNNI void ql_quantize_x_a8(const float *xp, int64_t m, int64_t row_length, int nibble, int8_t *xq, float *xd,
                               int32_t *xs) {
     const int64_t blocks = row_length / 64;
