@@ -22,7 +22,7 @@ import torch
 
 from quantlab.kernels import register_kernel
 from quantlab.kernels.cpu import native, ops, traced
-from quantlab.kernels.cpu.weights import _DESCRIBERS, NativeWeight, describable, native_weight
+from quantlab.kernels.cpu.weights import NATIVE_CODECS, NativeWeight, describable, native_weight
 from quantlab.kernels.reference import dequantize_matmul
 
 
@@ -136,5 +136,5 @@ def ctypes_linear(module, x: torch.Tensor) -> torch.Tensor | None:
     return _forward(weight, x, lib)
 
 
-for _codec in _DESCRIBERS:
+for _codec in NATIVE_CODECS:
     register_kernel(_codec, "cpu")(native_linear)

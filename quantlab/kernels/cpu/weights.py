@@ -2,9 +2,9 @@
 
 The kernels read the checkpoint layout as is (codes `[out, groups, bytes]` and per-group
 scales), so nothing is repacked: a description is a C struct of pointers into the layer's
-own buffers, filled from the layer's storage layout (`module.layout`: codec, bits, group
-size, which tensors hold scales and zero points, the levels), one describer per codec. Any
-layer that declares a built-in codec's layout is described the same way, whatever its class.
+own buffers, filled from the arguments the torch operators take (`ops.weight_arguments`: the
+stored tensors and the layout's integers), so both paths describe a weight one way. Any layer
+that declares a built-in codec's layout is described the same way, whatever its class.
 A description is cached per layer in a weak dictionary (never on the module, so copying or
 pickling a model is unaffected) and rebuilt when any stored tensor is replaced, modified in
 place (its version counter moves), moved or cast.
@@ -12,7 +12,6 @@ place (its version counter moves), moved or cast.
 
 import ctypes
 import weakref
-from collections.abc import Callable
 
 import torch
 
@@ -45,28 +44,19 @@ class NativeWeight:
         return True
 
 
-Describer = Callable[[torch.nn.Module, StorageLayout], NativeWeight]
-_DESCRIBERS: dict[str, Describer] = {}
+NATIVE_CODECS = ("affine", "int8", "nf4")  # the layouts the native kernels decode (ops.weight_arguments has each)
 _cache: "weakref.WeakKeyDictionary[torch.nn.Module, NativeWeight]" = weakref.WeakKeyDictionary()
 MIN_BITS = 2  # narrower codes (a 1-bit affine layout) run on the reference kernel
 
 
-def describes(codec: str) -> Callable[[Describer], Describer]:
-    def decorator(describer: Describer) -> Describer:
-        _DESCRIBERS[codec] = describer
-        return describer
-
-    return decorator
-
-
 def supported(format: str) -> bool:
-    """True when `format` (a layout codec) has a describer: the native kernels are registered for it."""
-    return format in _DESCRIBERS
+    """True when `format` (a layout codec) is one the native kernels are registered for."""
+    return format in NATIVE_CODECS
 
 
 def describable(layout: StorageLayout) -> bool:
     """True when the native kernels decode this layout (its codec, at 2 to 8 bits)."""
-    return layout.codec in _DESCRIBERS and layout.bits >= MIN_BITS
+    return layout.codec in NATIVE_CODECS and layout.bits >= MIN_BITS
 
 
 def native_weight(module: torch.nn.Module) -> NativeWeight:
@@ -74,8 +64,9 @@ def native_weight(module: torch.nn.Module) -> NativeWeight:
     cached = _cache.get(module)
     if cached is not None and cached.still_describes(module):
         return cached
-    layout = module.layout
-    described = _DESCRIBERS[layout.codec](module, layout)
+    from quantlab.kernels.cpu.ops import weight_arguments  # ops imports this module's constants
+
+    described = describe_arguments(*weight_arguments(module))
     described.sources = tuple((n, t, t._version, t.data_ptr()) for n, t in module.stored_tensors().items())
     _cache[module] = described
     return described
@@ -89,19 +80,6 @@ def _readable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def _base(module: torch.nn.Module, layout: StorageLayout, kind: int) -> tuple[QuantlabCpuWeight, list]:
-    codes = _readable(module.weight)
-    out_features, groups, group_bytes = codes.shape
-    struct = QuantlabCpuWeight()
-    struct.codes = codes.data_ptr()
-    struct.n, struct.k, struct.groups = out_features, module.in_features, groups
-    struct.group_size = layout.group_length
-    struct.group_bytes = group_bytes
-    struct.group_codes = group_bytes * 8 // layout.bits
-    struct.bits, struct.kind = layout.bits, kind
-    return struct, [codes]
-
-
 def _set_scale(struct: QuantlabCpuWeight, keep: list, scale: torch.Tensor, zero: torch.Tensor | None) -> None:
     scale = _readable(scale)
     struct.scale, struct.scale_dtype = scale.data_ptr(), _DTYPE_CODES[scale.dtype]
@@ -110,39 +88,6 @@ def _set_scale(struct: QuantlabCpuWeight, keep: list, scale: torch.Tensor, zero:
         zero = _readable(zero)
         struct.zero, struct.zero_dtype = zero.data_ptr(), _DTYPE_CODES[zero.dtype]
         keep.append(zero)
-
-
-@describes("int8")
-def _describe_int8(module: torch.nn.Module, layout: StorageLayout) -> NativeWeight:
-    struct, keep = _base(module, layout, INT8)
-    _set_scale(struct, keep, module.weight_scale, None)
-    struct.zero_const = 0.0  # the kernels read the stored signed byte `q - 128` itself
-    return NativeWeight(struct, keep)
-
-
-@describes("affine")
-def _describe_affine(module: torch.nn.Module, layout: StorageLayout) -> NativeWeight:
-    struct, keep = _base(module, layout, AFFINE)
-    _set_scale(struct, keep, module.weight_scale, module.weight_zero if layout.has_zero else None)
-    struct.zero_const = layout.constant_zero
-    return NativeWeight(struct, keep)
-
-
-@describes("nf4")
-def _describe_nf4(module: torch.nn.Module, layout: StorageLayout) -> NativeWeight:
-    struct, keep = _base(module, layout, NF4)
-    struct.levels[:] = layout.levels().tolist()
-    if layout.double_quant:
-        codes = _readable(module.weight_absmax_codes)
-        scale = _readable(module.weight_absmax_scale).float()
-        struct.absmax_codes, struct.absmax_scale = codes.data_ptr(), scale.data_ptr()
-        struct.absmax_offset = float(module.weight_absmax_offset.float().item())
-        struct.absmax_block = nf4.ABSMAX_BLOCKSIZE
-        struct.absmax_map[:] = nf4.dynamic_map()
-        keep += [codes, scale]
-    else:
-        _set_scale(struct, keep, module.weight_absmax, None)
-    return NativeWeight(struct, keep)
 
 
 def describe_arguments(
@@ -160,7 +105,7 @@ def describe_arguments(
     zero_const: float,
 ) -> NativeWeight:
     """The description of a weight given as `ops.weight_arguments` gives it (what the C++ operators'
-    `describe` builds): no module, no cache, so a traced call is a pure function of its tensors."""
+    `describe` builds); no module and no cache, so a traced call is a pure function of its tensors."""
     codes = _readable(codes)
     struct = QuantlabCpuWeight()
     struct.codes = codes.data_ptr()
