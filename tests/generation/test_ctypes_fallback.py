@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import quantlab
-from quantlab.generation import compile_for_decoding, count_compilations, warm_up
+from quantlab.generation import count_compilations
 from quantlab.kernels.cpu import native, ops, traced
 from quantlab.kernels.cpu.linear import ctypes_linear
 from quantlab.kernels.cpu.weights import describe_arguments as describe
+from quantlab.testing.decoding import compiled_for_decoding
 from quantlab.testing.models import tiny_llama
 
 METHODS = {
@@ -70,11 +71,7 @@ def test_the_compiled_step_decodes_the_eager_tokens_in_one_graph(method, monkeyp
     eager, compiled = (quantlab.quantize(tiny_llama(seed=3), METHODS[method]) for _ in range(2))
     for model in (eager, compiled):
         model.generation_config.pad_token_id = 0
-    torch._dynamo.reset()
-    compile_for_decoding(compiled, max_cache_len=64)
-    assert compiled.generation_config.compile_config.fullgraph  # a graph break would be an error
-    counts = warm_up(compiled)
-    assert (counts.frames, counts.graphs, counts.graph_breaks) == (1, 1, 0), counts.break_reasons
+    compiled_for_decoding(compiled)
     with count_compilations() as again:
         fast_tokens, fast_logits = _generate(compiled)
     assert (again.frames, again.graphs, again.graph_breaks) == (0, 0, 0), again.break_reasons

@@ -7,9 +7,10 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import quantlab
-from quantlab.generation import compile_for_decoding, count_compilations, warm_up
+from quantlab.generation import count_compilations
 from quantlab.generation.fusion import FUSE_PROJECTIONS
 from quantlab.kernels.cpu import native, ops
+from quantlab.testing.decoding import compiled_for_decoding
 from quantlab.testing.models import tiny_llama
 
 PROMPT = torch.tensor([[7, 8, 200, 31, 64, 64, 12, 250, 1, 90, 77]])
@@ -61,15 +62,12 @@ def _decode(model, tokens: int = 16):
     return out.sequences, torch.stack(out.logits)
 
 
-def _compiled(fuse_projections: bool):
-    """A compiled, warmed-up model; the quantlab calls its decode graph holds; what the pass counted."""
-    model = _quantized_llama()
-    torch._dynamo.reset()
+def _compiled(model=None, **decoding_options):
+    """A compiled, warmed-up model (default: `_quantized_llama()`); the quantlab calls its decode graph
+    holds; what the pass counted."""
+    model = model if model is not None else _quantized_llama()
     counters.clear()
-    options = {"post_grad_custom_post_pass": COUNT_CALLS}
-    compile_for_decoding(model, max_cache_len=64, options=options, fuse_projections=fuse_projections)
-    counts = warm_up(model)
-    assert (counts.frames, counts.graphs, counts.graph_breaks) == (1, 1, 0), counts.break_reasons
+    compiled_for_decoding(model, options={"post_grad_custom_post_pass": COUNT_CALLS}, **decoding_options)
     calls = {name: counters["quantlab_calls"][name] for name in ("graphs", "linear", "linear_group")}
     return model, calls, dict(counters["quantlab"])
 
@@ -179,18 +177,11 @@ def test_int8_activations_run_every_eligible_layer_of_the_step_on_the_int8_kerne
     logits near the float step's (x rounded to 8 bits: close, not equal)."""
 
     def compiled(int8_activations: bool):
-        model = tiny_llama(seed=3, tie_word_embeddings=tied)
-        quantlab.quantize(model, config)
+        model = quantlab.quantize(tiny_llama(seed=3, tie_word_embeddings=tied), config)
         model.generation_config.pad_token_id = 0
-        torch._dynamo.reset()
-        counters.clear()
-        options = {"post_grad_custom_post_pass": COUNT_CALLS}
-        compile_for_decoding(model, max_cache_len=64, options=options, int8_activations=int8_activations)
-        counts = warm_up(model)
-        assert (counts.frames, counts.graphs, counts.graph_breaks) == (1, 1, 0), counts.break_reasons
-        return model, dict(counters["quantlab"]), dict(counters["quantlab_calls"])
+        return _compiled(model, int8_activations=int8_activations)
 
-    model, done, calls = compiled(int8_activations=True)
+    model, calls, done = compiled(int8_activations=True)
     assert done["int8_activation_layers"] == 7 * LAYERS + 1 and done["fused_projections"] == 5 * LAYERS
     assert calls["linear"] == 0 and calls["linear_group"] == 4 * LAYERS + 1
     with count_compilations() as counts:
