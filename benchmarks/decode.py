@@ -6,12 +6,14 @@ fast path (`quantlab.generation.compile_for_decoding`), with llama.cpp as an opt
     python benchmarks/decode.py --methods 4bit --paths fast --no-memory --json
     python benchmarks/decode.py --methods "4bit e8" --paths fast fast-unfused --no-memory --no-onnx
     python benchmarks/decode.py --methods "4bit e8" --paths fast fast-int8 --no-memory --no-onnx
+    python benchmarks/decode.py --methods "4bit e8" "int8 e8" --paths fast native native-int8 --no-memory --no-onnx
 
 Every model is loaded once (quantized while loading); the eager and fast paths of a method share
 its weights (one `generate` call each, with its own generation config); `fast-unfused`, the fast path
 with `fuse_projections=False` (one quantized call per layer), and `fast-int8`, the fast path with
 `int8_activations=True` (4-bit and int8 layers and an int8 head on int8 activations, llama.cpp's
-scheme: not bit-exact), load a
+scheme: not bit-exact), `native` and `native-int8`, the fast path with `native_step=True` (one C call a
+token for the whole model, quantlab.generation.native), load a
 copy of their own, since a model keeps one compiled step. All candidates are timed
 in every round, in rotated order, so ratios compare runs seconds apart on a machine shared with
 others; tables print the median and [min-max] over rounds, ratios taken inside each round.
@@ -75,7 +77,7 @@ METHODS = {
     "nf4 e8": NF4Config(embedding_bits=8),
     "4bit e8": CustomBitsConfig(bits=4, group_size=64, embedding_bits=8),
 }
-PATHS = ("eager", "fast", "fast-unfused", "fast-int8")
+PATHS = ("eager", "fast", "fast-unfused", "fast-int8", "native", "native-int8")
 PREFILL_TOKENS = 512
 
 
@@ -95,7 +97,7 @@ class TorchCandidate:
         if path != "eager":
             self.config = fast_decoding_config(
                 model, max_cache_len=max_cache_len, mode=mode, fuse_projections=path != "fast-unfused",
-                int8_activations=path == "fast-int8",
+                int8_activations=path.endswith("-int8"), native_step=path.startswith("native"),
             )  # fmt: skip
         else:
             self.config = copy.deepcopy(model.generation_config)

@@ -23,6 +23,7 @@ from transformers import CompileConfig, GenerationConfig
 from quantlab.errors import ConfigError
 from quantlab.generation.counters import CompileCounts, count_compilations
 from quantlab.generation.fusion import FuseProjections
+from quantlab.generation.native import NativeDecodeStep, SkipMaskForNativeSteps
 
 # Modes inductor runs on CPU; "reduce-overhead" and "max-autotune" add CUDA graphs (CUDA only).
 CPU_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -56,6 +57,7 @@ def compile_for_decoding(
     module_guards: bool = False,
     fuse_projections: bool = True,
     int8_activations: bool = False,
+    native_step: bool = False,
 ) -> Any:
     """Make `model.generate(...)` decode with a static cache and a torch.compile'd step; returns `model`.
 
@@ -87,9 +89,15 @@ def compile_for_decoding(
     AVX512-VNNI (llama.cpp's Q4_0 x Q8_0 and Q8_0 x Q8_0 schemes): faster at one row, not bit-exact
     (about 0.5 % relative error in each layer's output, so greedy tokens can differ from the eager
     path's); other formats, and CPUs without VNNI, compute in float as before. Off by default.
+
+    `native_step=True` runs each one-token step of one sequence as a single call into quantlab's C
+    library for the whole model (quantlab.generation.native: Llama and Qwen2 blocks whose projections
+    are all in a native-kernel format, float32): no graph, no operator calls, the static cache written
+    in place. Other steps (several sequences, padding) run the compiled step. Its values differ from the
+    compiled step's in the last bits (attention and norms are summed in another order). Off by default.
     """
     model.generation_config = fast_decoding_config(
-        model, max_cache_len, mode, fullgraph, options, module_guards, fuse_projections, int8_activations
+        model, max_cache_len, mode, fullgraph, options, module_guards, fuse_projections, int8_activations, native_step
     )
     return model
 
@@ -103,6 +111,7 @@ def fast_decoding_config(
     module_guards: bool = False,
     fuse_projections: bool = True,
     int8_activations: bool = False,
+    native_step: bool = False,
 ) -> GenerationConfig:
     """A copy of `model.generation_config` set up as `compile_for_decoding` does, the model's own
     config untouched: `model.generate(ids, generation_config=config)` takes the fast path for that
@@ -124,6 +133,9 @@ def fast_decoding_config(
     generation_config.max_cache_len = max_cache_len
     generation_config.compile_config = compile_config
     _install_decode_step(model, compile_config)
+    if native_step:
+        model._compiled_call = NativeDecodeStep(model, model._compiled_call, 8 if int8_activations else 0)
+        model.create_masks_for_generate = SkipMaskForNativeSteps(model)
     return generation_config
 
 
@@ -161,7 +173,7 @@ def disable_compiled_decoding(model: Any) -> Any:
     generation_config.cache_implementation = None
     generation_config.max_cache_len = None
     generation_config.compile_config = None
-    for name in ("_compiled_call", "_last_compile_config"):
+    for name in ("_compiled_call", "_last_compile_config", "create_masks_for_generate"):
         model.__dict__.pop(name, None)
     return model
 

@@ -38,11 +38,11 @@ from quantlab.kernels import trusted
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("csrc")
-ABI_VERSION = 4
+ABI_VERSION = 5
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 # -ffp-contract=off: a*b+c stays two roundings, as torch computes it (decoded weights are bit-exact).
 _COMPILE = ["-O3", "-std=c11", "-fPIC", "-pthread", "-fvisibility=hidden", "-ffp-contract=off", "-fno-math-errno"]
-_LINK = ["-shared", "-pthread"]
+_LINK = ["-shared", "-pthread", "-lm"]
 
 
 class NativeBuildError(RuntimeError):

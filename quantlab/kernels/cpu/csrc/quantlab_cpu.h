@@ -22,7 +22,7 @@
 
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
-#define QL_ABI_VERSION 4
+#define QL_ABI_VERSION 5
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 
 enum { QL_AFFINE = 0, QL_INT8 = 1, QL_NF4 = 2 };
@@ -180,6 +180,36 @@ int64_t ql_chunk_features(int64_t n, int threads);
 
 /* matmul.c */
 QL_API int ql_isa(void);
+QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x, int64_t m, int64_t x_stride, float *y,
+                         int64_t y_stride, int threads, int activation_bits);
+
+/* decode.c: one decoding step of a Llama-family model (mirrors `NativeBlock` etc. in quantlab/generation/native.py) */
+typedef struct {
+    const float *attention_norm; /* [hidden] */
+    const float *mlp_norm;       /* [hidden] */
+    ql_weight q, k, v, o, gate, up, down;
+    const float *q_bias, *k_bias, *v_bias, *o_bias, *gate_bias, *up_bias, *down_bias; /* NULL: none */
+} ql_block;
+
+typedef struct {
+    int64_t blocks, hidden, heads, kv_heads, head_dim, intermediate;
+    float norm_eps;
+    float attention_scale;
+    const ql_block *block;   /* [blocks] */
+    const float *final_norm; /* [hidden] */
+    const ql_weight *head;   /* NULL: the caller applies the output head to the normed hidden state */
+    const float *head_bias;
+} ql_decoder;
+
+typedef struct {
+    float **keys;       /* [blocks] of [kv_heads, max_len, head_dim] */
+    float **values;
+    int64_t **lengths;  /* [blocks] of the cache's count of positions written */
+    int64_t max_len;
+} ql_cache;
+
+QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, float *hidden, const float *cos, const float *sin,
+                          int64_t position, float *logits, int threads, int activation_bits);
 /* avx512_vnni.c */
 QL_API int ql_has_vnni(void);
 

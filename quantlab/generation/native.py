@@ -1,0 +1,361 @@
+"""A native decode step for Llama-family models: one C call a token behind transformers' `generate`.
+
+The compiled decode step (compiled.py) still runs a token as ~300 small kernels and ~120
+operator calls driven by one Python graph; on SmolLM2-135M that costs as much as reading the
+4-bit weights. Here one call to `ql_decode_step` (csrc/decode.c) runs every block of one token:
+norms, the quantized projections on the native kernels (q/k/v and gate/up grouped), the rotary
+embedding, attention over transformers' own static cache (written in place, its position count
+moved on), the MLP, the final norm, and the output head when it is stored in a native format.
+Python around it only looks the token up, asks the model's rotary module for cos/sin (so every
+rope variant it implements works) and wraps the logits.
+
+It is installed as the model's compiled step (`compile_for_decoding(..., native_step=True)`), so
+`generate` keeps every option: sampling, logits processors, stopping criteria, streamers. Steps
+it does not take (several sequences, padding, a dynamic cache, outputs of attentions or hidden
+states) go to the compiled step, compiled the first time one comes.
+
+What it takes (`NativeDecoder.check` says which part is missing, in one line): a causal LM whose
+blocks are LlamaDecoderLayer-like (`self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, RMS norms,
+SiLU, full attention; q/k/v/o biases allowed, as Qwen2 has), float32, with every projection
+quantized in a format of the native kernels (int8, NF4, 2-8 bit affine).
+"""
+
+import ctypes
+from typing import Any
+
+import torch
+from transformers import StaticCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from quantlab.errors import ConfigError
+from quantlab.kernels.cpu import native
+from quantlab.kernels.cpu.native import QuantlabCpuWeight
+from quantlab.kernels.cpu.weights import NativeWeight, describable, native_weight
+
+_FLOATS = ctypes.POINTER(ctypes.c_float)
+_PROJECTIONS = (
+    ("q", "self_attn.q_proj"),
+    ("k", "self_attn.k_proj"),
+    ("v", "self_attn.v_proj"),
+    ("o", "self_attn.o_proj"),
+    ("gate", "mlp.gate_proj"),
+    ("up", "mlp.up_proj"),
+    ("down", "mlp.down_proj"),
+)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+class NativeBlock(ctypes.Structure):
+    """Mirror of `ql_block` in csrc/quantlab_cpu.h."""
+
+    _fields_ = [
+        ("attention_norm", ctypes.c_void_p),
+        ("mlp_norm", ctypes.c_void_p),
+        *((name, QuantlabCpuWeight) for name, _ in _PROJECTIONS),
+        *((f"{name}_bias", ctypes.c_void_p) for name, _ in _PROJECTIONS),
+    ]
+
+
+class NativeDecoderStruct(ctypes.Structure):
+    """Mirror of `ql_decoder`."""
+
+    _fields_ = [
+        ("blocks", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("norm_eps", ctypes.c_float),
+        ("attention_scale", ctypes.c_float),
+        ("block", ctypes.POINTER(NativeBlock)),
+        ("final_norm", ctypes.c_void_p),
+        ("head", ctypes.POINTER(QuantlabCpuWeight)),
+        ("head_bias", ctypes.c_void_p),
+    ]
+
+
+class NativeCacheStruct(ctypes.Structure):
+    """Mirror of `ql_cache`."""
+
+    _fields_ = [
+        ("keys", ctypes.POINTER(ctypes.c_void_p)),
+        ("values", ctypes.POINTER(ctypes.c_void_p)),
+        ("lengths", ctypes.POINTER(ctypes.c_void_p)),
+        ("max_len", ctypes.c_int64),
+    ]
+
+
+def _bind(lib: ctypes.CDLL) -> Any:
+    function = lib.ql_decode_step
+    function.argtypes = [
+        ctypes.POINTER(NativeDecoderStruct),
+        ctypes.POINTER(NativeCacheStruct),
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _float_tensor(tensor: torch.Tensor | None, what: str) -> torch.Tensor | None:
+    if tensor is None:
+        return None
+    if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+        raise ConfigError(f"native_step needs a float32 model on the CPU; {what} is {tensor.dtype} on {tensor.device}")
+    return tensor.detach().contiguous()
+
+
+class NativeDecoder:
+    """A model's blocks described once to `ql_decode_step`, with the tensors the description points at."""
+
+    def __init__(self, model: Any, activation_bits: int = 0) -> None:
+        self.lib = native.library()
+        if self.lib is None:
+            raise ConfigError(
+                "native_step needs quantlab's native CPU kernels, which are unavailable here (no C compiler, or "
+                "QUANTLAB_NATIVE_KERNELS=0); use compile_for_decoding without native_step"
+            )
+        self.step_function = _bind(self.lib)
+        self.model = model
+        self.activation_bits = activation_bits
+        self.keep: list[Any] = []
+        self.struct = self._describe(model)
+        self.cache_key: tuple = ()
+        self.cache_struct = NativeCacheStruct()
+
+    # ---- description -----------------------------------------------------------------------------------
+
+    def _pointer(self, tensor: torch.Tensor | None, what: str) -> int | None:
+        tensor = _float_tensor(tensor, what)
+        if tensor is None:
+            return None
+        self.keep.append(tensor)
+        return tensor.data_ptr()
+
+    def _weight(self, module: torch.nn.Module, name: str) -> NativeWeight:
+        layout = getattr(module, "layout", None)
+        if layout is None or not hasattr(module, "stored_tensors") or not describable(layout):
+            kind = type(module).__name__
+            if layout is not None:
+                kind += f" ({layout.codec}, {layout.bits} bits)"
+            raise ConfigError(
+                f"native_step needs every projection in a native-kernel format (int8, NF4, 2-8 bit affine); {name} is "
+                f"{kind}: quantize it, or use compile_for_decoding without native_step"
+            )
+        weight = native_weight(module)
+        self.keep.append(weight)
+        return weight
+
+    def _describe(self, model: Any) -> NativeDecoderStruct:
+        check_architecture(model)
+        config = model.config
+        body = model.model
+        layers = list(body.layers)
+        first = layers[0].self_attn
+        head_dim = int(getattr(first, "head_dim", 0) or config.hidden_size // config.num_attention_heads)
+        blocks = (NativeBlock * len(layers))()
+        for index, layer in enumerate(layers):
+            block = blocks[index]
+            prefix = f"model.layers.{index}"
+            block.attention_norm = self._pointer(layer.input_layernorm.weight, f"{prefix}.input_layernorm")
+            block.mlp_norm = self._pointer(layer.post_attention_layernorm.weight, f"{prefix}.post_attention_layernorm")
+            for field, path in _PROJECTIONS:
+                name = f"{prefix}.{path}"
+                module = layer.get_submodule(path)
+                setattr(block, field, self._weight(module, name).struct)
+                setattr(block, f"{field}_bias", self._pointer(module.bias, f"{name}.bias"))
+        self.keep.append(blocks)
+        struct = NativeDecoderStruct(
+            blocks=len(layers),
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            intermediate=layers[0].mlp.gate_proj.out_features,
+            norm_eps=float(layers[0].input_layernorm.variance_epsilon),
+            attention_scale=float(first.scaling),
+            block=blocks,
+            final_norm=self._pointer(body.norm.weight, "model.norm"),
+        )
+        head = self._native_head(model)
+        if head is not None:
+            struct.head = ctypes.pointer(head.struct)
+            struct.head_bias = self._pointer(getattr(model.lm_head, "bias", None), "lm_head.bias")
+        return struct
+
+    def _native_head(self, model: Any) -> NativeWeight | None:
+        """The output head's description when it is stored in a native format (else the caller applies it)."""
+        head = model.get_output_embeddings()
+        table = getattr(head, "embedding", head)  # a tied quantized head reads the embedding's table
+        layout = getattr(table, "layout", None)
+        if layout is None or not hasattr(table, "stored_tensors") or not describable(layout):
+            return None
+        weight = native_weight(table)
+        self.keep.append(weight)
+        return weight
+
+    # ---- one step ---------------------------------------------------------------------------------------
+
+    def _cache(self, cache: StaticCache) -> NativeCacheStruct:
+        """The cache's tensors as `ql_cache` (rebuilt when generate made a new cache)."""
+        layers = cache.layers
+        key = (id(cache), layers[0].keys.data_ptr(), layers[-1].values.data_ptr())
+        if key != self.cache_key:
+            count = len(layers)
+            keys = (ctypes.c_void_p * count)(*(layer.keys.data_ptr() for layer in layers))
+            values = (ctypes.c_void_p * count)(*(layer.values.data_ptr() for layer in layers))
+            lengths = (ctypes.c_void_p * count)(*(layer.cumulative_length.data_ptr() for layer in layers))
+            self.cache_struct = NativeCacheStruct(keys, values, lengths, layers[0].max_cache_len)
+            self.cache_arrays = (keys, values, lengths, cache)
+            self.cache_key = key
+        return self.cache_struct
+
+    def takes(self, input_ids: Any, cache: Any, attention_mask: Any, kwargs: dict) -> bool:
+        """True when the step is one token of one unpadded sequence on an initialized static cache."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.shape != (1, 1) or not isinstance(cache, StaticCache):
+            return False
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            return False
+        if kwargs.get("inputs_embeds") is not None:
+            return False
+        layers = cache.layers
+        if len(layers) != self.struct.blocks or not all(getattr(layer, "is_initialized", False) for layer in layers):
+            return False
+        first = layers[0]
+        if first.keys.dtype != torch.float32 or first.keys.shape[0] != 1 or getattr(first, "is_sliding", False):
+            return False
+        return _causal_without_padding(attention_mask, int(first.cumulative_length))
+
+    def step(self, input_ids: torch.Tensor, cache: StaticCache, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Logits `[1, 1, vocab]` of the token, its keys and values written to `cache`."""
+        cache_struct = self._cache(cache)
+        position = int(cache.layers[0].cumulative_length)
+        if position >= cache_struct.max_len:
+            raise ConfigError(
+                f"the static cache holds {cache_struct.max_len} positions and is full; pass a larger max_cache_len"
+            )
+        body = self.model.model
+        hidden = body.embed_tokens(input_ids).float().contiguous()
+        if position_ids is None:
+            position_ids = torch.tensor([[position]])
+        cos, sin = body.rotary_emb(hidden, position_ids)
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        head = self.struct.head
+        logits = torch.empty(1, 1, head.contents.n if head else 0)
+        status = self.step_function(
+            ctypes.byref(self.struct),
+            ctypes.byref(cache_struct),
+            hidden.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            position,
+            logits.data_ptr(),
+            torch.get_num_threads(),
+            self.activation_bits,
+        )
+        if status:
+            raise RuntimeError(f"quantlab's native decode step failed with status {status} (a quantlab bug)")
+        if not head:
+            logits = self.model.lm_head(hidden)
+        return logits
+
+
+def _causal_without_padding(mask: torch.Tensor | None, position: int) -> bool:
+    """True when `mask` lets the token at `position` see exactly positions 0..position: a 2-D mask of
+    ones, or the 4-D static-cache mask generate builds (bool, or float with 0 where allowed)."""
+    if isinstance(mask, dict):  # one mask per attention type (Qwen2): only full attention is run here
+        if set(mask) != {"full_attention"}:
+            return False
+        mask = mask["full_attention"]
+    if mask is None:
+        return True
+    if mask.dim() == 2:
+        return mask.shape[0] == 1 and bool(mask.all())
+    if mask.dim() != 4 or mask.shape[:3] != (1, 1, 1) or mask.shape[3] <= position:
+        return False
+    row = mask[0, 0, 0]
+    allowed = row if row.dtype == torch.bool else row == 0
+    return bool(allowed[: position + 1].all()) and not bool(allowed[position + 1 :].any())
+
+
+def check_architecture(model: Any) -> None:
+    """Raise a one-line ConfigError unless `model` has the block structure `ql_decode_step` runs."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"native_step runs {', '.join(SUPPORTED_MODEL_TYPES)} models, not {model_type or type(model).__name__}; "
+            "use compile_for_decoding without native_step"
+        )
+    layer_types = getattr(config, "layer_types", None) or ()
+    sliding = getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types)
+    if sliding:
+        raise ConfigError("native_step runs full attention only; this model has sliding-window layers")
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
+        raise ConfigError(
+            f"native_step needs SiLU MLPs (hidden_act='silu', pretraining_tp=1); this model has "
+            f"hidden_act={config.hidden_act!r}"
+        )
+    if getattr(config, "mlp_bias", False):
+        raise ConfigError("native_step does not run MLP biases (mlp_bias=True)")
+
+
+class SkipMaskForNativeSteps:
+    """The model's `create_masks_for_generate` (the hook transformers' `prepare_inputs_for_generation`
+    looks up on the model) that builds no mask for the steps the native step takes.
+
+    With a static cache, generate turns the 2-D attention mask into a 4-D causal mask over the whole
+    cache before every step (~0.3 ms on SmolLM2, 6 % of a native step). For one unpadded sequence
+    that mask says nothing the native step does not assume, so it gets None; every other step (the
+    prompt, several sequences, padding) gets the mask transformers would build."""
+
+    def __init__(self, model: Any) -> None:
+        from transformers.masking_utils import create_masks_for_generate
+
+        own = getattr(type(model), "create_masks_for_generate", None)  # a model class may define its own
+        self.build = own.__get__(model) if own is not None else create_masks_for_generate
+
+    def __call__(self, config: Any, inputs_embeds: torch.Tensor, attention_mask: Any, past_key_values: Any, **kwargs):
+        one_token = tuple(inputs_embeds.shape[:2]) == (1, 1) and isinstance(past_key_values, StaticCache)
+        if one_token and (attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all()))):
+            return None
+        return self.build(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                          past_key_values=past_key_values, **kwargs)  # fmt: skip
+
+
+class NativeDecodeStep:
+    """The decode step transformers' `generate` calls: the native step where it applies, else `fallback`."""
+
+    def __init__(self, model: Any, fallback: Any, activation_bits: int = 0) -> None:
+        self.decoder = NativeDecoder(model, activation_bits)
+        self.fallback = fallback
+        self.native_steps = 0
+        self.fallback_steps = 0
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if not self.decoder.takes(input_ids, past_key_values, attention_mask, kwargs):
+            self.fallback_steps += 1
+            return self.fallback(
+                input_ids=input_ids,
+                past_key_values=past_key_values,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                **kwargs,
+            )
+        self.native_steps += 1
+        with torch.no_grad():
+            logits = self.decoder.step(input_ids, past_key_values, position_ids)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)

@@ -1,0 +1,167 @@
+"""The native decode step (`compile_for_decoding(native_step=True)`): one C call a token behind `generate`."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import quantlab
+from quantlab.errors import ConfigError
+from quantlab.generation import compile_for_decoding, disable_compiled_decoding
+from quantlab.generation.native import NativeDecodeStep
+from quantlab.kernels.cpu import native
+from quantlab.testing.models import tiny_llama
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="the native CPU kernels are not built here")
+
+PROMPT = torch.tensor([[1, 5, 9, 33, 70, 2, 8]])
+TOKENS = 10
+
+
+def _decode(model, prompt=PROMPT, **options):
+    out = model.generate(
+        prompt,
+        attention_mask=options.pop("attention_mask", torch.ones_like(prompt)),
+        max_new_tokens=TOKENS,
+        min_new_tokens=TOKENS,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **{"do_sample": False, **options},
+    )
+    return out.sequences, torch.stack(out.logits)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _native(model, **options) -> NativeDecodeStep:
+    compile_for_decoding(model, max_cache_len=64, native_step=True, **options)
+    step = model._compiled_call
+    assert isinstance(step, NativeDecodeStep)
+    return step
+
+
+def _tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    """A 2-layer Qwen2: Llama's block with q/k/v biases."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # biases start at zero: make them matter
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.bias.normal_(0, 0.5)
+    return model
+
+
+CONFIGS = {
+    "4bit-g32": (lambda: quantlab.CustomBitsConfig(bits=4, group_size=32), False),
+    "4bit-g64-e8-tied": (lambda: quantlab.CustomBitsConfig(bits=4, group_size=64, embedding_bits=8), True),
+    "int8-e8": (lambda: quantlab.Int8SymmetricConfig(embedding_bits=8), False),
+    "nf4-dq": (lambda: quantlab.NF4Config(double_quant=True), False),
+    "3bit-asym": (lambda: quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=False), False),
+    # q/k/v in different layouts: the step projects them one by one instead of as one group
+    "mixed-qkv": (
+        lambda: quantlab.CustomBitsConfig(
+            bits=4,
+            group_size=32,
+            layer_options={f"model.layers.{i}.self_attn.k_proj": {"bits": 8} for i in range(2)},
+        ),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_native_step_decodes_as_the_eager_model(name):
+    """Every step after the prompt runs natively, with the eager model's greedy tokens and logits (the
+    same kernels; attention and norms summed in another order, so equal to a few ulps, not bit for bit)."""
+    make_config, tied = CONFIGS[name]
+    model = quantlab.quantize(tiny_llama(seed=3, tie_word_embeddings=tied), make_config())
+    model.generation_config.pad_token_id = 0
+    tokens, logits = _decode(model)
+    step = _native(model)
+    native_tokens, native_logits = _decode(model)
+    assert (step.native_steps, step.fallback_steps) == (TOKENS - 1, 0)
+    assert torch.equal(native_tokens, tokens)
+    assert _relative(native_logits, logits) < 1e-5
+
+
+def test_biases_of_a_qwen2_model_are_applied():
+    model = quantlab.quantize(_tiny_qwen2(seed=1), quantlab.CustomBitsConfig(bits=4, group_size=32))
+    model.generation_config.pad_token_id = 0
+    tokens, logits = _decode(model)
+    step = _native(model)
+    native_tokens, native_logits = _decode(model)
+    assert step.native_steps == TOKENS - 1
+    assert torch.equal(native_tokens, tokens)
+    assert _relative(native_logits, logits) < 1e-5
+
+
+def test_int8_activations_run_in_the_native_step():
+    model = quantlab.quantize(
+        tiny_llama(seed=3, tie_word_embeddings=True), quantlab.CustomBitsConfig(bits=4, group_size=64, embedding_bits=8)
+    )
+    model.generation_config.pad_token_id = 0
+    _, logits = _decode(model)
+    step = _native(model, int8_activations=True)
+    _, int8_logits = _decode(model)
+    assert step.native_steps == TOKENS - 1
+    relative = _relative(int8_logits, logits)
+    assert relative < 0.05
+    if native.int8_activations_supported():
+        assert relative > 1e-4  # the int8 kernel ran (without VNNI the layers compute in float)
+
+
+def test_sampling_options_work_as_in_plain_generate():
+    model = quantlab.quantize(tiny_llama(seed=3), quantlab.CustomBitsConfig(bits=4, group_size=32))
+    model.generation_config.pad_token_id = 0
+    options = {"do_sample": True, "top_k": 20, "temperature": 0.8, "repetition_penalty": 1.3}
+    torch.manual_seed(11)
+    tokens, _ = _decode(model, **options)
+    step = _native(model)
+    torch.manual_seed(11)
+    native_tokens, _ = _decode(model, **options)
+    assert step.native_steps == TOKENS - 1
+    assert torch.equal(native_tokens, tokens)
+
+
+def test_padded_batches_run_the_compiled_step():
+    """Two sequences, one left-padded: not the native step's case, so the compiled step takes it."""
+    model = quantlab.quantize(tiny_llama(seed=3), quantlab.CustomBitsConfig(bits=4, group_size=32))
+    model.generation_config.pad_token_id = 0
+    prompts = torch.tensor([[0, 0, 1, 5, 9, 33, 70], [4, 7, 1, 5, 9, 33, 70]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
+    tokens, _ = _decode(model, prompts, attention_mask=mask)
+    torch._dynamo.reset()
+    step = _native(model)
+    native_tokens, _ = _decode(model, prompts, attention_mask=mask)
+    assert (step.native_steps, step.fallback_steps) == (0, TOKENS - 1)
+    assert torch.equal(native_tokens, tokens)
+    disable_compiled_decoding(model)
+
+
+def test_models_the_step_does_not_run_are_refused_in_one_line():
+    float_model = tiny_llama(seed=3)
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.q_proj is Linear") as error:
+        compile_for_decoding(float_model, native_step=True)
+    assert "\n" not in str(error.value)
+    partly = quantlab.quantize(
+        tiny_llama(seed=3), quantlab.CustomBitsConfig(bits=4, group_size=32, modules_to_not_convert=["down_proj"])
+    )
+    with pytest.raises(ConfigError, match=r"down_proj is Linear"):
+        compile_for_decoding(partly, native_step=True)
+    sliding = Qwen2ForCausalLM(
+        Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="sliding-window"):
+        compile_for_decoding(sliding, native_step=True)
