@@ -329,9 +329,14 @@ def report(args, figures: dict[str, Figures], memory: dict[str, float | None]) -
         f"{args.rounds} rounds, compile mode {args.compile_mode!r}, quantlab kernels: {native.isa()}, "
         f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
+    peers = [name for name in args.versus if name in figures and name != base]
     rows = []
     for name, figure in figures.items():
         ratio = Spread([a / b for a, b in zip(figure.decode.values, figures[base].decode.values, strict=True)])
+        versus = [
+            Spread([a / b for a, b in zip(figure.decode.values, figures[peer].decode.values, strict=True)]).range_text()
+            for peer in peers
+        ]
         same = sum(a == b for a, b in zip(figure.tokens, figures[base].tokens, strict=False)) / max(
             len(figure.tokens), 1
         )
@@ -341,13 +346,15 @@ def report(args, figures: dict[str, Figures], memory: dict[str, float | None]) -
                 name,
                 figure.decode.range_text(1),
                 ratio.range_text(),
+                *versus,
                 figure.first_token.range_text(0),
                 figure.prefill.range_text(0),
                 "" if peak is None else f"{peak:.0f}",
                 f"{same:.0%}",
             ]
         )
-    header = ["candidate", "decode tok/s", f"x {base}", "first token ms", "prefill 512 tok/s", "peak RSS MiB"]
+    header = ["candidate", "decode tok/s", f"x {base}", *(f"x {peer}" for peer in peers), "first token ms"]
+    header += ["prefill 512 tok/s", "peak RSS MiB"]
     print_table("Median [min-max] over rounds", [*header, f"tokens equal to {base}"], rows)
 
 
@@ -371,6 +378,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile-mode", default="default", help="torch.compile mode of the fast path")
     parser.add_argument("--batch-sizes", nargs="*", type=int, default=[], help="e.g. 1 4 16 64")
     parser.add_argument("--batch-methods", nargs="+", default=["4bit e8"], choices=list(METHODS))
+    parser.add_argument(
+        "--versus",
+        nargs="*",
+        default=["llama.cpp Q4_0", "llama.cpp Q8_0"],
+        help="candidates every row is also divided by, round by round (those present)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--no-onnx", dest="onnx", action="store_false", help="skip the onnxruntime 4-bit candidate")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")

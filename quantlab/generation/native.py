@@ -183,16 +183,16 @@ class NativeDecoder:
             block=blocks,
             final_norm=self._pointer(body.norm.weight, "model.norm"),
         )
-        head = self._native_head(model)
+        self.embedding = self._native_table(model.get_input_embeddings())
+        head = self._native_table(model.get_output_embeddings())
         if head is not None:
             struct.head = ctypes.pointer(head.struct)
             struct.head_bias = self._pointer(getattr(model.lm_head, "bias", None), "lm_head.bias")
         return struct
 
-    def _native_head(self, model: Any) -> NativeWeight | None:
-        """The output head's description when it is stored in a native format (else the caller applies it)."""
-        head = model.get_output_embeddings()
-        table = getattr(head, "embedding", head)  # a tied quantized head reads the embedding's table
+    def _native_table(self, module: torch.nn.Module | None) -> NativeWeight | None:
+        """The description of an embedding table or output head stored in a native format, else None."""
+        table = getattr(module, "embedding", module)  # a tied quantized head reads the embedding's table
         layout = getattr(table, "layout", None)
         if layout is None or not hasattr(table, "stored_tensors") or not describable(layout):
             return None
@@ -232,6 +232,19 @@ class NativeDecoder:
             return False
         return _causal_without_padding(attention_mask, int(first.cumulative_length))
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token's row `[1, 1, hidden]`: decoded by one native call from a quantized table (the values
+        the table's own lookup gives), else looked up by the embedding module."""
+        token = int(input_ids)
+        if self.embedding is None or not 0 <= token < self.embedding.out_features:
+            return self.model.model.embed_tokens(input_ids).float().contiguous()
+        width = self.embedding.in_features
+        hidden = torch.empty(1, 1, width)
+        status = self.lib.ql_dequantize(self.embedding.pointer, token, token + 1, hidden.data_ptr(), width, 1)
+        if status:
+            raise RuntimeError(f"quantlab's native embedding lookup failed with status {status} (a quantlab bug)")
+        return hidden
+
     def step(self, input_ids: torch.Tensor, cache: StaticCache, position_ids: torch.Tensor | None) -> torch.Tensor:
         """Logits `[1, 1, vocab]` of the token, its keys and values written to `cache`."""
         cache_struct = self._cache(cache)
@@ -241,7 +254,7 @@ class NativeDecoder:
                 f"the static cache holds {cache_struct.max_len} positions and is full; pass a larger max_cache_len"
             )
         body = self.model.model
-        hidden = body.embed_tokens(input_ids).float().contiguous()
+        hidden = self._embed(input_ids)
         if position_ids is None:
             position_ids = torch.tensor([[position]])
         cos, sin = body.rotary_emb(hidden, position_ids)

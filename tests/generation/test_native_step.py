@@ -165,3 +165,15 @@ def test_models_the_step_does_not_run_are_refused_in_one_line():
     )  # fmt: skip
     with pytest.raises(ConfigError, match="sliding-window"):
         compile_for_decoding(sliding, native_step=True)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_quantized_table_is_looked_up_natively_with_the_modules_values(tied):
+    model = quantlab.quantize(
+        tiny_llama(seed=3, tie_word_embeddings=tied), quantlab.CustomBitsConfig(bits=4, group_size=32, embedding_bits=8)
+    )
+    step = _native(model)
+    assert step.decoder.embedding is not None
+    for token in (0, 17, 255):
+        ids = torch.tensor([[token]])
+        assert torch.equal(step.decoder._embed(ids), model.get_input_embeddings()(ids))
