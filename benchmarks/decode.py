@@ -13,7 +13,7 @@ its weights (one `generate` call each, with its own generation config); `fast-un
 with `fuse_projections=False` (one quantized call per layer), and `fast-int8`, the fast path with
 `int8_activations=True` (4-bit and int8 layers and an int8 head on int8 activations, llama.cpp's
 scheme: not bit-exact), `native` and `native-int8`, the fast path with `native_step=True` (one C call a
-token for the whole model, quantlab.generation.native), load a
+token for the whole model, quantlab.generation.native; quantized methods only), load a
 copy of their own, since a model keeps one compiled step. All candidates are timed
 in every round, in rotated order, so ratios compare runs seconds apart on a machine shared with
 others; tables print the median and [min-max] over rounds, ratios taken inside each round.
@@ -213,7 +213,8 @@ def build(args, directory: Path, tokenizer) -> dict[str, object]:
     for name in args.methods:
         model = load(name, directory)
         model.generation_config.pad_token_id = tokenizer.eos_token_id
-        for path, path_model in models_by_path(name, directory, args.paths, model).items():
+        paths = [path for path in args.paths if METHODS[name] is not None or not path.startswith("native")]
+        for path, path_model in models_by_path(name, directory, paths, model).items():
             candidates[f"{name} {path}"] = TorchCandidate(path_model, path, max_cache_len, args.compile_mode)
     for key, candidate in candidates.items():
         start = time.perf_counter()

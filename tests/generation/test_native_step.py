@@ -177,3 +177,22 @@ def test_a_quantized_table_is_looked_up_natively_with_the_modules_values(tied):
     for token in (0, 17, 255):
         ids = torch.tensor([[token]])
         assert torch.equal(step.decoder._embed(ids), model.get_input_embeddings()(ids))
+
+
+@pytest.mark.slow
+def test_smollm2_decodes_the_eager_tokens_on_the_native_step():
+    """The real model (30 blocks, 9 heads over 3 key/value heads, tied int8 table): 24 greedy tokens equal."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantlab.eval.models import smollm2_dir
+
+    config = quantlab.CustomBitsConfig(bits=4, group_size=64, embedding_bits=8)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), quantization_config=config).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
+    prompt = tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids
+    options = {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
+    tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
+    step = _native(model)
+    native_tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
+    assert step.native_steps == 23
+    assert torch.equal(native_tokens, tokens)
