@@ -19,7 +19,9 @@ in every round, in rotated order, so ratios compare runs seconds apart on a mach
 others; tables print the median and [min-max] over rounds, ratios taken inside each round.
 
 - decode tokens/s: (tokens - 1) / (time of `tokens` new tokens - time of 1), greedy: the prompt
-  and the first token cancel out.
+  and the first token cancel out. `generate(max_new_tokens=...)` as a user calls it, without
+  `min_new_tokens` (whose logits processor costs ~0.5 ms a token on SmolLM2 and has no counterpart in
+  llama.cpp's loop); a run that ends early at an end-of-sequence token is counted by its tokens.
 - first token: the time of one new token after a `--prompt-tokens` prompt (prefill included).
 - prefill 512: a 512-token prompt processed into the KV cache, logits for its last position only (as
   `generate` and llama.cpp's `eval` do; eager on both paths: transformers compiles only the
@@ -102,20 +104,24 @@ class TorchCandidate:
         else:
             self.config = copy.deepcopy(model.generation_config)
 
-    def generate(self, prompt: torch.Tensor, tokens: int) -> tuple[float, list[int]]:
+    def generate(self, prompt: torch.Tensor, tokens: int, force_length: bool = False) -> tuple[float, list[int]]:
+        """Seconds and tokens of `generate(max_new_tokens=tokens)` as a user calls it. `force_length` adds
+        `min_new_tokens` (transformers' MinNewTokensLengthLogitsProcessor then masks the end-of-sequence
+        token in a vocabulary-sized tensor every step: ~0.5 ms a token on SmolLM2, which llama.cpp's
+        loop does not pay), for batches, whose aggregate rate counts every sequence's tokens."""
         start = time.perf_counter()
         out = self.model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
             generation_config=self.config,
             max_new_tokens=tokens,
-            min_new_tokens=tokens,
+            min_new_tokens=tokens if force_length else None,
             do_sample=False,
         )
         return time.perf_counter() - start, out[0, prompt.shape[1] :].tolist()
 
     def generate_many(self, prompts: torch.Tensor, tokens: int) -> float:
-        return self.generate(prompts, tokens)[0]
+        return self.generate(prompts, tokens, force_length=True)[0]
 
     def prefill_seconds(self, prompt: torch.Tensor) -> float:
         start = time.perf_counter()
@@ -184,7 +190,8 @@ def decode_rate(candidate, prompt, tokens: int) -> tuple[float, float, list[int]
     """(decode tokens/s, seconds to the first token, the tokens)."""
     first, _ = candidate.generate(prompt, 1)
     total, generated = candidate.generate(prompt, tokens)
-    rate = (tokens - 1) / (total - first) if total > first else float("nan")  # a preempted 1-token run
+    made = len(generated)  # fewer than `tokens` if it ended at an end-of-sequence token
+    rate = (made - 1) / (total - first) if total > first and made > 1 else float("nan")  # a preempted 1-token run
     return rate, first, generated
 
 

@@ -1,4 +1,5 @@
-"""Generation on quantized (and float) causal LMs: the compiled static-cache decode path."""
+"""Generation on quantized (and float) causal LMs: the compiled static-cache decode path, and for
+Llama-family models the native decode step behind it (native.py)."""
 
 from quantlab.generation.compiled import (
     CPU_COMPILE_MODES,

@@ -23,6 +23,7 @@ from transformers import CompileConfig, GenerationConfig
 from quantlab.errors import ConfigError
 from quantlab.generation.counters import CompileCounts, count_compilations
 from quantlab.generation.fusion import FuseProjections
+from quantlab.generation.loop import NativeGenerate
 from quantlab.generation.native import NativeDecodeStep, SkipMaskForNativeSteps
 
 # Modes inductor runs on CPU; "reduce-overhead" and "max-autotune" add CUDA graphs (CUDA only).
@@ -116,7 +117,9 @@ def fast_decoding_config(
     """A copy of `model.generation_config` set up as `compile_for_decoding` does, the model's own
     config untouched: `model.generate(ids, generation_config=config)` takes the fast path for that
     call only. The model keeps the compiled step made for this config; use one such config per model
-    (with a second one, transformers compiles its own step, shared with other models of its class)."""
+    (with a second one, transformers compiles its own step, shared with other models of its class).
+    With `native_step` the model also gets a `create_masks_for_generate` that skips the 4-D mask of the
+    steps the native step takes (other steps get transformers' mask); `disable_compiled_decoding` removes it."""
     _check_can_compile(model, max_cache_len, mode)
     if not module_guards:
         options = {"guard_filter_fn": SKIP_MODULE_GUARDS, **(options or {})}
@@ -136,6 +139,7 @@ def fast_decoding_config(
     if native_step:
         model._compiled_call = NativeDecodeStep(model, model._compiled_call, 8 if int8_activations else 0)
         model.create_masks_for_generate = SkipMaskForNativeSteps(model)
+        model.generate = NativeGenerate(model)
     return generation_config
 
 
@@ -173,7 +177,7 @@ def disable_compiled_decoding(model: Any) -> Any:
     generation_config.cache_implementation = None
     generation_config.max_cache_len = None
     generation_config.compile_config = None
-    for name in ("_compiled_call", "_last_compile_config", "create_masks_for_generate"):
+    for name in ("_compiled_call", "_last_compile_config", "create_masks_for_generate", "generate"):
         model.__dict__.pop(name, None)
     return model
 

@@ -350,6 +350,7 @@ class NativeDecodeStep:
         self.fallback = fallback
         self.native_steps = 0
         self.fallback_steps = 0
+        self.lean_loops = 0  # generate calls run by loop.native_sample
 
     def __call__(
         self,

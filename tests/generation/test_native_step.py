@@ -196,3 +196,57 @@ def test_smollm2_decodes_the_eager_tokens_on_the_native_step():
     native_tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
     assert step.native_steps == 23
     assert torch.equal(native_tokens, tokens)
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_the_lean_loop_gives_the_tokens_and_scores_of_transformers_loop_bit_for_bit(sample):
+    """`model.generate` runs loop.native_sample; `type(model).generate` runs transformers' `_sample` on the
+    same native step: equal sequences, scores and logits, stopping at the same end-of-sequence token."""
+    model = quantlab.quantize(tiny_llama(seed=3), quantlab.CustomBitsConfig(bits=4, group_size=32))
+    model.generation_config.pad_token_id = 0
+    step = _native(model)
+    eos = int(_decode(model)[0][0, PROMPT.shape[1] + 5])  # a token the greedy run makes: it stops there
+    options = {
+        "max_new_tokens": TOKENS,
+        "do_sample": sample,
+        "top_k": 20,
+        "temperature": 0.7,
+        "eos_token_id": None if sample else eos,
+        "output_scores": True,
+        "output_logits": True,
+        "return_dict_in_generate": True,
+    }
+    loops = step.lean_loops
+    torch.manual_seed(5)
+    lean = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), **options)
+    assert step.lean_loops == loops + 1
+    torch.manual_seed(5)
+    plain = type(model).generate(model, PROMPT, attention_mask=torch.ones_like(PROMPT), **options)
+    assert step.lean_loops == loops + 1
+    assert torch.equal(lean.sequences, plain.sequences)
+    if not sample:
+        assert lean.sequences.shape[1] < PROMPT.shape[1] + TOKENS and lean.sequences[0, -1] == eos
+    for ours, theirs in ((lean.scores, plain.scores), (lean.logits, plain.logits)):
+        assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_a_streamer_keeps_transformers_loop_on_the_native_step():
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.tokens, self.ended = [], False
+
+        def put(self, value):
+            self.tokens += value.flatten().tolist()
+
+        def end(self):
+            self.ended = True
+
+    model = quantlab.quantize(tiny_llama(seed=3), quantlab.CustomBitsConfig(bits=4, group_size=32))
+    model.generation_config.pad_token_id = 0
+    step = _native(model)
+    streamer = Collect()
+    tokens = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=6, streamer=streamer)
+    assert (step.lean_loops, step.native_steps) == (0, 5)
+    assert streamer.ended and streamer.tokens == tokens[0].tolist()
