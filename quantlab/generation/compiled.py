@@ -95,7 +95,10 @@ def compile_for_decoding(
     library for the whole model (quantlab.generation.native: Llama and Qwen2 blocks whose projections
     are all in a native-kernel format, float32): no graph, no operator calls, the static cache written
     in place. Other steps (several sequences, padding) run the compiled step. Its values differ from the
-    compiled step's in the last bits (attention and norms are summed in another order). Off by default.
+    compiled step's in the last bits (attention and norms are summed in another order). It reads the
+    weights described when it was set up (values written in place are seen): a model whose layers or
+    stored tensors were replaced since is refused at the next generation, until set up again. For one
+    sequence `model.generate` runs a lean loop of its own (quantlab.generation.loop). Off by default.
     """
     model.generation_config = fast_decoding_config(
         model, max_cache_len, mode, fullgraph, options, module_guards, fuse_projections, int8_activations, native_step

@@ -125,6 +125,7 @@ class NativeDecoder:
         self.model = model
         self.activation_bits = activation_bits
         self.keep: list[Any] = []
+        self.described: list[tuple[str, torch.nn.Module, dict[str, torch.Tensor]]] = []
         self.struct = self._describe(model)
         self.cache_key: tuple = ()
         self.cache_struct = NativeCacheStruct()
@@ -138,6 +139,21 @@ class NativeDecoder:
         self.keep.append(tensor)
         return tensor.data_ptr()
 
+    def _unchanged(self) -> bool:
+        """True while the model holds the modules and tensors described (in-place writes are seen anyway)."""
+        model = self.model
+        for path, module, tensors in self.described:
+            if model.get_submodule(path) is not module:
+                return False
+            current = module.stored_tensors() if hasattr(module, "stored_tensors") else {"weight": module.weight}
+            if any(current.get(name) is not tensor for name, tensor in tensors.items()):
+                return False
+        return True
+
+    def _record(self, path: str, module: torch.nn.Module) -> None:
+        tensors = module.stored_tensors() if hasattr(module, "stored_tensors") else {"weight": module.weight}
+        self.described.append((path, module, dict(tensors)))
+
     def _weight(self, module: torch.nn.Module, name: str) -> NativeWeight:
         layout = getattr(module, "layout", None)
         if layout is None or not hasattr(module, "stored_tensors") or not describable(layout):
@@ -150,6 +166,7 @@ class NativeDecoder:
             )
         weight = native_weight(module)
         self.keep.append(weight)
+        self._record(name, module)
         return weight
 
     def _describe(self, model: Any) -> NativeDecoderStruct:
@@ -165,6 +182,8 @@ class NativeDecoder:
             prefix = f"model.layers.{index}"
             block.attention_norm = self._pointer(layer.input_layernorm.weight, f"{prefix}.input_layernorm")
             block.mlp_norm = self._pointer(layer.post_attention_layernorm.weight, f"{prefix}.post_attention_layernorm")
+            self._record(f"{prefix}.input_layernorm", layer.input_layernorm)
+            self._record(f"{prefix}.post_attention_layernorm", layer.post_attention_layernorm)
             for field, path in _PROJECTIONS:
                 name = f"{prefix}.{path}"
                 module = layer.get_submodule(path)
@@ -183,6 +202,7 @@ class NativeDecoder:
             block=blocks,
             final_norm=self._pointer(body.norm.weight, "model.norm"),
         )
+        self._record("model.norm", body.norm)
         self.embedding = self._native_table(model.get_input_embeddings())
         head = self._native_table(model.get_output_embeddings())
         if head is not None:
@@ -198,6 +218,8 @@ class NativeDecoder:
             return None
         weight = native_weight(table)
         self.keep.append(weight)
+        path = next(name for name, candidate in self.model.named_modules() if candidate is table)
+        self._record(path, table)
         return weight
 
     # ---- one step ---------------------------------------------------------------------------------------
@@ -206,7 +228,12 @@ class NativeDecoder:
         """The cache's tensors as `ql_cache` (rebuilt when generate made a new cache)."""
         layers = cache.layers
         key = (id(cache), layers[0].keys.data_ptr(), layers[-1].values.data_ptr())
-        if key != self.cache_key:
+        if key != self.cache_key:  # a new generation: check the model is still the one described
+            if not self._unchanged():
+                raise ConfigError(
+                    "the model's layers or stored tensors were replaced after native_step was set up; call "
+                    "compile_for_decoding(..., native_step=True) again"
+                )
             count = len(layers)
             keys = (ctypes.c_void_p * count)(*(layer.keys.data_ptr() for layer in layers))
             values = (ctypes.c_void_p * count)(*(layer.values.data_ptr() for layer in layers))

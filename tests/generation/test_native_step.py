@@ -250,3 +250,27 @@ def test_a_streamer_keeps_transformers_loop_on_the_native_step():
     tokens = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=6, streamer=streamer)
     assert (step.lean_loops, step.native_steps) == (0, 5)
     assert streamer.ended and streamer.tokens == tokens[0].tolist()
+
+
+def test_replacing_a_layer_after_set_up_is_refused_at_the_next_generation():
+    """The native step reads the weights described when it was set up: a model changed since then (a layer
+    swapped, tensors replaced) is an error, not a silent run on the old weights; writes in place are seen."""
+    model = quantlab.quantize(tiny_llama(seed=3), quantlab.CustomBitsConfig(bits=4, group_size=32))
+    model.generation_config.pad_token_id = 0
+    _native(model)
+    before = _decode(model)[1]
+    scale = model.model.layers[1].mlp.down_proj.weight_scale
+    with torch.no_grad():
+        scale.mul_(2.0)  # in place: the step reads the new values
+    changed = _decode(model)[1]
+    with torch.no_grad():
+        scale.div_(2.0)
+    assert torch.equal(_decode(model)[1], before) and not torch.equal(changed[1:], before[1:])
+    original = model.model.layers[1].mlp.down_proj
+    model.model.layers[1].mlp.down_proj = type(original).from_linear(
+        torch.nn.Linear(original.in_features, original.out_features, bias=False), original.config
+    )
+    with pytest.raises(ConfigError, match="replaced after native_step was set up"):
+        _decode(model)
+    _native(model)  # set up again: runs
+    assert _decode(model)[1].shape == before.shape
