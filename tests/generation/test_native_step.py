@@ -9,7 +9,7 @@ from quantlab.errors import ConfigError
 from quantlab.generation import compile_for_decoding, disable_compiled_decoding
 from quantlab.generation.native import NativeDecodeStep
 from quantlab.kernels.cpu import native
-from quantlab.testing.models import tiny_llama
+from quantlab.testing.models import tiny_llama, tiny_qwen2
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native CPU kernels are not built here")
 
@@ -39,27 +39,6 @@ def _native(model, **options) -> NativeDecodeStep:
     step = model._compiled_call
     assert isinstance(step, NativeDecodeStep)
     return step
-
-
-def _tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
-    """A 2-layer Qwen2: Llama's block with q/k/v biases."""
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():  # biases start at zero: make them matter
-        for layer in model.model.layers:
-            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                projection.bias.normal_(0, 0.5)
-    return model
 
 
 CONFIGS = {
@@ -96,7 +75,7 @@ def test_the_native_step_decodes_as_the_eager_model(name):
 
 
 def test_biases_of_a_qwen2_model_are_applied():
-    model = quantlab.quantize(_tiny_qwen2(seed=1), quantlab.CustomBitsConfig(bits=4, group_size=32))
+    model = quantlab.quantize(tiny_qwen2(seed=1), quantlab.CustomBitsConfig(bits=4, group_size=32))
     model.generation_config.pad_token_id = 0
     tokens, logits = _decode(model)
     step = _native(model)
