@@ -125,7 +125,8 @@ class NativeDecoder:
         self.model = model
         self.activation_bits = activation_bits
         self.keep: list[Any] = []
-        self.described: list[tuple[str, torch.nn.Module, dict[str, torch.Tensor]]] = []
+        self.described: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+        self.edges: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.nn.Module]] = {}
         self.struct = self._describe(model)
         self.cache_key: tuple = ()
         self.cache_struct = NativeCacheStruct()
@@ -140,19 +141,26 @@ class NativeDecoder:
         return tensor.data_ptr()
 
     def _unchanged(self) -> bool:
-        """True while the model holds the modules and tensors described (in-place writes are seen anyway)."""
-        model = self.model
-        for path, module, tensors in self.described:
-            if model.get_submodule(path) is not module:
-                return False
-            current = module.stored_tensors() if hasattr(module, "stored_tensors") else {"weight": module.weight}
-            if any(current.get(name) is not tensor for name, tensor in tensors.items()):
-                return False
+        """True while the model holds the modules and tensors described (in-place writes are seen anyway).
+        Dictionary lookups only: ~0.1 ms on SmolLM2, once a generation."""
+        if any(parent._modules.get(name) is not child for parent, name, child in self.edges.values()):
+            return False
+        for module, tensors in self.described:
+            for name, tensor in tensors.items():
+                current = module._buffers.get(name)
+                if (current if current is not None else module._parameters.get(name)) is not tensor:
+                    return False
         return True
 
     def _record(self, path: str, module: torch.nn.Module) -> None:
+        """Remember `module` (at `path` of the model, through every module on the way) and its tensors."""
+        parent = self.model
+        for name in path.split("."):
+            child = parent._modules[name]
+            self.edges[(id(parent), name)] = (parent, name, child)
+            parent = child
         tensors = module.stored_tensors() if hasattr(module, "stored_tensors") else {"weight": module.weight}
-        self.described.append((path, module, dict(tensors)))
+        self.described.append((module, dict(tensors)))
 
     def _weight(self, module: torch.nn.Module, name: str) -> NativeWeight:
         layout = getattr(module, "layout", None)

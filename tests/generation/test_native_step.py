@@ -1,5 +1,7 @@
 """The native decode step (`compile_for_decoding(native_step=True)`): one C call a token behind `generate`."""
 
+import copy
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -253,3 +255,6 @@ def test_replacing_a_layer_after_set_up_is_refused_at_the_next_generation():
         _decode(model)
     _native(model)  # set up again: runs
     assert _decode(model)[1].shape == before.shape
+    model.model.layers[0] = copy.deepcopy(model.model.layers[0])  # an ancestor of described layers
+    with pytest.raises(ConfigError, match="replaced after native_step was set up"):
+        _decode(model)
