@@ -20,6 +20,7 @@ SiLU, full attention; q/k/v/o biases allowed, as Qwen2 has), float32, with every
 quantized in a format of the native kernels (int8, NF4, 2-8 bit affine).
 """
 
+import copy
 import ctypes
 from typing import Any
 
@@ -381,11 +382,31 @@ class NativeDecodeStep:
     """The decode step transformers' `generate` calls: the native step where it applies, else `fallback`."""
 
     def __init__(self, model: Any, fallback: Any, activation_bits: int = 0) -> None:
-        self.decoder = NativeDecoder(model, activation_bits)
+        self.model = model
         self.fallback = fallback
+        self.activation_bits = activation_bits
+        self._decoder: NativeDecoder | None = NativeDecoder(model, activation_bits)  # refusals raise at set-up
         self.native_steps = 0
         self.fallback_steps = 0
         self.lean_loops = 0  # generate calls run by loop.native_sample
+
+    @property
+    def decoder(self) -> NativeDecoder:
+        if self._decoder is None:  # a copy describes its own model's tensors on first use
+            self._decoder = NativeDecoder(self.model, self.activation_bits)
+        return self._decoder
+
+    def __deepcopy__(self, memo: dict) -> "NativeDecodeStep":
+        """A copied model gets a step of its own; its description is built when it first decodes (the
+        C structures point into the original's tensors and cannot be copied)."""
+        copied = NativeDecodeStep.__new__(NativeDecodeStep)
+        memo[id(self)] = copied
+        copied.model = copy.deepcopy(self.model, memo)
+        copied.fallback = copy.deepcopy(self.fallback, memo)
+        copied.activation_bits = self.activation_bits
+        copied._decoder = None
+        copied.native_steps = copied.fallback_steps = copied.lean_loops = 0
+        return copied
 
     def __call__(
         self,

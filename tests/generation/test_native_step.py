@@ -258,3 +258,16 @@ def test_replacing_a_layer_after_set_up_is_refused_at_the_next_generation():
     model.model.layers[0] = copy.deepcopy(model.model.layers[0])  # an ancestor of described layers
     with pytest.raises(ConfigError, match="replaced after native_step was set up"):
         _decode(model)
+
+
+def test_a_deep_copy_decodes_with_its_own_weights():
+    model = quantlab.quantize(tiny_llama(seed=3), quantlab.CustomBitsConfig(bits=4, group_size=32))
+    model.generation_config.pad_token_id = 0
+    _native(model)
+    before = _decode(model)[1]
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        copied.model.layers[1].mlp.down_proj.weight_scale.mul_(2.0)
+    changed = _decode(copied)[1]
+    assert copied._compiled_call.native_steps == TOKENS - 1
+    assert not torch.equal(changed, before) and torch.equal(_decode(model)[1], before)
