@@ -126,7 +126,7 @@ class NativeDecoder:
         self.model = model
         self.activation_bits = activation_bits
         self.keep: list[Any] = []
-        self.described: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+        self.described: list[tuple[torch.nn.Module, dict[str, tuple[torch.Tensor, int]]]] = []
         self.edges: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.nn.Module]] = {}
         self.struct = self._describe(model)
         self.cache_key: tuple = ()
@@ -147,9 +147,10 @@ class NativeDecoder:
         if any(parent._modules.get(name) is not child for parent, name, child in self.edges.values()):
             return False
         for module, tensors in self.described:
-            for name, tensor in tensors.items():
+            for name, (tensor, pointer) in tensors.items():
                 current = module._buffers.get(name)
-                if (current if current is not None else module._parameters.get(name)) is not tensor:
+                current = current if current is not None else module._parameters.get(name)
+                if current is not tensor or current.data_ptr() != pointer:  # `param.data = ...` keeps the object
                     return False
         return True
 
@@ -161,7 +162,7 @@ class NativeDecoder:
             self.edges[(id(parent), name)] = (parent, name, child)
             parent = child
         tensors = module.stored_tensors() if hasattr(module, "stored_tensors") else {"weight": module.weight}
-        self.described.append((module, dict(tensors)))
+        self.described.append((module, {name: (t, t.data_ptr()) for name, t in tensors.items()}))
 
     def _weight(self, module: torch.nn.Module, name: str) -> NativeWeight:
         layout = getattr(module, "layout", None)

@@ -258,6 +258,11 @@ def test_replacing_a_layer_after_set_up_is_refused_at_the_next_generation():
     model.model.layers[0] = copy.deepcopy(model.model.layers[0])  # an ancestor of described layers
     with pytest.raises(ConfigError, match="replaced after native_step was set up"):
         _decode(model)
+    _native(model)
+    norm = model.model.norm.weight
+    norm.data = norm.data.clone()  # the same Parameter, new memory
+    with pytest.raises(ConfigError, match="replaced after native_step was set up"):
+        _decode(model)
 
 
 def test_a_deep_copy_decodes_with_its_own_weights():
