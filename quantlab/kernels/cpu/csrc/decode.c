@@ -101,10 +101,7 @@ static int ql_project(const ql_weight *weights, const float *const *biases, int 
     int64_t total = 0;
     for (int i = 0; i < count; i++) {
         total += weights[i].n;
-        if (weights[i].kind != weights[0].kind || weights[i].bits != weights[0].bits || weights[i].k != weights[0].k ||
-            weights[i].groups != weights[0].groups || weights[i].group_size != weights[0].group_size ||
-            weights[i].group_bytes != weights[0].group_bytes)
-            same = 0;
+        same &= ql_same_layout(&weights[i], &weights[0]);
     }
     if (same) {
         int status = ql_gemm_group(weights, count, x, 1, weights[0].k, y, total, threads, activation_bits);

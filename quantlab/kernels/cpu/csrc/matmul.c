@@ -208,7 +208,7 @@ static void ql_gemm_group_chunk(void *arg, int64_t chunk) {
     ql_gemm_chunk(&group->jobs[i], chunk - group->first_chunk[i]);
 }
 
-static int ql_same_layout(const ql_weight *a, const ql_weight *b) {
+int ql_same_layout(const ql_weight *a, const ql_weight *b) {
     return a->kind == b->kind && a->bits == b->bits && a->k == b->k && a->groups == b->groups &&
            a->group_size == b->group_size && a->group_codes == b->group_codes && a->group_bytes == b->group_bytes;
 }
