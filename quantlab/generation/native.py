@@ -22,6 +22,7 @@ quantized in a format of the native kernels (int8, NF4, 2-8 bit affine).
 
 import copy
 import ctypes
+import weakref
 from typing import Any
 
 import torch
@@ -130,6 +131,7 @@ class NativeDecoder:
         self.edges: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.nn.Module]] = {}
         self.struct = self._describe(model)
         self.cache_key: tuple = ()
+        self.cache_ref: Any = lambda: None  # the cache `cache_struct` describes
         self.cache_struct = NativeCacheStruct()
 
     # ---- description -----------------------------------------------------------------------------------
@@ -237,8 +239,8 @@ class NativeDecoder:
     def _cache(self, cache: StaticCache) -> NativeCacheStruct:
         """The cache's tensors as `ql_cache` (rebuilt when generate made a new cache)."""
         layers = cache.layers
-        key = (id(cache), layers[0].keys.data_ptr(), layers[-1].values.data_ptr())
-        if key != self.cache_key:  # a new generation: check the model is still the one described
+        key = (layers[0].keys.data_ptr(), layers[-1].values.data_ptr())
+        if self.cache_ref() is not cache or key != self.cache_key:  # a new generation: is the model unchanged?
             if not self._unchanged():
                 raise ConfigError(
                     "the model's layers or stored tensors were replaced after native_step was set up; call "
@@ -249,7 +251,8 @@ class NativeDecoder:
             values = (ctypes.c_void_p * count)(*(layer.values.data_ptr() for layer in layers))
             lengths = (ctypes.c_void_p * count)(*(layer.cumulative_length.data_ptr() for layer in layers))
             self.cache_struct = NativeCacheStruct(keys, values, lengths, layers[0].max_cache_len)
-            self.cache_arrays = (keys, values, lengths, cache)
+            self.cache_arrays = (keys, values, lengths)  # the struct points into them
+            self.cache_ref = weakref.ref(cache)  # not kept alive: a finished generation's cache is freed
             self.cache_key = key
         return self.cache_struct
 

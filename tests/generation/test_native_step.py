@@ -1,6 +1,7 @@
 """The native decode step (`compile_for_decoding(native_step=True)`): one C call a token behind `generate`."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -276,3 +277,13 @@ def test_a_deep_copy_decodes_with_its_own_weights():
     changed = _decode(copied)[1]
     assert copied._compiled_call.native_steps == TOKENS - 1
     assert not torch.equal(changed, before) and torch.equal(_decode(model)[1], before)
+
+
+def test_a_finished_generations_cache_is_not_kept_alive():
+    model = quantlab.quantize(tiny_llama(seed=3), quantlab.CustomBitsConfig(bits=4, group_size=32))
+    model.generation_config.pad_token_id = 0
+    step = _native(model)
+    model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=4)
+    assert step.native_steps == 3
+    gc.collect()
+    assert step.decoder.cache_ref() is None
