@@ -72,6 +72,14 @@ static ql_layout ql_layout_for(const ql_weight *w, int isa) {
 #define QL_ROW_TILE_BYTES (1 << 20) /* x rows per tile: about an L2 (a smaller tile costs more at 128 rows) */
 #define QL_MIN_ROW_TILE 16            /* AVX-512 decodes odd widths once per tile: keep that amortized */
 
+/* Chunks per thread of a product on m rows. Below QL_DECODE_ROWS rows a call is a pass over its
+ * weights from memory: one contiguous run per thread, so each thread's stream (hardware and
+ * software prefetch) never restarts mid-call. SmolLM2 decode step, 2 threads, per-token time
+ * alternated in one process over 12 rounds: 4-bit e8 with int8 activations 1.16x [1.08-1.21]
+ * faster than 4 chunks a thread, float activations 1.13x [1.08-1.18], int8 e8 1.11x [1.02-1.21].
+ * From QL_DECODE_ROWS rows on, the arithmetic dominates and ~4 a thread balance the threads. */
+static int ql_stream_chunks(int64_t m) { return m < QL_DECODE_ROWS ? 1 : 4; }
+
 static int64_t ql_scratch_params(const ql_weight *w) { return ql_round_up(8 * w->groups, 16); }
 
 /* Per-thread scratch: scale and zero of every group of 4 features, then one decoded group
@@ -187,7 +195,7 @@ QL_API int ql_gemm(const ql_weight *w, const float *x, int64_t m, int64_t x_stri
     if (!xp) return QL_NO_MEMORY;
     job.xp = xp;
     threads = ql_threads(threads, w->n * w->groups * w->group_bytes * (m < 4 ? 1 : m / 4));
-    job.per_chunk = threads > 1 ? ql_chunk_features(w->n, threads) : w->n;
+    job.per_chunk = threads > 1 ? ql_chunk_features(w->n, threads, ql_stream_chunks(m)) : w->n;
     int64_t chunks = (w->n + job.per_chunk - 1) / job.per_chunk;
     ql_run(ql_gemm_chunk, &job, chunks, threads);
     free(xp);
@@ -266,7 +274,7 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
     }
 #endif
     threads = ql_threads(threads, work * (m < 4 ? 1 : m / 4));
-    int64_t per_chunk = threads > 1 ? ql_chunk_features(features, threads) : widest;
+    int64_t per_chunk = threads > 1 ? ql_chunk_features(features, threads, ql_stream_chunks(m)) : widest;
     first_chunk[0] = 0;
     for (int64_t i = 0, column = 0; i < count; column += weights[i].n, i++) {
         jobs[i] = (ql_job){.w = &weights[i], .isa = isa, .layout = layout, .xp = xp, .m = m, .out = y + column,
@@ -291,7 +299,7 @@ QL_API int ql_dequantize(const ql_weight *w, int64_t n0, int64_t n1, float *out,
     if (n0 < 0 || n1 > w->n || n0 >= n1) return n0 == n1 ? QL_OK : QL_BAD_FORMAT;
     ql_job job = {.w = w, .isa = ql_isa(), .out = out, .out_stride = out_stride, .first = n0, .last = n1};
     threads = ql_threads(threads, (n1 - n0) * w->groups * w->group_bytes);
-    job.per_chunk = threads > 1 ? ql_chunk_features(n1 - n0, threads) : n1 - n0;
+    job.per_chunk = threads > 1 ? ql_chunk_features(n1 - n0, threads, 4) : n1 - n0;
     ql_run(ql_dequantize_chunk, &job, (n1 - n0 + job.per_chunk - 1) / job.per_chunk, threads);
     return atomic_load(&job.failed) ? QL_NO_MEMORY : QL_OK;
 }

@@ -216,9 +216,11 @@ void ql_run_own(ql_task task, void *arg, int64_t chunks, int threads) {
     pthread_mutex_unlock(&ql_pool.running);
 }
 
-/* Chunks of whole blocks of 4 features, about 4 per thread so that threads balance. */
-int64_t ql_chunk_features(int64_t n, int threads) {
-    int64_t per = (n + 4 * threads - 1) / (4 * threads);
+/* Chunks of whole blocks of 4 features, `per_thread` per thread: about 4 balance threads over
+ * bulk work; a call on a few rows streams its weights from memory, and one contiguous run per
+ * thread keeps each stream's prefetch going (ql_stream_chunks). */
+int64_t ql_chunk_features(int64_t n, int threads, int per_thread) {
+    int64_t per = (n + per_thread * threads - 1) / (per_thread * threads);
     per = (per + 3) / 4 * 4;
     return per < 4 ? 4 : per;
 }

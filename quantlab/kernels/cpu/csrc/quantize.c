@@ -260,7 +260,7 @@ static void ql_quantize_nf4_chunk(void *arg, int64_t chunk) {
 
 static void ql_run_rows(ql_task task, ql_quantize_job *job, int threads) {
     threads = ql_threads(threads, job->n * job->k);
-    job->per_chunk = threads > 1 ? ql_chunk_features(job->n, threads) : job->n;
+    job->per_chunk = threads > 1 ? ql_chunk_features(job->n, threads, 4) : job->n;
     ql_run(task, job, (job->n + job->per_chunk - 1) / job->per_chunk, threads);
 }
 

@@ -176,7 +176,7 @@ typedef void (*ql_task)(void *arg, int64_t chunk);
 void ql_run(ql_task task, void *arg, int64_t chunks, int threads);     /* torch's team if known */
 void ql_run_own(ql_task task, void *arg, int64_t chunks, int threads); /* our own pool */
 int ql_threads(int requested, int64_t work);
-int64_t ql_chunk_features(int64_t n, int threads);
+int64_t ql_chunk_features(int64_t n, int threads, int per_thread);
 
 /* matmul.c */
 QL_API int ql_isa(void);
