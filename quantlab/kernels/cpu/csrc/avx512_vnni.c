@@ -92,33 +92,52 @@ QL_VNNI void ql_quantize_x_a8(const float *xp, int64_t m, int64_t row_length, in
     }
 }
 
-/* NR features from n, one row, 4-bit codes: acc_j += scale * d * float(q . xq) per block, the zero
- * point's share (scale * d * zero * sum xq) kept apart and taken off at the end. Two blocks a step:
- * one 64-byte load holds both blocks' 128 codes, its low nibbles meet the pair's low-nibble inputs
- * and its high nibbles theirs (ql_quantize_x_a8 lays x out in such pairs), so lanes 0-7 of the
- * dot product are block b's and lanes 8-15 block b + 1's: half the instructions of a block at a
- * time. An odd last block goes alone. */
+/* y[j] = the sum of acc[j]'s lanes for j < NR; 4 accumulators are summed together, pairwise. */
+QL_INLINE QL_VNNI void ql_store_sums(const int NR, const __m512 *acc, float *y) {
+    if (NR != 4) {
+        for (int j = 0; j < NR; j++) y[j] = _mm512_reduce_add_ps(acc[j]);
+        return;
+    }
+    /* 512 -> 256 bits: lanes of accumulators 0 and 1 (then 2 and 3) side by side, halves added */
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], 0x44), _mm512_shuffle_f32x4(acc[0], acc[1], 0xee));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], 0x44), _mm512_shuffle_f32x4(acc[2], acc[3], 0xee));
+    /* ab: [a0+a2, a1+a3, b0+b2, b1+b3] in 128-bit quarters (a = acc 0's quarters); the same for cd */
+    __m512 abcd = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+    /* abcd: one 128-bit quarter per accumulator [a, b, c, d], 4 partial sums each */
+    __m512 pairs = _mm512_add_ps(abcd, _mm512_permute_ps(abcd, 0x4e));
+    __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xb1));
+    /* lane 0 of each quarter holds that accumulator's total */
+    const __m512i first_lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    _mm_storeu_ps(y, _mm512_castps512_ps128(_mm512_permutexvar_ps(first_lanes, sums)));
+}
+
+/* NR features from n, one row, 4-bit codes: acc_j += scale * d * float(q . xq) per block, and the zero
+ * point's share, sum over groups of scale * zero * xz[g] (xz[g] = sum of d * sum xq over the group's
+ * blocks, once per call: ql_zero_terms), taken off at the end. Two blocks a step: one 64-byte load
+ * holds both blocks' 128 codes, its low nibbles meet the pair's low-nibble inputs and its high nibbles
+ * theirs (ql_quantize_x_a8 lays x out in such pairs), so lanes 0-7 of the dot product are block b's
+ * and lanes 8-15 block b + 1's: half the instructions of a block at a time. An odd last block goes
+ * alone. The inner step is vector work only: the pair's two scales broadcast from memory times the
+ * pair's d, shared by the NR features. */
 QL_INLINE QL_VNNI void ql_block_a8(const int NR, const ql_weight *w, const int8_t *xq, const float *xd,
-                                   const int32_t *xs, int64_t n, float *y, const float *params) {
+                                   const float *xz, int64_t n, float *y, const float *params) {
     const int64_t G = w->groups, per_group = w->group_codes / 64, blocks = G * per_group;
     const int64_t row_bytes = G * w->group_bytes;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[4];
-    float correction[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int j = 0; j < NR; j++) acc[j] = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= blocks; b += 2) {
         const __m512i lows = _mm512_loadu_si512(xq + b * 64), highs = _mm512_loadu_si512(xq + b * 64 + 64);
+        const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(xd[b]), _mm256_set1_ps(xd[b + 1]), 1);
         const int64_t first = b / per_group, second = (b + 1) / per_group;
         for (int j = 0; j < NR; j++) {
             __m512i packed = _mm512_loadu_si512(w->codes + (n + j) * row_bytes + b * 32);
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low), lows);
             dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), highs);
-            const float sa = params[2 * j * G + first] * xd[b], sb = params[2 * j * G + second] * xd[b + 1];
-            __m512 sd = _mm512_insertf32x8(_mm512_set1_ps(sa), _mm256_set1_ps(sb), 1);
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, acc[j]);
-            correction[j] += sa * params[(2 * j + 1) * G + first] * (float)xs[b] +
-                             sb * params[(2 * j + 1) * G + second] * (float)xs[b + 1];
+            const float *scale = params + j * G;
+            __m512 sd = _mm512_insertf32x8(_mm512_set1_ps(scale[first]), _mm256_set1_ps(scale[second]), 1);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sd, d), acc[j]);
         }
     }
     if (b < blocks) { /* the odd last block: [its lows, its highs] */
@@ -131,12 +150,29 @@ QL_INLINE QL_VNNI void ql_block_a8(const int NR, const ql_weight *w, const int8_
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low256);
             __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
-            const float sd = params[2 * j * G + g] * xd[b];
+            const float sd = params[j * G + g] * xd[b];
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(sd), acc[j]);
-            correction[j] += sd * params[(2 * j + 1) * G + g] * (float)xs[b];
         }
     }
-    for (int j = 0; j < NR; j++) y[n + j] = _mm512_reduce_add_ps(acc[j]) - correction[j];
+    for (int j = 0; j < NR; j++) { /* the zero point's share, lane by lane */
+        const float *scale = params + j * G, *zero = params + (4 + j) * G;
+        for (int64_t g = 0; g < G; g += 16) {
+            const __mmask16 mask = G - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (G - g)) - 1u);
+            const __m512 sz = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, scale + g), _mm512_maskz_loadu_ps(mask, zero + g));
+            acc[j] = _mm512_fnmadd_ps(sz, _mm512_maskz_loadu_ps(mask, xz + g), acc[j]);
+        }
+    }
+    ql_store_sums(NR, acc, y + n);
+}
+
+/* xz[g] = sum over group g's blocks of d[b] * sum(xq of block b): the zero point's factor per group. */
+static inline void ql_zero_terms(const ql_weight *w, const float *xd, const int32_t *xs, float *xz) {
+    const int64_t per_group = w->group_codes / 64;
+    for (int64_t g = 0; g < w->groups; g++) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < per_group; i++) sum += xd[g * per_group + i] * (float)xs[g * per_group + i];
+        xz[g] = sum;
+    }
 }
 
 /* NR features from n, one row, int8 codes: scale * d * float((q + 128) . xq - 128 * sum xq) per block,
@@ -154,7 +190,7 @@ QL_INLINE QL_VNNI void ql_block_a8_int8(const int NR, const ql_weight *w, const 
         const uint8_t *codes = w->codes + (n + j) * G * w->group_bytes;
         __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); /* two chains: FMA latency */
         for (int64_t g = 0, b = 0; g < G; g++) {
-            const __m512 scale = _mm512_set1_ps(params[2 * j * G + g]);
+            const __m512 scale = _mm512_set1_ps(params[j * G + g]);
             for (int64_t i = 0; i < per_group; i++, b++) {
                 const __m512i start = _mm512_zextsi128_si512(_mm_cvtsi32_si128(-128 * xs[b]));
                 __m512i q = _mm512_xor_si512(_mm512_loadu_si512(codes + b * 64), offset);
@@ -172,42 +208,47 @@ QL_INLINE QL_VNNI void ql_block_a8_int8(const int NR, const ql_weight *w, const 
 
 /* NR features from n, one row, as this weight's codes are stored. */
 QL_INLINE QL_VNNI void ql_block_a8_of(const int int8, const int NR, const ql_weight *w, const int8_t *xq,
-                                      const float *xd, const int32_t *xs, int64_t n, float *y, const float *params) {
+                                      const float *xd, const int32_t *xs, const float *xz, int64_t n, float *y,
+                                      const float *params) {
     if (int8)
         ql_block_a8_int8(NR, w, xq, xd, xs, n, y, params);
     else
-        ql_block_a8(NR, w, xq, xd, xs, n, y, params);
+        ql_block_a8(NR, w, xq, xd, xz, n, y, params);
 }
 
 QL_INLINE QL_VNNI void ql_gemm512_a8_mode(const int int8, const ql_weight *w, const int8_t *xq, const float *xd,
                                           const int32_t *xs, int64_t m, int64_t row_length, int64_t n0, int64_t n1,
-                                          float *y, int64_t y_stride, float *params) {
+                                          float *y, int64_t y_stride, float *params, float *xz) {
     const int64_t G = w->groups, blocks = row_length / 64, block_bytes = 4 * G * w->group_bytes;
     const uint8_t *end = w->codes + n1 * G * w->group_bytes;
     ql_prefetch(w->codes + n0 * G * w->group_bytes, QL_PREFETCH_BLOCKS * block_bytes, end);
+    if (!int8)
+        for (int64_t r = 0; r < m; r++) ql_zero_terms(w, xd + r * blocks, xs + r * blocks, xz + r * G);
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) {
         ql_prefetch(w->codes + (n + 4 * QL_PREFETCH_BLOCKS) * G * w->group_bytes, block_bytes, end);
         if (!int8) ql_prefetch_l2(w->codes + (n + 4 * QL_PREFETCH_L2_BLOCKS) * G * w->group_bytes, block_bytes, end);
-        for (int j = 0; j < 4; j++) ql_params512(w, n + j, params + 2 * j * G, params + (2 * j + 1) * G);
+        ql_params4_512(w, n, params);
         for (int64_t r = 0; r < m; r++)
-            ql_block_a8_of(int8, 4, w, xq + r * blocks * 64, xd + r * blocks, xs + r * blocks, n, y + r * y_stride,
-                           params);
+            ql_block_a8_of(int8, 4, w, xq + r * blocks * 64, xd + r * blocks, xs + r * blocks, xz + r * G, n,
+                           y + r * y_stride, params);
     }
     for (; n < n1; n++) {
-        ql_params512(w, n, params, params + G);
+        ql_params512(w, n, params, params + 4 * G);
         for (int64_t r = 0; r < m; r++)
-            ql_block_a8_of(int8, 1, w, xq + r * blocks * 64, xd + r * blocks, xs + r * blocks, n, y + r * y_stride,
-                           params);
+            ql_block_a8_of(int8, 1, w, xq + r * blocks * 64, xd + r * blocks, xs + r * blocks, xz + r * G, n,
+                           y + r * y_stride, params);
     }
 }
 
-/* y[r, n] for features [n0, n1) of a weight `ql_a8_eligible` accepts, x as ql_quantize_x_a8 left it. */
+/* y[r, n] for features [n0, n1) of a weight `ql_a8_eligible` accepts, x as ql_quantize_x_a8 left it;
+ * params: scratch for 4 features' scales and zeros, xz: for m x groups floats. */
 QL_VNNI void ql_gemm512_a8(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m,
-                           int64_t row_length, int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params) {
+                           int64_t row_length, int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params,
+                           float *xz) {
     if (w->kind == QL_INT8)
-        ql_gemm512_a8_mode(1, w, xq, xd, xs, m, row_length, n0, n1, y, y_stride, params);
+        ql_gemm512_a8_mode(1, w, xq, xd, xs, m, row_length, n0, n1, y, y_stride, params, xz);
     else
-        ql_gemm512_a8_mode(0, w, xq, xd, xs, m, row_length, n0, n1, y, y_stride, params);
+        ql_gemm512_a8_mode(0, w, xq, xd, xs, m, row_length, n0, n1, y, y_stride, params, xz);
 }
 #endif

@@ -117,6 +117,7 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
 #ifdef QL_X86
     if (job->isa == QL_ISA_AVX512 && ql_mode512(w) == QL_MODE_BITS && job->m >= QL_DECODE_ROWS)
         decoded_length = 4 * row_length;
+    if (job->xq) decoded_length = job->m * w->groups; /* the int8-activation kernel's zero terms */
 #endif
     float *scratch = ql_scratch(w, decoded_length);
     if (!scratch) {
@@ -125,7 +126,8 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
     }
 #ifdef QL_X86
     if (job->xq) {
-        ql_gemm512_a8(w, job->xq, job->xd, job->xs, job->m, row_length, n0, n1, job->out, job->out_stride, scratch);
+        ql_gemm512_a8(w, job->xq, job->xd, job->xs, job->m, row_length, n0, n1, job->out, job->out_stride, scratch,
+                      scratch + ql_scratch_params(w));
         free(scratch);
         return;
     }

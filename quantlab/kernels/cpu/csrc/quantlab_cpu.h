@@ -160,11 +160,12 @@ void ql_gemm512(const ql_weight *w, const ql_layout *layout, const float *xp, in
                 float *y, int64_t y_stride, float *params, float *decoded);
 void ql_dequantize512(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, float *params);
 void ql_params512(const ql_weight *w, int64_t n, float *scale, float *zero); /* scale and zero of row n's groups */
+void ql_params4_512(const ql_weight *w, int64_t n, float *params); /* rows n..n+3: scales at jG, zeros at (4 + j)G */
 /* avx512_vnni.c: int8 activations for 4-bit and int8 weights */
 int ql_a8_eligible(const ql_weight *w);
 void ql_quantize_x_a8(const float *xp, int64_t m, int64_t row_length, int nibble, int8_t *xq, float *xd, int32_t *xs);
 void ql_gemm512_a8(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m,
-                   int64_t row_length, int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params);
+                   int64_t row_length, int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params, float *xz);
 /* avx2.c */
 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0, int64_t n1,
                 float *y, int64_t y_stride, float *params);
