@@ -70,10 +70,14 @@ def activations(rows: int, k: int = 576) -> torch.Tensor:
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("group_size", [64, 128])
 @pytest.mark.parametrize("rows", [1, 3, 17])
-def test_int8_activations_equal_the_rounded_activations_times_the_weight(operators, symmetric, group_size, rows):
+# groups a row at 64 / 128: 9 / 5 (scales in one register), 24 / 12 (two), 33 / 17 (through memory above 32)
+@pytest.mark.parametrize("in_features", [576, 1536, 2112])
+def test_int8_activations_equal_the_rounded_activations_times_the_weight(
+    operators, symmetric, group_size, rows, in_features
+):
     config = CustomBitsConfig(bits=4, group_size=group_size, symmetric=symmetric)
-    layers = [layer(config, 576, n) for n in (192, 130)]  # 130: not whole blocks of 4 features
-    assert_int8_kernel_ran(layers, activations(rows))
+    layers = [layer(config, in_features, n) for n in (192, 130)]  # 130: not whole blocks of 4 features
+    assert_int8_kernel_ran(layers, activations(rows, in_features))
 
 
 @pytest.mark.parametrize("group_size", [None, 64, 128])  # None: one group per row, 576 = 9 blocks of 64

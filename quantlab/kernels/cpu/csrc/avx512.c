@@ -28,15 +28,6 @@ static QL_AVX512 ql_bits512 ql_bits512_make(int bits) {
     return constants;
 }
 
-/* Converts 16 stored floats (float32, float16 or bfloat16) exactly; `count` < 16 masks the load. */
-QL_INLINE QL_AVX512 __m512 ql_load16(const void *base, int32_t dtype, int64_t i, int64_t count) {
-    __mmask16 mask = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
-    if (dtype == QL_F32) return _mm512_maskz_loadu_ps(mask, (const float *)base + i);
-    __m256i halves = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)base + i);
-    if (dtype == QL_F16) return _mm512_cvtph_ps(halves);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-}
-
 QL_AVX512 void ql_params512(const ql_weight *w, int64_t n, float *scale, float *zero) {
     int64_t first = n * w->groups;
     if (w->kind == QL_NF4 && w->absmax_codes) {

@@ -153,6 +153,15 @@ void ql_gemm_scalar(const ql_weight *w, const ql_layout *layout, const float *xp
 void ql_dequantize_scalar(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, float *buffer);
 
 #ifdef QL_X86
+/* Converts 16 stored floats (float32, float16 or bfloat16) exactly; `count` < 16 masks the load. */
+QL_INLINE QL_AVX512 __m512 ql_load16(const void *base, int32_t dtype, int64_t i, int64_t count) {
+    __mmask16 mask = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
+    if (dtype == QL_F32) return _mm512_maskz_loadu_ps(mask, (const float *)base + i);
+    __m256i halves = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)base + i);
+    if (dtype == QL_F16) return _mm512_cvtph_ps(halves);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
 /* avx512.c */
 enum { QL_MODE_NIBBLE = 0, QL_MODE_BYTE = 1, QL_MODE_BITS = 2 };
 int ql_mode512(const ql_weight *w);
