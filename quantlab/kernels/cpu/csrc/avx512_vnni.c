@@ -92,25 +92,6 @@ QL_VNNI void ql_quantize_x_a8(const float *xp, int64_t m, int64_t row_length, in
     }
 }
 
-/* y[j] = the sum of acc[j]'s lanes for j < NR; 4 accumulators are summed together, pairwise. */
-QL_INLINE QL_VNNI void ql_store_sums(const int NR, const __m512 *acc, float *y) {
-    if (NR != 4) {
-        for (int j = 0; j < NR; j++) y[j] = _mm512_reduce_add_ps(acc[j]);
-        return;
-    }
-    /* 512 -> 256 bits: lanes of accumulators 0 and 1 (then 2 and 3) side by side, halves added */
-    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], 0x44), _mm512_shuffle_f32x4(acc[0], acc[1], 0xee));
-    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], 0x44), _mm512_shuffle_f32x4(acc[2], acc[3], 0xee));
-    /* ab: [a0+a2, a1+a3, b0+b2, b1+b3] in 128-bit quarters (a = acc 0's quarters); the same for cd */
-    __m512 abcd = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
-    /* abcd: one 128-bit quarter per accumulator [a, b, c, d], 4 partial sums each */
-    __m512 pairs = _mm512_add_ps(abcd, _mm512_permute_ps(abcd, 0x4e));
-    __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xb1));
-    /* lane 0 of each quarter holds that accumulator's total */
-    const __m512i first_lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
-    _mm_storeu_ps(y, _mm512_castps512_ps128(_mm512_permutexvar_ps(first_lanes, sums)));
-}
-
 /* NR features from n, one row, 4-bit codes: acc_j += scale * d * float(q . xq) per block, and the zero
  * point's share, sum over groups of scale * zero * xz[g] (xz[g] = sum of d * sum xq over the group's
  * blocks, once per call: ql_zero_terms), taken off at the end. Two blocks a step: one 64-byte load

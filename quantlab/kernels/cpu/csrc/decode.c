@@ -87,6 +87,32 @@ static void ql_rope(float *x, const float *cos, const float *sin, int64_t head_d
     }
 }
 
+#ifdef QL_X86
+QL_AVX512 static __m512 ql_exp512(__m512 x);
+
+QL_AVX512 static void ql_silu_times512(float *gate, const float *up, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mask = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
+        const __m512 e = ql_exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_mask_storeu_ps(gate + i, mask, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(mask, up + i)));
+    }
+}
+#endif
+
+/* gate = silu(gate) * up = gate / (1 + exp(-gate)) * up, as LlamaMLP computes it. 16 at a time with AVX-512:
+ * SmolLM2 decode step, 30 x 1536 a token: 0.091 -> 0.010 ms. */
+static void ql_silu_times(int isa, float *gate, const float *up, int64_t n) {
+#ifdef QL_X86
+    if (isa == QL_ISA_AVX512) {
+        ql_silu_times512(gate, up, n);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
 static void ql_add_bias(float *y, const float *bias, int64_t n) {
     if (bias)
         for (int64_t i = 0; i < n; i++) y[i] += bias[i];
@@ -131,6 +157,61 @@ typedef struct {
     float *out;         /* [heads, head_dim] */
 } ql_attention_job;
 
+#ifdef QL_X86
+/* exp(x) of 16 lanes, as Cephes' expf computes it: x = n ln2 + r, a degree-6 polynomial in r, times 2^n.
+ * Within 2 ulp of expf; below -87.34 (2^-126) it flushes to that, which against softmax's max of 1 is 0. */
+QL_AVX512 static __m512 ql_exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 in two parts: r exact */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* One head's attention over `length` cached positions, head_dim a multiple of 16: scores 4 positions at
+ * a time (4 dot products summed together), softmax 16 at a time. SmolLM2's decode step (9 heads of 64,
+ * 30 layers, 32-96 positions), 4-bit e8 with int8 activations, rope + attention a token: 0.25-0.26 ms with
+ * the scalar version below, 0.17-0.21 with this one (a whole token ~3.5 ms of C). */
+QL_AVX512 static void ql_attention_head512(const float *q, const float *keys, const float *values, int64_t length,
+                                           int64_t dim, float scale, float *scores, float *out) {
+    int64_t t = 0;
+    for (; t + 4 <= length; t += 4) {
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t i = 0; i < dim; i += 16) {
+            const __m512 qi = _mm512_loadu_ps(q + i);
+            for (int j = 0; j < 4; j++) acc[j] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys + (t + j) * dim + i), acc[j]);
+        }
+        ql_store_sums(4, acc, scores + t);
+        _mm_storeu_ps(scores + t, _mm_mul_ps(_mm_loadu_ps(scores + t), _mm_set1_ps(scale)));
+    }
+    for (; t < length; t++) scores[t] = ql_dot512(q, keys + t * dim, dim) * scale;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (t = 0; t < length; t += 16) {
+        const __mmask16 mask = length - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (length - t)) - 1u);
+        top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, scores + t));
+    }
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (t = 0; t < length; t += 16) {
+        const __mmask16 mask = length - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (length - t)) - 1u);
+        const __m512 e = ql_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + t), max));
+        _mm512_mask_storeu_ps(scores + t, mask, e);
+        total = _mm512_mask_add_ps(total, mask, total, e);
+    }
+    const float inverse = 1.0f / _mm512_reduce_add_ps(total);
+    memset(out, 0, (size_t)dim * sizeof(float));
+    for (t = 0; t < length; t++) ql_axpy512(out, scores[t] * inverse, values + t * dim, dim);
+}
+#endif
+
 static void ql_attention_head(void *arg, int64_t head) {
     const ql_attention_job *job = (const ql_attention_job *)arg;
     const ql_decoder *d = job->decoder;
@@ -138,6 +219,12 @@ static void ql_attention_head(void *arg, int64_t head) {
     const float *q = job->q + head * dim;
     const float *keys = job->keys + kv * job->max_len * dim, *values = job->values + kv * job->max_len * dim;
     float *scores = job->scores + head * job->length, *out = job->out + head * dim;
+#ifdef QL_X86
+    if (job->isa == QL_ISA_AVX512 && dim % 16 == 0) {
+        ql_attention_head512(q, keys, values, job->length, dim, d->attention_scale, scores, out);
+        return;
+    }
+#endif
     float top = -INFINITY;
     for (int64_t t = 0; t < job->length; t++) {
         scores[t] = ql_dot(job->isa, q, keys + t * dim, dim) * d->attention_scale;
@@ -213,7 +300,7 @@ QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, float *hid
         status = ql_project(gate_up, gate_up_bias, 2, normed, wide, threads, activation_bits);
         if (status != QL_OK) break;
         float *gate = wide, *up = wide + d->intermediate;
-        for (int64_t i = 0; i < d->intermediate; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        ql_silu_times(isa, gate, up, d->intermediate);
         const float *down_bias[1] = {block->down_bias};
         status = ql_project(&block->down, down_bias, 1, gate, delta, threads, activation_bits);
         if (status != QL_OK) break;

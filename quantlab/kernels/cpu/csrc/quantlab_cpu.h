@@ -162,6 +162,25 @@ QL_INLINE QL_AVX512 __m512 ql_load16(const void *base, int32_t dtype, int64_t i,
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 
+/* y[j] = the sum of acc[j]'s lanes for j < NR; 4 accumulators are summed together, pairwise. */
+QL_INLINE QL_AVX512 void ql_store_sums(const int NR, const __m512 *acc, float *y) {
+    if (NR != 4) {
+        for (int j = 0; j < NR; j++) y[j] = _mm512_reduce_add_ps(acc[j]);
+        return;
+    }
+    /* 512 -> 256 bits: lanes of accumulators 0 and 1 (then 2 and 3) side by side, halves added */
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], 0x44), _mm512_shuffle_f32x4(acc[0], acc[1], 0xee));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], 0x44), _mm512_shuffle_f32x4(acc[2], acc[3], 0xee));
+    /* ab: [a0+a2, a1+a3, b0+b2, b1+b3] in 128-bit quarters (a = acc 0's quarters); the same for cd */
+    __m512 abcd = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+    /* abcd: one 128-bit quarter per accumulator [a, b, c, d], 4 partial sums each */
+    __m512 pairs = _mm512_add_ps(abcd, _mm512_permute_ps(abcd, 0x4e));
+    __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xb1));
+    /* lane 0 of each quarter holds that accumulator's total */
+    const __m512i first_lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    _mm_storeu_ps(y, _mm512_castps512_ps128(_mm512_permutexvar_ps(first_lanes, sums)));
+}
+
 /* avx512.c */
 enum { QL_MODE_NIBBLE = 0, QL_MODE_BYTE = 1, QL_MODE_BITS = 2 };
 int ql_mode512(const ql_weight *w);
