@@ -25,7 +25,8 @@ others; tables print the median and [min-max] over rounds, ratios taken inside e
 - first token: the time of one new token after a `--prompt-tokens` prompt (prefill included).
 - prefill 512: a 512-token prompt processed into the KV cache, logits for its last position only (as
   `generate` and llama.cpp's `eval` do; eager on both paths: transformers compiles only the
-  one-token steps), tokens/s.
+  one-token steps), tokens/s; and divided, round by round, by fp32 eager's and by the first `--versus`
+  peer's (llama.cpp Q4_0 by default).
 - peak RSS: each candidate alone in a fresh process (load, warm-up, prefill, generation), the
   process's maximum resident memory (`--no-memory` skips it; compiling adds the compiler's share).
 - `--batch-sizes`: aggregate decode tokens/s of B prompts decoded together, through `generate`
@@ -338,13 +339,16 @@ def report(args, figures: dict[str, Figures], memory: dict[str, float | None]) -
         f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
     peers = [name for name in args.versus if name in figures and name != base]
+    prefill_versus = [base, *peers[:1]]  # prefill: no slower than fp32, and how far from the first peer
+
+    def per_round(ours: Spread, theirs: Spread) -> str:
+        return Spread([a / b for a, b in zip(ours.values, theirs.values, strict=True)]).range_text()
+
     rows = []
     for name, figure in figures.items():
         ratio = Spread([a / b for a, b in zip(figure.decode.values, figures[base].decode.values, strict=True)])
-        versus = [
-            Spread([a / b for a, b in zip(figure.decode.values, figures[peer].decode.values, strict=True)]).range_text()
-            for peer in peers
-        ]
+        versus = [per_round(figure.decode, figures[peer].decode) for peer in peers]
+        prefill_ratios = [per_round(figure.prefill, figures[other].prefill) for other in prefill_versus]
         same = sum(a == b for a, b in zip(figure.tokens, figures[base].tokens, strict=False)) / max(
             len(figure.tokens), 1
         )
@@ -357,12 +361,13 @@ def report(args, figures: dict[str, Figures], memory: dict[str, float | None]) -
                 *versus,
                 figure.first_token.range_text(0),
                 figure.prefill.range_text(0),
+                *prefill_ratios,
                 "" if peak is None else f"{peak:.0f}",
                 f"{same:.0%}",
             ]
         )
     header = ["candidate", "decode tok/s", f"x {base}", *(f"x {peer}" for peer in peers), "first token ms"]
-    header += ["prefill 512 tok/s", "peak RSS MiB"]
+    header += ["prefill 512 tok/s", *(f"prefill x {other}" for other in prefill_versus), "peak RSS MiB"]
     print_table("Median [min-max] over rounds", [*header, f"tokens equal to {base}"], rows)
 
 
