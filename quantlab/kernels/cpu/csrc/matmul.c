@@ -83,7 +83,8 @@ static int ql_stream_chunks(int64_t m) { return m < QL_DECODE_ROWS ? 1 : 4; }
 static int64_t ql_scratch_params(const ql_weight *w) { return ql_round_up(8 * w->groups, 16); }
 
 /* Per-thread scratch: scale and zero of every group of 4 features, then one decoded group
- * (portable path) or 4 decoded rows in the layout of x (`decoded_length` floats, AVX-512). */
+ * (portable path), 4 decoded rows in the layout of x (AVX-512) or every row's zero-point terms
+ * (int8 activations): `decoded_length` floats. */
 static float *ql_scratch(const ql_weight *w, int64_t decoded_length) {
     int64_t floats = ql_scratch_params(w) + (decoded_length > w->group_codes ? decoded_length : w->group_codes);
     float *scratch = NULL;
