@@ -149,7 +149,9 @@ QL_INLINE QL_VNNI void ql_block_a8(const int NR, const ql_weight *w, const int8_
 /* ql_block_a8 for 4 features of at most 32 groups: each feature's scales (and zeros) stay in two
  * registers, converted once, and a pair's two scales are picked out of them by one permute instead of
  * going through memory (ql_params4_512). One row, 4-bit g64, hot, one thread, best of 5: 576x1536
- * 17.9 -> 13.3 us, 576x576 7.7 -> 6.1, 1536x576 12.0 -> 10.1, 2048x2048 (32 groups) 48 -> 41. */
+ * 17.9 -> 13.3 us, 576x576 7.7 -> 6.1, 1536x576 12.0 -> 10.1, 2048x2048 (32 groups) 48 -> 41. One
+ * function for both (windows of 32 groups, any row count) ran the short rows 1.1-1.2x slower (576x1536
+ * 12.9 -> 16.0 us) and longer rows no faster, so the near-copy of ql_block_a8 stays. */
 QL_INLINE QL_VNNI void ql_block_a8_short(const ql_weight *w, const int8_t *xq, const float *xd, const float *xz,
                                          int64_t n, float *y) {
     const int64_t G = w->groups, per_group = w->group_codes / 64, blocks = G * per_group;

@@ -36,6 +36,25 @@ QL_AVX512 static float ql_dot512(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
+/* exp(x) of 16 lanes, as Cephes' expf computes it: x = n ln2 + r, a degree-6 polynomial in r, times 2^n.
+ * Within 1 ulp of glibc's expf on every 64th float of [-87, 88]; below -87.34 (2^-126) it stays at that, which
+ * against softmax's max of 1 is 0. */
+QL_AVX512 static __m512 ql_exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 in two parts: r exact */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
 QL_AVX512 static void ql_axpy512(float *y, float a, const float *x, int64_t n) {
     __m512 scale = _mm512_set1_ps(a);
     int64_t i = 0;
@@ -88,8 +107,6 @@ static void ql_rope(float *x, const float *cos, const float *sin, int64_t head_d
 }
 
 #ifdef QL_X86
-QL_AVX512 static __m512 ql_exp512(__m512 x);
-
 QL_AVX512 static void ql_silu_times512(float *gate, const float *up, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 mask = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
@@ -158,24 +175,6 @@ typedef struct {
 } ql_attention_job;
 
 #ifdef QL_X86
-/* exp(x) of 16 lanes, as Cephes' expf computes it: x = n ln2 + r, a degree-6 polynomial in r, times 2^n.
- * Within 1 ulp of glibc's expf on every 64th float of [-87, 88]; below -87.34 (2^-126) it stays at that, which
- * against softmax's max of 1 is 0. */
-QL_AVX512 static __m512 ql_exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 in two parts: r exact */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, n);
-}
 
 /* One head's attention over `length` cached positions, head_dim a multiple of 16: scores 4 positions at
  * a time (4 dot products summed together), softmax 16 at a time. SmolLM2's decode step (9 heads of 64,
