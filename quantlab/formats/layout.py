@@ -17,6 +17,7 @@ beyond torch, so everything is testable bit-exactly.
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -52,11 +53,38 @@ class GroupParams:
         return GroupParams(self.scale[:, index], zero)
 
 
+class Descriptor(NamedTuple):
+    """A layout's `descriptor`, read back: absmax_block is 0 without double quantization, zero 0 when
+    the zero points are stored (or the codec has none)."""
+
+    codec: str
+    bits: int
+    in_features: int
+    group_size: int
+    absmax_block: int = 0
+    zero: float = 0.0
+
+
+def parse_descriptor(text: str) -> Descriptor:
+    """The fields of a `StorageLayout.descriptor`; ValueError when `text` is not one."""
+    codec, *pairs = text.split(" ")
+    fields = dict(pair.partition("=")[::2] for pair in pairs)
+    try:
+        numbers = {name: int(value) for name, value in fields.items() if name != "zero"}
+        descriptor = Descriptor(codec, **numbers, zero=float(fields.get("zero", 0.0)))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"not a layout descriptor: {text!r} ({error})") from None
+    if codec not in CODECS:
+        raise ValueError(f"not a layout descriptor: {text!r} (codec {codec!r} is not one of {CODECS})")
+    return descriptor
+
+
 @dataclasses.dataclass(frozen=True)
 class StorageLayout:
     """What a quantized `[out, in]` weight stores, and the grid its codes index.
 
-    `tensors` (set on construction): name → `TensorSpec` of every stored tensor.
+    `tensors` (set on construction): name → `TensorSpec` of every stored tensor; `descriptor`: the
+    layout in one line, as the native operators take it.
     """
 
     codec: str
@@ -77,6 +105,7 @@ class StorageLayout:
         # a layout's tensors inside the compiled decode step. Not a field: equality, hashing and
         # repr stay those of the description above.
         object.__setattr__(self, "tensors", self._tensor_specs())
+        object.__setattr__(self, "descriptor", self._descriptor())
 
     # -- shape ------------------------------------------------------------------------------
 
@@ -104,6 +133,18 @@ class StorageLayout:
         if self.codec == "nf4":
             return 0.0
         return float(1 << (self.bits - 1))
+
+    def _descriptor(self) -> str:
+        """The codec and the integers that decode its codes, in one line (`parse_descriptor` reads it):
+        what the native operators take beside the stored tensors (`quantlab::linear`), e.g.
+        "affine bits=4 in_features=576 group_size=64 zero=8". One string, not six numbers: an eager
+        operator call converts each Python argument on its own, ~0.1 us apiece."""
+        text = f"{self.codec} bits={self.bits} in_features={self.in_features} group_size={self.group_length}"
+        if self.codec == "nf4" and self.double_quant:
+            text += f" absmax_block={nf4.ABSMAX_BLOCKSIZE}"
+        if self.codec == "affine" and not self.has_zero:
+            text += f" zero={self.constant_zero:g}"
+        return text
 
     def _tensor_specs(self) -> dict[str, TensorSpec]:
         """Name → shape and dtype of every stored tensor; `weight` holds the codes `[out, groups, bytes]`."""

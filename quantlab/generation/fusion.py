@@ -27,13 +27,23 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, get_hash_for_files
 
+from quantlab.formats.layout import parse_descriptor
 from quantlab.kernels.cpu import ops
-from quantlab.kernels.cpu.weights import AFFINE, INT8
 
-# quantlab::linear(x, bias, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, <6 layout integers>)
-_PER_LAYER = slice(1, 8)
-_LAYOUT = slice(8, 14)
-_ARGUMENTS = 14
+# quantlab::linear(x, bias, descriptor, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset): a
+# node holds the arguments it was given, the trailing absent tensors left out.
+_ARGUMENTS = 9
+
+
+def _arguments(node: torch.fx.Node) -> tuple:
+    """A `quantlab::linear` node's arguments, all nine (absent tensors as None)."""
+    return (*node.args, *[None] * (_ARGUMENTS - len(node.args)))
+
+
+def _per_layer(node: torch.fx.Node) -> tuple:
+    """What differs between the layers of a `linear_group`: the bias, then the six weight tensors."""
+    arguments = _arguments(node)
+    return (arguments[1], *arguments[3:])
 
 
 class FuseProjections(str, CustomInferenceAwareGraphPass):
@@ -76,20 +86,20 @@ def int8_ready(node: torch.fx.Node) -> bool:
     """Whether the int8-activation kernel takes this layer (`ql_a8_eligible`): 4-bit affine or int8 codes
     in groups of 64 or a multiple, a per-channel group being the row (on a CPU without AVX512-VNNI the
     kernel computes it in float instead)."""
-    kind, bits, _, group_size = node.args[_LAYOUT][:4]
-    return ((kind == AFFINE and bits == 4) or kind == INT8) and group_size % 64 == 0
+    layout = parse_descriptor(node.args[2])
+    return ((layout.codec == "affine" and layout.bits == 4) or layout.codec == "int8") and layout.group_size % 64 == 0
 
 
 def _groups(graph: torch.fx.Graph, fuse: bool, activation_bits: int) -> list[list[torch.fx.Node]]:
-    """Nodes to replace, in graph order: with `fuse`, those of the same input, same layout integers, the
+    """Nodes to replace, in graph order: with `fuse`, those of the same input, same layout descriptor, the
     same optional arguments given, and every argument defined before the first of them (where the
     grouped call goes); with int8 activations, every other layer `int8_ready` takes, alone."""
     order = {node: index for index, node in enumerate(graph.nodes)}
     candidates = defaultdict(list)
     for node in graph.nodes:
-        if node.target is ops.linear_op and len(node.args) == _ARGUMENTS and not node.kwargs:
-            given = tuple(argument is None for argument in node.args[_PER_LAYER])
-            candidates[(node.args[0], *node.args[_LAYOUT], given)].append(node)
+        if node.target is ops.linear_op and not node.kwargs:
+            given = tuple(argument is None for argument in _per_layer(node))
+            candidates[(node.args[0], node.args[2], given)].append(node)
     groups = []
     for nodes in candidates.values():
         first = order[nodes[0]]
@@ -105,12 +115,12 @@ def _groups(graph: torch.fx.Graph, fuse: bool, activation_bits: int) -> list[lis
 
 def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node], activation_bits: int) -> None:
     first = members[0]
-    x = first.args[0]
-    per_layer = [list(column) for column in zip(*(node.args[_PER_LAYER] for node in members), strict=True)]
+    x, descriptor = first.args[0], first.args[2]
+    per_layer = [list(column) for column in zip(*(_per_layer(node) for node in members), strict=True)]
     values = [node.meta["val"] for node in members]
     last = values[0].dim() - 1
     with graph.inserting_before(first):
-        group = graph.call_function(ops.linear_group_op, (x, *per_layer, *first.args[_LAYOUT], activation_bits))
+        group = graph.call_function(ops.linear_group_op, (x, per_layer[0], descriptor, *per_layer[1:], activation_bits))
         group.meta["val"] = torch.cat(values, dim=last)  # fake tensors: the shape, dtype and strides it has
         start = 0
         for node, value in zip(members, values, strict=True):

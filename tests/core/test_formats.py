@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from quantlab.formats import affine, grouping, nf4, packing
+from quantlab.formats.layout import StorageLayout, parse_descriptor
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
@@ -82,3 +83,26 @@ def test_nf4_double_quant_absmax_is_close_to_float():
 def test_dynamic_map_matches_bitsandbytes():
     functional = pytest.importorskip("bitsandbytes.functional")
     assert torch.allclose(torch.tensor(nf4.dynamic_map()), functional.create_dynamic_map(signed=True))
+
+
+DESCRIBED_LAYOUTS = [
+    (StorageLayout("affine", 4, 64, 576, 192), ("affine", 4, 576, 64, 0, 8.0)),
+    (StorageLayout("affine", 3, 32, 100, 8, symmetric=False), ("affine", 3, 100, 32, 0, 0.0)),
+    (StorageLayout("int8", 8, None, 576, 192), ("int8", 8, 576, 576, 0, 0.0)),
+    (StorageLayout("nf4", 4, 64, 576, 192, double_quant=True), ("nf4", 4, 576, 64, nf4.ABSMAX_BLOCKSIZE, 0.0)),
+    (StorageLayout("nf4", 4, 64, 576, 192), ("nf4", 4, 576, 64, 0, 0.0)),
+]
+
+
+@pytest.mark.parametrize(("layout", "fields"), DESCRIBED_LAYOUTS, ids=lambda value: getattr(value, "descriptor", ""))
+def test_a_layout_descriptor_reads_back_as_its_decoding_integers(layout, fields):
+    assert tuple(parse_descriptor(layout.descriptor)) == fields
+
+
+MALFORMED = ["", "fp4 bits=4 in_features=8 group_size=8", "affine bits=4 in_features=8", "affine bits=x", "int8 x=3"]
+
+
+@pytest.mark.parametrize("text", MALFORMED)
+def test_a_malformed_descriptor_is_refused(text):
+    with pytest.raises(ValueError, match="not a layout descriptor"):
+        parse_descriptor(text)

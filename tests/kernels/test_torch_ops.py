@@ -178,11 +178,15 @@ def test_compiled_training_step_matches_eager_gradients(operators):
 
 
 BAD_ARGUMENTS = {  # what is wrong: (index into the weight arguments, value)
-    "bits": (7, 0),
-    "absmax_codes too short": (3, lambda t: t[:-1]),
-    "absmax_scale empty": (4, lambda t: t[:0]),
-    "float codes": (0, lambda t: t.float()),
-    "features": (8, 81),
+    "bits": (0, lambda d: d.replace("bits=4", "bits=0")),
+    "absmax_codes too short": (4, lambda t: t[:-1]),
+    "absmax_scale empty": (5, lambda t: t[:0]),
+    "float codes": (1, lambda t: t.float()),
+    "features": (0, lambda d: d.replace("in_features=80", "in_features=81")),
+    "unknown codec": (0, lambda d: d.replace("nf4", "fp4")),
+    "unknown key": (0, lambda d: d + " scale=2"),
+    "not a number": (0, lambda d: d.replace("group_size=32", "group_size=3x")),
+    "no group size": (0, lambda d: d.replace(" group_size=32", "")),
 }
 
 
@@ -190,6 +194,6 @@ BAD_ARGUMENTS = {  # what is wrong: (index into the weight arguments, value)
 def test_inconsistent_arguments_are_refused_not_read_out_of_bounds(operators, wrong):
     arguments = list(operators.weight_arguments(quantized(NF4Config(blocksize=32))))
     index, value = BAD_ARGUMENTS[wrong]
-    arguments[index] = value(arguments[index]) if callable(value) else value
+    arguments[index] = value(arguments[index])
     with pytest.raises(RuntimeError, match="quantlab"):
         operators.linear_op(torch.randn(2, 80), None, *arguments)

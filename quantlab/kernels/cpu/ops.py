@@ -2,7 +2,7 @@
 
 `torch.ops.quantlab.linear(x, *linear_arguments(layer))` is `x @ W.T + bias` for a quantized layer, and
 `torch.ops.quantlab.dequantize(*weight_arguments(layer))` its float32 `[out, in]` weight.
-`torch.ops.quantlab.linear_group(x, biases, codes, scales, ...)` is several such layers of one layout
+`torch.ops.quantlab.linear_group(x, biases, descriptor, codes, scales, ...)` is several such layers of one layout
 on one `x`, their outputs side by side in one call (`group_arguments`); the compiled decode step
 fuses q/k/v and gate/up into it (quantlab.generation.fusion). Here
 they get their fake (meta) implementations, so torch.compile and torch.export trace shapes
@@ -11,19 +11,18 @@ adapters on top of frozen quantized layers), `grad @ W` decoding the weight agai
 backward pass, is registered in C++ for the Autograd key: a Python autograd registration
 (`torch.library.register_autograd`) costs about 6 us on every call, even without gradients.
 
-The weight arguments are the layer's stored tensors as they are (codes, scales, zero points,
-NF4's double-quantized absmax) and its layout's integers; the operator describes them to the C
-kernels on every call, so it is a pure function of its inputs.
+The weight arguments are the layout's `descriptor` (a string of the integers that decode it: one
+argument, where six numbers cost an eager call ~0.7 us to convert) and the layer's stored tensors as
+they are (codes, scales, zero points, NF4's double-quantized absmax), absent trailing ones left out;
+the operator describes them to the C kernels on every call, so it is a pure function of its inputs.
 """
 
 from collections.abc import Callable
 
 import torch
 
-from quantlab.formats import nf4
-from quantlab.formats.layout import StorageLayout
+from quantlab.formats.layout import StorageLayout, parse_descriptor
 from quantlab.kernels.cpu import extension, native
-from quantlab.kernels.cpu.weights import AFFINE, INT8, NF4
 
 WeightArguments = tuple
 _ARGUMENTS: dict[str, Callable[[torch.nn.Module, StorageLayout], WeightArguments]] = {}
@@ -44,8 +43,8 @@ def linear_arguments(module: torch.nn.Module) -> tuple:
 
 
 def weight_arguments(module: torch.nn.Module) -> WeightArguments:
-    """(codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind, bits, in_features,
-    group_size, absmax_block, zero_const) of a layer with a built-in codec."""
+    """(descriptor, codes, *other stored tensors) of a layer with a built-in codec, in the operators'
+    order (scale, zero, absmax_codes, absmax_scale, absmax_offset), the trailing absent ones left out."""
     layout = module.layout
     return _ARGUMENTS[layout.codec](module, layout)
 
@@ -58,34 +57,39 @@ def _stored(module: torch.nn.Module, name: str) -> torch.Tensor:
 
 @_arguments_of("affine")
 def _affine(module: torch.nn.Module, layout: StorageLayout) -> WeightArguments:
-    zero = _stored(module, "weight_zero") if layout.has_zero else None
-    shape = (AFFINE, layout.bits, module.in_features, layout.group_length, 0, float(layout.constant_zero))
-    return (_stored(module, "weight"), _stored(module, "weight_scale"), zero, None, None, None, *shape)
+    codes, scale = _stored(module, "weight"), _stored(module, "weight_scale")
+    if layout.has_zero:
+        return (layout.descriptor, codes, scale, _stored(module, "weight_zero"))
+    return (layout.descriptor, codes, scale)
 
 
 @_arguments_of("int8")
 def _int8(module: torch.nn.Module, layout: StorageLayout) -> WeightArguments:
-    shape = (INT8, layout.bits, module.in_features, layout.group_length, 0, 0.0)
-    return (_stored(module, "weight"), _stored(module, "weight_scale"), None, None, None, None, *shape)
+    return (layout.descriptor, _stored(module, "weight"), _stored(module, "weight_scale"))
 
 
 @_arguments_of("nf4")
 def _nf4(module: torch.nn.Module, layout: StorageLayout) -> WeightArguments:
     codes = _stored(module, "weight")
     if layout.double_quant:
-        shape = (NF4, layout.bits, module.in_features, layout.group_length, nf4.ABSMAX_BLOCKSIZE, 0.0)
         names = ("weight_absmax_codes", "weight_absmax_scale", "weight_absmax_offset")
-        return (codes, None, None, *(_stored(module, name) for name in names), *shape)
-    shape = (NF4, layout.bits, module.in_features, layout.group_length, 0, 0.0)
-    return (codes, _stored(module, "weight_absmax"), None, None, None, None, *shape)
+        return (layout.descriptor, codes, None, None, *(_stored(module, name) for name in names))
+    return (layout.descriptor, codes, _stored(module, "weight_absmax"))
+
+
+WEIGHT_TENSORS = 6  # codes, scale, zero, absmax_codes, absmax_scale, absmax_offset
 
 
 def group_arguments(modules: list[torch.nn.Module]) -> tuple:
     """The arguments of `torch.ops.quantlab.linear_group` after `x`, for layers of one layout: the
-    biases, then each tensor argument of `weight_arguments` as a list, then the shared integers."""
+    biases, the shared descriptor, then each stored-tensor argument of `weight_arguments` as a list."""
     per_module = [linear_arguments(module) for module in modules]
-    tensors = [list(column) for column in zip(*(arguments[:7] for arguments in per_module), strict=True)]
-    return (*tensors, *per_module[0][7:])
+    descriptors = {arguments[1] for arguments in per_module}
+    if len(descriptors) != 1:
+        raise ValueError(f"linear_group takes layers of one layout, got {sorted(descriptors)}")
+    tensors = [(*arguments[2:], *[None] * (WEIGHT_TENSORS + 2 - len(arguments))) for arguments in per_module]
+    biases = [arguments[0] for arguments in per_module]
+    return (biases, descriptors.pop(), *(list(column) for column in zip(*tensors, strict=True)))
 
 
 @torch.compiler.assume_constant_result
@@ -121,14 +125,14 @@ def _register() -> None:
     linear_op = torch.ops.quantlab.linear.default
 
 
-def _linear_shape(x: torch.Tensor, bias: torch.Tensor | None, codes: torch.Tensor, *weight) -> torch.Tensor:
+def _linear_shape(x: torch.Tensor, bias: torch.Tensor | None, descriptor: str, codes: torch.Tensor, *weight):
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
-def _linear_group_shape(x: torch.Tensor, biases: list, codes: list[torch.Tensor], *weights) -> torch.Tensor:
+def _linear_group_shape(x: torch.Tensor, biases: list, descriptor: str, codes: list[torch.Tensor], *weights):
     return x.new_empty((*x.shape[:-1], sum(c.shape[0] for c in codes)))
 
 
-def _dequantize_shape(codes: torch.Tensor, *weight) -> torch.Tensor:
-    in_features = weight[7]
+def _dequantize_shape(descriptor: str, codes: torch.Tensor, *weight) -> torch.Tensor:
+    in_features = parse_descriptor(descriptor).in_features
     return codes.new_empty((codes.shape[0], in_features), dtype=torch.float32)

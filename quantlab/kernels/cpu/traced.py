@@ -5,13 +5,14 @@ description cached per layer (`weights.native_weight`). Dynamo must not trace th
 the cache's weak-dictionary lookup to "the entry at position i", guarded by the key's type only,
 so a compiled frame hands one layer another layer's description (wrong shapes, or silently wrong
 outputs). Under torch.compile the layers call these operators instead: opaque to dynamo (no graph
-break, the step stays one graph), their arguments the layer's stored tensors and layout integers as
+break, the step stays one graph), their arguments the layout's descriptor and the stored tensors as
 `ops.weight_arguments` gives them, described afresh on every call (`weights.describe_arguments`).
 Gradients flow to the input, `grad @ W` with W decoded by the C library.
 """
 
 import torch
 
+from quantlab.formats.layout import parse_descriptor
 from quantlab.kernels.cpu import native, ops
 from quantlab.kernels.cpu.weights import describe_arguments
 
@@ -29,8 +30,8 @@ def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 # The weight's arguments, as `ops.weight_arguments` gives them (the C++ operators' WEIGHT_ARGS).
 WEIGHT_SCHEMA = (
-    "Tensor codes, Tensor? scale, Tensor? zero, Tensor? absmax_codes, Tensor? absmax_scale, Tensor? absmax_offset, "
-    "int kind, int bits, int in_features, int group_size, int absmax_block, float zero_const"
+    "str layout, Tensor codes, Tensor? scale=None, Tensor? zero=None, Tensor? absmax_codes=None, "
+    "Tensor? absmax_scale=None, Tensor? absmax_offset=None"
 )
 torch.library.define("quantlab_ctypes::linear", f"(Tensor x, {WEIGHT_SCHEMA}) -> Tensor")
 torch.library.define("quantlab_ctypes::dequantize", f"({WEIGHT_SCHEMA}) -> Tensor")
@@ -44,7 +45,7 @@ def _linear(x: torch.Tensor, *weight) -> torch.Tensor:
 
 
 @torch.library.register_fake("quantlab_ctypes::linear")
-def _linear_shape(x: torch.Tensor, codes: torch.Tensor, *weight) -> torch.Tensor:
+def _linear_shape(x: torch.Tensor, descriptor: str, codes: torch.Tensor, *weight) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
@@ -56,8 +57,8 @@ def _dequantize(*weight) -> torch.Tensor:
 
 
 @torch.library.register_fake("quantlab_ctypes::dequantize")
-def _dequantize_shape(codes: torch.Tensor, *weight) -> torch.Tensor:
-    in_features = weight[7]
+def _dequantize_shape(descriptor: str, codes: torch.Tensor, *weight) -> torch.Tensor:
+    in_features = parse_descriptor(descriptor).in_features
     return codes.new_empty((codes.shape[0], in_features), dtype=torch.float32)
 
 

@@ -3,7 +3,7 @@
 The kernels read the checkpoint layout as is (codes `[out, groups, bytes]` and per-group
 scales), so nothing is repacked: a description is a C struct of pointers into the layer's
 own buffers, filled from the arguments the torch operators take (`ops.weight_arguments`: the
-stored tensors and the layout's integers), so both paths describe a weight one way. Any layer
+layout's descriptor and the stored tensors), so both paths describe a weight one way. Any layer
 that declares a built-in codec's layout is described the same way, whatever its class.
 A description is cached per layer in a weak dictionary (never on the module, so copying or
 pickling a model is unaffected) and rebuilt when any stored tensor is replaced, modified in
@@ -16,10 +16,12 @@ import weakref
 import torch
 
 from quantlab.formats import nf4
-from quantlab.formats.layout import StorageLayout
+from quantlab.formats.layout import StorageLayout, parse_descriptor
 from quantlab.kernels.cpu.native import QuantlabCpuWeight
+from quantlab.kernels.cpu.ops import weight_arguments
 
 AFFINE, INT8, NF4 = 0, 1, 2
+KINDS = {"affine": AFFINE, "int8": INT8, "nf4": NF4}  # codec -> ql_weight.kind
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -64,8 +66,6 @@ def native_weight(module: torch.nn.Module) -> NativeWeight:
     cached = _cache.get(module)
     if cached is not None and cached.still_describes(module):
         return cached
-    from quantlab.kernels.cpu.ops import weight_arguments  # ops imports this module's constants
-
     described = describe_arguments(*weight_arguments(module))
     described.sources = tuple((n, t, t._version, t.data_ptr()) for n, t in module.stored_tensors().items())
     _cache[module] = described
@@ -91,21 +91,19 @@ def _set_scale(struct: QuantlabCpuWeight, keep: list, scale: torch.Tensor, zero:
 
 
 def describe_arguments(
+    descriptor: str,
     codes: torch.Tensor,
-    scale: torch.Tensor | None,
-    zero: torch.Tensor | None,
-    absmax_codes: torch.Tensor | None,
-    absmax_scale: torch.Tensor | None,
-    absmax_offset: torch.Tensor | None,
-    kind: int,
-    bits: int,
-    in_features: int,
-    group_size: int,
-    absmax_block: int,
-    zero_const: float,
+    scale: torch.Tensor | None = None,
+    zero: torch.Tensor | None = None,
+    absmax_codes: torch.Tensor | None = None,
+    absmax_scale: torch.Tensor | None = None,
+    absmax_offset: torch.Tensor | None = None,
 ) -> NativeWeight:
     """The description of a weight given as `ops.weight_arguments` gives it (what the C++ operators'
     `describe` builds); no module and no cache, so a traced call is a pure function of its tensors."""
+    layout = parse_descriptor(descriptor)
+    kind, bits, in_features, group_size = KINDS[layout.codec], layout.bits, layout.in_features, layout.group_size
+    absmax_block, zero_const = layout.absmax_block, layout.zero
     codes = _readable(codes)
     struct = QuantlabCpuWeight()
     struct.codes = codes.data_ptr()

@@ -29,8 +29,12 @@ extern "C" {
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <charconv>
 #include <cstring>
 #include <optional>
+#include <string>
+#include <string_view>
 #include <vector>
 
 namespace {
@@ -46,6 +50,46 @@ float nf4_levels[16];
 float absmax_map[256];
 
 using Optional = const std::optional<at::Tensor> &;
+
+// A weight's layout integers, given to the operators as one string (`ops.layout_text`), e.g.
+// "affine bits=4 in_features=576 group_size=64 zero=8": an eager call converts each Python number
+// it is given on its own (~0.1 us each), one string costs about what one number does.
+struct Layout {
+    int64_t kind = -1, bits = 0, in_features = 0, group_size = 0, absmax_block = 0;
+    double zero_const = 0.0;
+};
+
+Layout parse_layout(std::string_view text) {
+    Layout layout;
+    bool complete = true;
+    size_t start = 0, seen = 0;
+    while (start < text.size() && complete) {
+        size_t end = text.find(' ', start);
+        if (end == std::string_view::npos) end = text.size();
+        std::string_view token = text.substr(start, end - start);
+        start = end + 1;
+        if (seen++ == 0) {
+            layout.kind = token == "affine" ? QL_AFFINE : token == "int8" ? QL_INT8 : token == "nf4" ? QL_NF4 : -1;
+            continue;
+        }
+        size_t equals = token.find('=');
+        std::string_view key = token.substr(0, equals), value = token.substr(equals + 1);
+        const char *first = value.data(), *last = value.data() + value.size();
+        std::from_chars_result read{};
+        if (equals == std::string_view::npos) read.ec = std::errc::invalid_argument;
+        else if (key == "bits") read = std::from_chars(first, last, layout.bits);
+        else if (key == "in_features") read = std::from_chars(first, last, layout.in_features);
+        else if (key == "group_size") read = std::from_chars(first, last, layout.group_size);
+        else if (key == "absmax_block") read = std::from_chars(first, last, layout.absmax_block);
+        else if (key == "zero") read = std::from_chars(first, last, layout.zero_const);
+        else read.ec = std::errc::invalid_argument;
+        complete = read.ec == std::errc() && read.ptr == last;
+    }
+    TORCH_CHECK(complete && layout.kind >= 0 && layout.bits && layout.in_features > 0 && layout.group_size > 0,
+                "quantlab: bad layout \"", std::string(text), "\" (expected e.g. \"affine bits=4 in_features=576 "
+                "group_size=64 zero=8\", as quantlab.kernels.cpu.ops.layout_text writes it)");
+    return layout;
+}
 
 int dtype_code(const at::Tensor &tensor) {
     switch (tensor.scalar_type()) {
@@ -69,12 +113,14 @@ at::Tensor readable(const at::Tensor &tensor) {
 // A weight described by its stored tensors; `keep` holds the (possibly converted) tensors alive.
 struct Described {
     ql_weight weight;
-    std::vector<at::Tensor> keep;
+    std::array<at::Tensor, 5> keep;
 };
 
-Described describe(const at::Tensor &codes, Optional scale, Optional zero, Optional absmax_codes,
-                   Optional absmax_scale, Optional absmax_offset, int64_t kind, int64_t bits, int64_t in_features,
-                   int64_t group_size, int64_t absmax_block, double zero_const) {
+Described describe(const Layout &layout, const at::Tensor &codes, Optional scale, Optional zero,
+                   Optional absmax_codes, Optional absmax_scale, Optional absmax_offset) {
+    const int64_t kind = layout.kind, bits = layout.bits, in_features = layout.in_features;
+    const int64_t group_size = layout.group_size, absmax_block = layout.absmax_block;
+    const double zero_const = layout.zero_const;
     TORCH_CHECK(gemm_fn && dequantize_fn && gemm_group_fn, "quantlab: the torch operators are not bound to the C kernels");
     TORCH_CHECK(codes.dim() == 3 && codes.element_size() == 1, "quantlab: codes must be [out, groups, bytes] of one-byte "
                 "integers, got ", codes.sizes(), " ", codes.scalar_type());
@@ -100,7 +146,7 @@ Described describe(const at::Tensor &codes, Optional scale, Optional zero, Optio
     std::memset(&d.weight, 0, sizeof d.weight);
     ql_weight &w = d.weight;
     at::Tensor c = readable(codes);
-    d.keep.push_back(c);
+    d.keep[0] = c;
     w.codes = static_cast<const uint8_t *>(c.data_ptr());
     w.n = c.size(0);
     w.k = in_features;
@@ -113,13 +159,13 @@ Described describe(const at::Tensor &codes, Optional scale, Optional zero, Optio
     w.zero_const = static_cast<float>(zero_const);
     if (scale.has_value()) {
         at::Tensor s = readable(*scale);
-        d.keep.push_back(s);
+        d.keep[1] = s;
         w.scale = s.data_ptr();
         w.scale_dtype = dtype_code(s);
     }
     if (zero.has_value()) {
         at::Tensor z = readable(*zero);
-        d.keep.push_back(z);
+        d.keep[2] = z;
         w.zero = z.data_ptr();
         w.zero_dtype = dtype_code(z);
     }
@@ -128,8 +174,8 @@ Described describe(const at::Tensor &codes, Optional scale, Optional zero, Optio
         if (absmax_codes.has_value()) {
             TORCH_CHECK(absmax_scale.has_value() && absmax_offset.has_value(), "quantlab: incomplete double quant");
             at::Tensor ac = readable(*absmax_codes), as = readable(*absmax_scale).to(at::kFloat).contiguous();
-            d.keep.push_back(ac);
-            d.keep.push_back(as);
+            d.keep[3] = ac;
+            d.keep[4] = as;
             w.absmax_codes = static_cast<const uint8_t *>(ac.data_ptr());
             w.absmax_scale = as.data_ptr<float>();
             w.absmax_offset = absmax_offset->to(at::kFloat).item<float>();
@@ -141,18 +187,22 @@ Described describe(const at::Tensor &codes, Optional scale, Optional zero, Optio
     return d;
 }
 
-at::Tensor linear(const at::Tensor &x, Optional bias, const at::Tensor &codes, Optional scale, Optional zero,
-                  Optional absmax_codes, Optional absmax_scale, Optional absmax_offset, int64_t kind, int64_t bits,
-                  int64_t in_features, int64_t group_size, int64_t absmax_block, double zero_const) {
+at::Tensor linear(const at::Tensor &x, Optional bias, c10::string_view layout_text, const at::Tensor &codes,
+                  Optional scale, Optional zero, Optional absmax_codes, Optional absmax_scale, Optional absmax_offset) {
+    const Layout layout = parse_layout(layout_text);
+    const int64_t in_features = layout.in_features;
     TORCH_CHECK(x.device().is_cpu() && x.is_floating_point(), "quantlab::linear: x must be a floating CPU tensor");
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_features, "quantlab::linear: x has ", x.size(-1),
                 " features, the weight ", in_features);
-    Described d = describe(codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind, bits, in_features,
-                           group_size, absmax_block, zero_const);
-    at::Tensor flat = x.reshape({-1, in_features});
+    Described d = describe(layout, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset);
+    // x as float32 rows with unit stride: as given when it is (a decoding step's [1, k] or [b, 1, k]),
+    // so a one-row call allocates its output and nothing else (each tensor op is ~0.2-0.4 us there).
+    at::Tensor flat = x.dim() == 2 ? x : x.reshape({-1, in_features});
     if (flat.scalar_type() != at::kFloat || flat.stride(1) != 1) flat = flat.to(at::kFloat).contiguous();
     const int64_t rows = flat.size(0), n = d.weight.n;
-    at::Tensor out = at::empty({rows, n}, flat.options());
+    c10::SmallVector<int64_t, 4> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = n;
+    at::Tensor out = at::empty(shape, flat.options());
     if (rows) {
         int status = gemm_fn(&d.weight, flat.data_ptr<float>(), rows, flat.stride(0), out.data_ptr<float>(), n,
                              at::get_num_threads());
@@ -160,19 +210,18 @@ at::Tensor linear(const at::Tensor &x, Optional bias, const at::Tensor &codes, O
     }
     if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
     if (bias.has_value()) out.add_(bias->to(out.scalar_type()));  // as the reference: the output's dtype, then add
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = n;
-    return out.view(shape);
+    return out;
 }
 
 using OptionalList = const c10::List<std::optional<at::Tensor>> &;
 
 // x @ W_i.T + bias_i for every weight i, side by side in one [..., sum of out_i] tensor; each value as
 // `linear` computes it for that weight alone.
-at::Tensor linear_group(const at::Tensor &x, OptionalList bias, at::TensorList codes, OptionalList scale,
-                        OptionalList zero, OptionalList absmax_codes, OptionalList absmax_scale,
-                        OptionalList absmax_offset, int64_t kind, int64_t bits, int64_t in_features,
-                        int64_t group_size, int64_t absmax_block, double zero_const, int64_t activation_bits) {
+at::Tensor linear_group(const at::Tensor &x, OptionalList bias, c10::string_view layout_text, at::TensorList codes,
+                        OptionalList scale, OptionalList zero, OptionalList absmax_codes, OptionalList absmax_scale,
+                        OptionalList absmax_offset, int64_t activation_bits) {
+    const Layout layout = parse_layout(layout_text);
+    const int64_t in_features = layout.in_features;
     TORCH_CHECK(x.device().is_cpu() && x.is_floating_point(), "quantlab::linear_group: x must be a floating CPU tensor");
     TORCH_CHECK(activation_bits == 0 || activation_bits == 8, "quantlab::linear_group: activation_bits is 0 (float) "
                 "or 8, got ", activation_bits);
@@ -188,8 +237,8 @@ at::Tensor linear_group(const at::Tensor &x, OptionalList bias, at::TensorList c
     weights.reserve(count);
     int64_t features = 0;
     for (size_t i = 0; i < count; i++) {
-        described.push_back(describe(codes[i], scale[i], zero[i], absmax_codes[i], absmax_scale[i], absmax_offset[i],
-                                     kind, bits, in_features, group_size, absmax_block, zero_const));
+        described.push_back(describe(layout, codes[i], scale[i], zero[i], absmax_codes[i], absmax_scale[i],
+                                     absmax_offset[i]));
         weights.push_back(described.back().weight);
         features += weights.back().n;
     }
@@ -213,34 +262,30 @@ at::Tensor linear_group(const at::Tensor &x, OptionalList bias, at::TensorList c
     return out.view(shape);
 }
 
-at::Tensor dequantize(const at::Tensor &codes, Optional scale, Optional zero, Optional absmax_codes,
-                      Optional absmax_scale, Optional absmax_offset, int64_t kind, int64_t bits, int64_t in_features,
-                      int64_t group_size, int64_t absmax_block, double zero_const) {
-    Described d = describe(codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind, bits, in_features,
-                           group_size, absmax_block, zero_const);
+at::Tensor dequantize(c10::string_view layout_text, const at::Tensor &codes, Optional scale, Optional zero,
+                      Optional absmax_codes, Optional absmax_scale, Optional absmax_offset) {
+    const Layout layout = parse_layout(layout_text);
+    const int64_t in_features = layout.in_features;
+    Described d = describe(layout, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset);
     at::Tensor out = at::empty({d.weight.n, in_features}, codes.options().dtype(at::kFloat));
     int status = dequantize_fn(&d.weight, 0, d.weight.n, out.data_ptr<float>(), in_features, at::get_num_threads());
     TORCH_CHECK(status == 0, "quantlab native dequantize failed with status ", status);
     return out;
 }
 
-at::Tensor linear_below_autograd(const at::Tensor &x, Optional bias, const at::Tensor &codes, Optional scale,
-                                 Optional zero, Optional absmax_codes, Optional absmax_scale, Optional absmax_offset,
-                                 int64_t kind, int64_t bits, int64_t in_features, int64_t group_size,
-                                 int64_t absmax_block, double zero_const) {
+at::Tensor linear_below_autograd(const at::Tensor &x, Optional bias, c10::string_view layout_text,
+                                 const at::Tensor &codes, Optional scale, Optional zero, Optional absmax_codes,
+                                 Optional absmax_scale, Optional absmax_offset) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("quantlab::linear", "").typed<decltype(linear)>();
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, bias, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind, bits, in_features,
-                   group_size, absmax_block, zero_const);
+    return op.call(x, bias, layout_text, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset);
 }
 
-at::Tensor dequantize_op(const at::Tensor &codes, Optional scale, Optional zero, Optional absmax_codes,
-                         Optional absmax_scale, Optional absmax_offset, int64_t kind, int64_t bits, int64_t in_features,
-                         int64_t group_size, int64_t absmax_block, double zero_const) {
+at::Tensor dequantize_op(c10::string_view layout_text, const at::Tensor &codes, Optional scale, Optional zero,
+                         Optional absmax_codes, Optional absmax_scale, Optional absmax_offset) {
     static auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("quantlab::dequantize", "").typed<decltype(dequantize)>();
-    return op.call(codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind, bits, in_features, group_size,
-                   absmax_block, zero_const);
+    return op.call(layout_text, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset);
 }
 
 at::Tensor optional_or_undefined(Optional tensor) { return tensor.has_value() ? *tensor : at::Tensor(); }
@@ -265,29 +310,28 @@ constexpr int64_t kBackwardWholeBytes = 4 << 20;
 constexpr int64_t kBackwardTileBytes = 2 << 20;
 
 // grad @ W for the gradient with respect to x: [rows, out] -> [rows, in], float32.
-at::Tensor grad_input(const at::Tensor &grad, const std::vector<at::Tensor> &saved, const std::vector<int64_t> &layout,
-                      double zero_const) {
+at::Tensor grad_input(const at::Tensor &grad, const std::vector<at::Tensor> &saved, const std::string &layout_text) {
+    const Layout layout = parse_layout(layout_text);
     auto weight = [&](const at::Tensor &codes, Optional scale, Optional zero, Optional absmax_codes,
                       Optional absmax_scale) {
-        return dequantize_op(codes, scale, zero, absmax_codes, absmax_scale, defined_or_none(saved[5]), layout[0],
-                             layout[1], layout[2], layout[3], layout[4], zero_const);
+        return dequantize_op(layout_text, codes, scale, zero, absmax_codes, absmax_scale, defined_or_none(saved[5]));
     };
     const at::Tensor &codes = saved[0];
-    const int64_t out = codes.size(0), in = layout[2], groups = codes.size(1);
+    const int64_t out = codes.size(0), in = layout.in_features, groups = codes.size(1);
     at::Tensor flat = grad.to(at::kFloat).reshape({-1, out});
     if (out * in * 4 <= kBackwardWholeBytes)
         return at::mm(flat, weight(codes, defined_or_none(saved[1]), defined_or_none(saved[2]),
                                    defined_or_none(saved[3]), defined_or_none(saved[4])));
     // Whole blocks of NF4's double-quantized absmax: a tile of `align` features starts on a block.
-    const int64_t align = layout[4] > 0 ? layout[4] : 4;
+    const int64_t block = layout.absmax_block, align = block > 0 ? block : 4;
     int64_t tile = kBackwardTileBytes / (4 * in) / align * align;
     if (tile < align) tile = align;
     at::Tensor result;
     for (int64_t first = 0; first < out; first += tile) {
         const int64_t count = std::min(tile, out - first);
         std::optional<at::Tensor> absmax_scale;
-        if (saved[4].defined()) absmax_scale = saved[4].reshape({-1}).narrow(0, first * groups / layout[4],
-                                                                       (count * groups + layout[4] - 1) / layout[4]);
+        if (saved[4].defined())
+            absmax_scale = saved[4].reshape({-1}).narrow(0, first * groups / block, (count * groups + block - 1) / block);
         at::Tensor part = weight(codes.narrow(0, first, count), feature_rows(defined_or_none(saved[1]), groups, first, count),
                                  feature_rows(defined_or_none(saved[2]), groups, first, count),
                                  feature_rows(defined_or_none(saved[3]), groups, first, count), absmax_scale);
@@ -304,29 +348,27 @@ at::Tensor grad_input(const at::Tensor &grad, const std::vector<at::Tensor> &sav
 // stored tensors (buffers) get none.
 struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     static at::Tensor forward(torch::autograd::AutogradContext *ctx, const at::Tensor &x, Optional bias,
-                              const at::Tensor &codes, Optional scale, Optional zero, Optional absmax_codes,
-                              Optional absmax_scale, Optional absmax_offset, int64_t kind, int64_t bits,
-                              int64_t in_features, int64_t group_size, int64_t absmax_block, double zero_const) {
+                              c10::string_view layout_text, const at::Tensor &codes, Optional scale, Optional zero,
+                              Optional absmax_codes, Optional absmax_scale, Optional absmax_offset) {
         ctx->save_for_backward({codes, optional_or_undefined(scale), optional_or_undefined(zero),
                                 optional_or_undefined(absmax_codes), optional_or_undefined(absmax_scale),
                                 optional_or_undefined(absmax_offset)});
-        ctx->saved_data["layout"] = std::vector<int64_t>{kind, bits, in_features, group_size, absmax_block};
-        ctx->saved_data["zero_const"] = zero_const;
+        ctx->saved_data["layout"] = std::string(layout_text);
         ctx->saved_data["bias_dtype"] = bias.has_value() ? bias->scalar_type() : at::kFloat;
-        return linear_below_autograd(x, bias, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind,
-                                     bits, in_features, group_size, absmax_block, zero_const);
+        return linear_below_autograd(x, bias, layout_text, codes, scale, zero, absmax_codes, absmax_scale,
+                                     absmax_offset);
     }
 
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
                                                    torch::autograd::variable_list grads) {
-        torch::autograd::variable_list result(14);
+        torch::autograd::variable_list result(9);
         const at::Tensor &grad = grads[0];
         if (ctx->needs_input_grad(0)) {
             auto saved = ctx->get_saved_variables();
-            auto layout = ctx->saved_data["layout"].toIntVector();
-            at::Tensor input = grad_input(grad, saved, layout, ctx->saved_data["zero_const"].toDouble());
+            const std::string layout_text = ctx->saved_data["layout"].toStringRef();
+            at::Tensor input = grad_input(grad, saved, layout_text);
             std::vector<int64_t> shape(grad.sizes().begin(), grad.sizes().end());
-            shape.back() = layout[2];
+            shape.back() = parse_layout(layout_text).in_features;
             result[0] = input.view(shape).to(grad.scalar_type());
         }
         if (ctx->needs_input_grad(1)) {
@@ -337,25 +379,21 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     }
 };
 
-at::Tensor linear_autograd(const at::Tensor &x, Optional bias, const at::Tensor &codes, Optional scale, Optional zero,
-                           Optional absmax_codes, Optional absmax_scale, Optional absmax_offset, int64_t kind,
-                           int64_t bits, int64_t in_features, int64_t group_size, int64_t absmax_block,
-                           double zero_const) {
+at::Tensor linear_autograd(const at::Tensor &x, Optional bias, c10::string_view layout_text, const at::Tensor &codes,
+                           Optional scale, Optional zero, Optional absmax_codes, Optional absmax_scale,
+                           Optional absmax_offset) {
     // Without gradients (inference, decoding) skip building an autograd node: about a microsecond a call.
     if (!at::GradMode::is_enabled() || !(x.requires_grad() || (bias.has_value() && bias->requires_grad())))
-        return linear_below_autograd(x, bias, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind,
-                                     bits, in_features, group_size, absmax_block, zero_const);
-    return LinearFunction::apply(x, bias, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind, bits,
-                                 in_features, group_size, absmax_block, zero_const);
+        return linear_below_autograd(x, bias, layout_text, codes, scale, zero, absmax_codes, absmax_scale,
+                                     absmax_offset);
+    return LinearFunction::apply(x, bias, layout_text, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset);
 }
 
 // linear_group runs after autograd (in compiled inference graphs): with gradients asked for it refuses
 // instead of silently giving none.
-at::Tensor linear_group_autograd(const at::Tensor &x, OptionalList bias, at::TensorList codes, OptionalList scale,
-                                 OptionalList zero, OptionalList absmax_codes, OptionalList absmax_scale,
-                                 OptionalList absmax_offset, int64_t kind, int64_t bits, int64_t in_features,
-                                 int64_t group_size, int64_t absmax_block, double zero_const,
-                                 int64_t activation_bits) {
+at::Tensor linear_group_autograd(const at::Tensor &x, OptionalList bias, c10::string_view layout_text,
+                                 at::TensorList codes, OptionalList scale, OptionalList zero, OptionalList absmax_codes,
+                                 OptionalList absmax_scale, OptionalList absmax_offset, int64_t activation_bits) {
     bool needs_grad = x.requires_grad();
     for (const std::optional<at::Tensor> &b : bias) needs_grad |= b.has_value() && b->requires_grad();
     TORCH_CHECK(!at::GradMode::is_enabled() || !needs_grad, "quantlab::linear_group has no gradient: call "
@@ -363,8 +401,8 @@ at::Tensor linear_group_autograd(const at::Tensor &x, OptionalList bias, at::Ten
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("quantlab::linear_group", "")
                          .typed<decltype(linear_group)>();
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, bias, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset, kind, bits, in_features,
-                   group_size, absmax_block, zero_const, activation_bits);
+    return op.call(x, bias, layout_text, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset,
+                   activation_bits);
 }
 
 }  // namespace
@@ -381,15 +419,16 @@ extern "C" __attribute__((visibility("default"))) int quantlab_torch_ops_bind(vo
     return QL_ABI_VERSION;
 }
 
+// The weight: its layout string (parse_layout), its codes, then its other stored tensors; a layout that
+// stores fewer leaves the rest out (an eager call converts each argument it is given, None included).
 #define WEIGHT_ARGS                                                                                                \
-    "Tensor codes, Tensor? scale, Tensor? zero, Tensor? absmax_codes, Tensor? absmax_scale, Tensor? absmax_offset, " \
-    "int kind, int bits, int in_features, int group_size, int absmax_block, float zero_const"
+    "str layout, Tensor codes, Tensor? scale=None, Tensor? zero=None, Tensor? absmax_codes=None, "                \
+    "Tensor? absmax_scale=None, Tensor? absmax_offset=None"
 
 TORCH_LIBRARY(quantlab, m) {
     m.def("linear(Tensor x, Tensor? bias, " WEIGHT_ARGS ") -> Tensor");
-    m.def("linear_group(Tensor x, Tensor?[] bias, Tensor[] codes, Tensor?[] scale, Tensor?[] zero, "
-          "Tensor?[] absmax_codes, Tensor?[] absmax_scale, Tensor?[] absmax_offset, int kind, int bits, "
-          "int in_features, int group_size, int absmax_block, float zero_const, int activation_bits=0) -> Tensor");
+    m.def("linear_group(Tensor x, Tensor?[] bias, str layout, Tensor[] codes, Tensor?[] scale, Tensor?[] zero, "
+          "Tensor?[] absmax_codes, Tensor?[] absmax_scale, Tensor?[] absmax_offset, int activation_bits=0) -> Tensor");
     m.def("dequantize(" WEIGHT_ARGS ") -> Tensor");
 }
 
