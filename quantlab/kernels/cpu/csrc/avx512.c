@@ -161,11 +161,13 @@ QL_INLINE QL_AVX512 void ql_block512(const int mode, const int use_table, const 
             }
         }
     }
-    for (int j = 0; j < NR; j++) {
-        for (int r = 0; r < R; r++) {
-            __m512 sum = A == 2 ? _mm512_add_ps(acc[j][r][0], acc[j][r][1]) : acc[j][r][0];
-            y[r * y_stride + n0 + j] = _mm512_reduce_add_ps(sum);
-        }
+    /* The 4 features' sums reduced together (ql_store_sums), not one horizontal sum each: one row
+     * through quantlab::linear, 4-bit g64, three processes alternated: 576x192 5.64 -> 5.39 us,
+     * 576x1536 15.2 -> 14.2, 1536x576 13.7 -> 12.4. */
+    for (int r = 0; r < R; r++) {
+        __m512 sums[4];
+        for (int j = 0; j < NR; j++) sums[j] = A == 2 ? _mm512_add_ps(acc[j][r][0], acc[j][r][1]) : acc[j][r][0];
+        ql_store_sums(NR, sums, y + r * y_stride + n0);
     }
 }
 
