@@ -42,7 +42,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     onnx.add_argument(
         "--ort-dynamic-int8",
         action="store_true",
-        help="quantize a float model with onnxruntime's quantize_dynamic (int8) after export, for comparison",
+        help="quantize a float model with onnxruntime's quantize_dynamic (int8; 7-bit weight range, which does not "
+        "saturate on CPUs without VNNI) after export, for comparison",
     )
     onnx.add_argument(
         "--accuracy-level",
