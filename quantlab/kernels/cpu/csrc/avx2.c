@@ -116,12 +116,12 @@ QL_INLINE QL_AVX2 void ql_block256(const int NR, const int R, const ql_weight *w
         for (int r = 0; r < R; r++) y[r * y_stride + n0 + j] = ql_sum256(acc[j][r]);
 }
 
-/* 4-bit codes in groups of whole chunks of 32, x in the nibble layout (ql_prepare_x: a chunk's even
+/* NF4 codes in groups of whole chunks of 32, x in the nibble layout (ql_prepare_x: a chunk's even
  * inputs, then its odd ones, as on AVX-512): 8 bytes of a chunk widened once give 8 even codes (low
  * nibbles) and 8 odd ones (high nibbles), where the generic decoder shuffles and shifts per 8 codes.
  * Same values as the generic decoder (ql_decode8). One row keeps two accumulators per feature, so
- * FMA latency does not bound it. NF4 takes this block; affine codes the one below. */
-QL_INLINE QL_AVX2 void ql_block256_nibble(const int nf4, const int NR, const int R, const ql_weight *w, const ql_layout *layout,
+ * FMA latency does not bound it. Affine 4-bit codes take the block below. */
+QL_INLINE QL_AVX2 void ql_block256_nf4(const int NR, const int R, const ql_weight *w, const ql_layout *layout,
                                           const float *xp, int64_t row_length, int64_t n0, float *y, int64_t y_stride,
                                           float *params) {
     const int A = R == 1 ? 2 : 1;
@@ -145,8 +145,8 @@ QL_INLINE QL_AVX2 void ql_block256_nibble(const int nf4, const int NR, const int
                 for (int j = 0; j < NR; j++) {
                     const __m128i bytes = _mm_loadl_epi64((const __m128i *)(group[j] + c / 2 + half));
                     const __m256i packed = _mm256_cvtepu8_epi32(bytes);
-                    const __m256 even = ql_decode8(nf4, _mm256_and_si256(packed, low_nibble), &constants[j]);
-                    const __m256 odd = ql_decode8(nf4, _mm256_srli_epi32(packed, 4), &constants[j]);
+                    const __m256 even = ql_decode8(1, _mm256_and_si256(packed, low_nibble), &constants[j]);
+                    const __m256 odd = ql_decode8(1, _mm256_srli_epi32(packed, 4), &constants[j]);
                     for (int r = 0; r < R; r++) {
                         const float *xr = xg + r * row_length + c + half;
                         acc[j][r][0] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xr), acc[j][r][0]);
@@ -169,7 +169,7 @@ QL_INLINE QL_AVX2 void ql_block256_nibble(const int nf4, const int NR, const int
  * calls: generic decoder -> nibble block (values per weight) -> this block: 576x192 50.3 -> 21.7 ->
  * 18.6 us, 576x1536 373 -> 154 -> 124 us, 2048x8192 7.31 -> 2.65 -> 2.57 ms (torch fp32: 19, 88 us,
  * 3.1-4.0 ms). */
-QL_INLINE QL_AVX2 void ql_block256_nibble_affine(const int NR, const int R, const ql_weight *w, const ql_layout *layout,
+QL_INLINE QL_AVX2 void ql_block256_affine4(const int NR, const int R, const ql_weight *w, const ql_layout *layout,
                                                  const float *xp, int64_t row_length, int64_t n0, float *y,
                                                  int64_t y_stride, float *params) {
     const int64_t G = w->groups;
@@ -214,17 +214,26 @@ QL_INLINE QL_AVX2 void ql_block256_nibble_affine(const int NR, const int R, cons
         for (int r = 0; r < R; r++) y[r * y_stride + n0 + j] = ql_sum256(acc[j][r]);
 }
 
-QL_INLINE QL_AVX2 void ql_block256_4bit(const int nf4, const int NR, const int R, const ql_weight *w,
-                                       const ql_layout *layout, const float *xp, int64_t row_length, int64_t n0, float *y,
-                                       int64_t y_stride, float *params) {
-    if (nf4)
-        ql_block256_nibble(1, NR, R, w, layout, xp, row_length, n0, y, y_stride, params);
+/* How a block decodes its codes: a compile-time constant of each copy of the loops below, so no
+ * branch runs per 8 codes. */
+enum { QL256_GENERIC, QL256_NF4_NIBBLE, QL256_AFFINE_NIBBLE };
+
+QL_INLINE QL_AVX2 void ql_block256_of(const int decoder, const int NR, const int R, const ql_weight *w,
+                                      const ql_bits256 *bits, const ql_layout *layout, const float *xp,
+                                      int64_t row_length, int64_t n0, float *y, int64_t y_stride, float *params) {
+    if (decoder == QL256_NF4_NIBBLE)
+        ql_block256_nf4(NR, R, w, layout, xp, row_length, n0, y, y_stride, params);
+    else if (decoder == QL256_AFFINE_NIBBLE)
+        ql_block256_affine4(NR, R, w, layout, xp, row_length, n0, y, y_stride, params);
     else
-        ql_block256_nibble_affine(NR, R, w, layout, xp, row_length, n0, y, y_stride, params);
+        ql_block256(NR, R, w, bits, layout, xp, row_length, n0, y, y_stride, params);
 }
 
-QL_INLINE QL_AVX2 void ql_gemm256_nibble(const int nf4, const ql_weight *w, const ql_layout *layout, const float *xp,
-                                         int64_t m, int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params) {
+/* Features in blocks of 4 (one row), 2 x 2 or 1 x 4 (features x rows), the rest one by one. */
+QL_INLINE QL_AVX2 void ql_gemm256_with(const int decoder, const ql_weight *w, const ql_layout *layout,
+                                       const float *xp, int64_t m, int64_t n0, int64_t n1, float *y, int64_t y_stride,
+                                       float *params) {
+    ql_bits256 bits = ql_bits256_make(w->bits);
     int64_t row_length = w->groups * layout->padded_group;
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) {
@@ -232,21 +241,23 @@ QL_INLINE QL_AVX2 void ql_gemm256_nibble(const int nf4, const ql_weight *w, cons
             const float *xr = xp + r * row_length;
             float *yr = y + r * y_stride;
             if (m - r >= 4) {
-                for (int j = 0; j < 4; j++) ql_block256_4bit(nf4, 1, 4, w, layout, xr, row_length, n + j, yr, y_stride, params);
+                for (int j = 0; j < 4; j++)
+                    ql_block256_of(decoder, 1, 4, w, &bits, layout, xr, row_length, n + j, yr, y_stride, params);
                 r += 4;
             } else if (m - r >= 2) {
-                ql_block256_4bit(nf4, 2, 2, w, layout, xr, row_length, n, yr, y_stride, params);
-                ql_block256_4bit(nf4, 2, 2, w, layout, xr, row_length, n + 2, yr, y_stride, params);
+                ql_block256_of(decoder, 2, 2, w, &bits, layout, xr, row_length, n, yr, y_stride, params);
+                ql_block256_of(decoder, 2, 2, w, &bits, layout, xr, row_length, n + 2, yr, y_stride, params);
                 r += 2;
             } else {
-                ql_block256_4bit(nf4, 4, 1, w, layout, xr, row_length, n, yr, y_stride, params);
+                ql_block256_of(decoder, 4, 1, w, &bits, layout, xr, row_length, n, yr, y_stride, params);
                 r += 1;
             }
         }
     }
     for (; n < n1; n++)
         for (int64_t r = 0; r < m; r++)
-            ql_block256_4bit(nf4, 1, 1, w, layout, xp + r * row_length, row_length, n, y + r * y_stride, y_stride, params);
+            ql_block256_of(decoder, 1, 1, w, &bits, layout, xp + r * row_length, row_length, n, y + r * y_stride,
+                           y_stride, params);
 }
 
 /* The nibble layout for this weight on AVX2 (matmul.c's ql_layout_for): 4-bit NF4 and affine codes in
@@ -254,37 +265,13 @@ QL_INLINE QL_AVX2 void ql_gemm256_nibble(const int nf4, const ql_weight *w, cons
 int ql_nibble256(const ql_weight *w) { return w->bits == 4 && w->kind != QL_INT8 && w->group_codes % 32 == 0; }
 
 QL_AVX2 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0,
-                               int64_t n1, float *y, int64_t y_stride, float *params) {
-    ql_bits256 bits = ql_bits256_make(w->bits);
-    int64_t row_length = w->groups * layout->padded_group;
-    int64_t n = n0;
-    if (layout->nibble) {
-        if (w->kind == QL_NF4) /* the codec a constant of each copy: no branch per 8 codes */
-            ql_gemm256_nibble(1, w, layout, xp, m, n0, n1, y, y_stride, params);
-        else
-            ql_gemm256_nibble(0, w, layout, xp, m, n0, n1, y, y_stride, params);
-        return;
-    }
-    for (; n + 4 <= n1; n += 4) {
-        for (int64_t r = 0; r < m;) {
-            const float *xr = xp + r * row_length;
-            float *yr = y + r * y_stride;
-            if (m - r >= 4) {
-                for (int j = 0; j < 4; j++) ql_block256(1, 4, w, &bits, layout, xr, row_length, n + j, yr, y_stride, params);
-                r += 4;
-            } else if (m - r >= 2) {
-                ql_block256(2, 2, w, &bits, layout, xr, row_length, n, yr, y_stride, params);
-                ql_block256(2, 2, w, &bits, layout, xr, row_length, n + 2, yr, y_stride, params);
-                r += 2;
-            } else {
-                ql_block256(4, 1, w, &bits, layout, xr, row_length, n, yr, y_stride, params);
-                r += 1;
-            }
-        }
-    }
-    for (; n < n1; n++)
-        for (int64_t r = 0; r < m; r++)
-            ql_block256(1, 1, w, &bits, layout, xp + r * row_length, row_length, n, y + r * y_stride, y_stride, params);
+                        int64_t n1, float *y, int64_t y_stride, float *params) {
+    if (!layout->nibble)
+        ql_gemm256_with(QL256_GENERIC, w, layout, xp, m, n0, n1, y, y_stride, params);
+    else if (w->kind == QL_NF4)
+        ql_gemm256_with(QL256_NF4_NIBBLE, w, layout, xp, m, n0, n1, y, y_stride, params);
+    else
+        ql_gemm256_with(QL256_AFFINE_NIBBLE, w, layout, xp, m, n0, n1, y, y_stride, params);
 }
 
 QL_AVX2 void ql_dequantize256(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride,
