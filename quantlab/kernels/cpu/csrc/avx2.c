@@ -122,8 +122,8 @@ QL_INLINE QL_AVX2 void ql_block256(const int NR, const int R, const ql_weight *w
  * Same values as the generic decoder (ql_decode8). One row keeps two accumulators per feature, so
  * FMA latency does not bound it. Affine 4-bit codes take the block below. */
 QL_INLINE QL_AVX2 void ql_block256_nf4(const int NR, const int R, const ql_weight *w, const ql_layout *layout,
-                                          const float *xp, int64_t row_length, int64_t n0, float *y, int64_t y_stride,
-                                          float *params) {
+                                       const float *xp, int64_t row_length, int64_t n0, float *y, int64_t y_stride,
+                                       float *params) {
     const int A = R == 1 ? 2 : 1;
     const int64_t G = w->groups;
     const __m256i low_nibble = _mm256_set1_epi32(15);
@@ -170,8 +170,8 @@ QL_INLINE QL_AVX2 void ql_block256_nf4(const int NR, const int R, const ql_weigh
  * 18.6 us, 576x1536 373 -> 154 -> 124 us, 2048x8192 7.31 -> 2.65 -> 2.57 ms (torch fp32: 19, 88 us,
  * 3.1-4.0 ms). */
 QL_INLINE QL_AVX2 void ql_block256_affine4(const int NR, const int R, const ql_weight *w, const ql_layout *layout,
-                                                 const float *xp, int64_t row_length, int64_t n0, float *y,
-                                                 int64_t y_stride, float *params) {
+                                           const float *xp, int64_t row_length, int64_t n0, float *y, int64_t y_stride,
+                                           float *params) {
     const int64_t G = w->groups;
     const __m256i low_nibble = _mm256_set1_epi32(15);
     for (int j = 0; j < NR; j++) ql_params_scalar(w, n0 + j, params + 2 * j * G, params + (2 * j + 1) * G);
@@ -259,10 +259,6 @@ QL_INLINE QL_AVX2 void ql_gemm256_with(const int decoder, const ql_weight *w, co
             ql_block256_of(decoder, 1, 1, w, &bits, layout, xp + r * row_length, row_length, n, y + r * y_stride,
                            y_stride, params);
 }
-
-/* The nibble layout for this weight on AVX2 (matmul.c's ql_layout_for): 4-bit NF4 and affine codes in
- * groups of whole chunks of 32, as AVX-512's nibble mode. */
-int ql_nibble256(const ql_weight *w) { return w->bits == 4 && w->kind != QL_INT8 && w->group_codes % 32 == 0; }
 
 QL_AVX2 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0,
                         int64_t n1, float *y, int64_t y_stride, float *params) {

@@ -63,7 +63,8 @@ static int ql_check(const ql_weight *w) {
 static ql_layout ql_layout_for(const ql_weight *w, int isa) {
 #ifdef QL_X86
     if (isa == QL_ISA_AVX512) return ql_make_layout(w, ql_mode512(w) == QL_MODE_NIBBLE ? 32 : 16, ql_mode512(w) == QL_MODE_NIBBLE);
-    if (isa == QL_ISA_AVX2) return ql_nibble256(w) ? ql_make_layout(w, 32, 1) : ql_make_layout(w, 8, 0);
+    if (isa == QL_ISA_AVX2) /* 4-bit codes in chunks of 32: the nibble blocks of avx2.c */
+        return ql_mode512(w) == QL_MODE_NIBBLE ? ql_make_layout(w, 32, 1) : ql_make_layout(w, 8, 0);
 #endif
     (void)isa;
     return ql_make_layout(w, 1, 0);

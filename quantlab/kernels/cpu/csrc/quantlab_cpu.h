@@ -183,8 +183,7 @@ QL_INLINE QL_AVX512 void ql_store_sums(const int NR, const __m512 *acc, float *y
 
 /* avx512.c */
 enum { QL_MODE_NIBBLE = 0, QL_MODE_BYTE = 1, QL_MODE_BITS = 2 };
-int ql_mode512(const ql_weight *w);
-int ql_nibble256(const ql_weight *w); /* avx2.c: 4-bit codes the nibble layout serves */
+int ql_mode512(const ql_weight *w); /* QL_MODE_NIBBLE: the nibble layout of x, on AVX2 too */
 void ql_gemm512(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0, int64_t n1,
                 float *y, int64_t y_stride, float *params, float *decoded);
 void ql_dequantize512(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, float *params);
