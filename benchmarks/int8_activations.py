@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     args = parser.parse_args(argv)
     if not native.int8_activations_supported():
-        print("note: this CPU has no AVX512-VNNI (or no native kernels): int8 activations compute in float here")
+        print("note: this CPU has no AVX2 (or no native kernels): int8 activations compute in float here")
     torch.set_num_threads(2)
     directory = smollm2_dir()
     ids = token_ids(AutoTokenizer.from_pretrained(directory), bundled_text())

@@ -86,10 +86,10 @@ def compile_for_decoding(
 
     `int8_activations=True` runs the step's 4-bit affine and int8 layers (groups of 64 or a multiple,
     or one group per row of such a length; the int8 output head of `embedding_bits=8` too) on
-    activations rounded to int8 per block of 64 inputs, with integer dot products on CPUs with
-    AVX512-VNNI (llama.cpp's Q4_0 x Q8_0 and Q8_0 x Q8_0 schemes): faster at one row, not bit-exact
+    activations rounded to int8 per block of 64 inputs, with integer dot products on CPUs with AVX2
+    or AVX512-VNNI (llama.cpp's Q4_0 x Q8_0 and Q8_0 x Q8_0 schemes): faster at one row, not bit-exact
     (about 0.5 % relative error in each layer's output, so greedy tokens can differ from the eager
-    path's); other formats, and CPUs without VNNI, compute in float as before. Off by default.
+    path's); other formats, and CPUs without AVX2, compute in float as before. Off by default.
 
     `native_step=True` runs each one-token step of one sequence as a single call into quantlab's C
     library for the whole model (quantlab.generation.native: Llama and Qwen2 blocks whose projections

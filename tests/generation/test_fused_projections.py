@@ -191,4 +191,4 @@ def test_int8_activations_run_every_eligible_layer_of_the_step_on_the_int8_kerne
     relative = ((logits - float_logits).norm() / float_logits.norm()).item()
     assert relative < 0.05
     if native.int8_activations_supported():
-        assert relative > 0  # the int8 kernel ran (without VNNI it computes in float: equal logits)
+        assert relative > 0  # the int8 kernel ran (without AVX2 it computes in float: equal logits)

@@ -100,7 +100,7 @@ def test_int8_activations_run_in_the_native_step():
     relative = _relative(int8_logits, logits)
     assert relative < 0.05
     if native.int8_activations_supported():
-        assert relative > 1e-4  # the int8 kernel ran (without VNNI the layers compute in float)
+        assert relative > 1e-4  # the int8 kernel ran (without AVX2 the layers compute in float)
 
 
 def test_sampling_options_work_as_in_plain_generate():

@@ -1,6 +1,7 @@
 """`quantlab::linear_group(..., activation_bits=8)`: 4-bit affine and int8 layers on activations rounded to
-int8 per block of 64 inputs (avx512_vnni.c). The kernel must equal, up to float summation order, the float
-product of the *rounded* activations with the dequantized weight; formats it does not take compute in float."""
+int8 per block of 64 inputs (int8_activations.c; kernels for AVX2 and AVX512-VNNI, each tested where the CPU
+has it). The kernel must equal, up to float summation order, the float product of the *rounded* activations
+with the dequantized weight; formats it does not take compute in float."""
 
 import pytest
 import torch
@@ -10,14 +11,24 @@ from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
 from quantlab.kernels.cpu import native, ops
 from quantlab.nn.quantized_embedding import QuantizedOutputHead
 
+KERNELS = {"avx2": 1, "avx512_vnni": 2}  # the instruction set each kernel runs at (ql_force_isa)
 
-@pytest.fixture(scope="module")
-def operators():
-    if not ops.available():
+
+@pytest.fixture(scope="module", params=list(KERNELS))
+def operators(request):
+    """The torch operators, with the kernels held to one int8-activation kernel's instruction set."""
+    lib = native.library()
+    if not ops.available() or lib is None:
         pytest.skip("quantlab's torch operators could not be built here (no C/C++ compiler?)")
-    if not native.int8_activations_supported():
-        pytest.skip("the int8-activation kernel needs AVX512-VNNI")
-    return ops
+    if KERNELS[request.param] > lib.ql_isa():
+        pytest.skip(f"this CPU has no {request.param.split('_')[0]}")
+    lib.ql_force_isa(KERNELS[request.param])
+    try:
+        if not native.int8_activations_supported():
+            pytest.skip(f"this CPU has no {request.param}")
+        yield ops
+    finally:
+        lib.ql_force_isa(-1)
 
 
 def layer(config, in_features: int, out_features: int, bias: bool = False) -> torch.nn.Module:

@@ -38,7 +38,7 @@ from quantlab.kernels import trusted
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("csrc")
-ABI_VERSION = 5
+ABI_VERSION = 6
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 # -ffp-contract=off: a*b+c stays two roundings, as torch computes it (decoded weights are bit-exact).
 _COMPILE = ["-O3", "-std=c11", "-fPIC", "-pthread", "-fvisibility=hidden", "-ffp-contract=off", "-fno-math-errno"]
@@ -185,7 +185,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ql_offset_to_signed.argtypes = [ptr, i64]
     lib.ql_offset_to_signed.restype = integer
     lib.ql_isa.restype = ctypes.c_int
-    lib.ql_has_vnni.restype = ctypes.c_int
+    lib.ql_has_int8_activations.restype = ctypes.c_int
     lib.ql_force_isa.argtypes = [integer]
     lib.ql_abi_version.restype = ctypes.c_int
     lib.ql_use_openmp.argtypes = [ptr]
@@ -263,7 +263,7 @@ def isa() -> str | None:
 
 
 def int8_activations_supported() -> bool:
-    """Whether this CPU runs the int8-activation kernel (AVX-512 with VNNI) that
+    """Whether this CPU runs an int8-activation kernel (AVX2, or AVX-512 with VNNI) that
     `compile_for_decoding(int8_activations=True)` asks for; elsewhere those layers compute in float."""
     lib = library()
-    return lib is not None and bool(lib.ql_has_vnni())
+    return lib is not None and bool(lib.ql_has_int8_activations())

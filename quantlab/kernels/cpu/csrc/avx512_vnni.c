@@ -1,29 +1,10 @@
-/* Int8-activation kernels for 4-bit and int8 weights (AVX512-VNNI): the compiled decode step's option
- * `int8_activations` (quantlab.generation). x is quantized per block of 64 inputs to int8 with one
- * float scale (d = max|x| / 127, as llama.cpp's Q8_0 does per 32), and each block's dot product with
- * the codes is exact in int32 (vpdpbusd: unsigned codes times signed x), then scaled:
- *
- *     4-bit affine: y[n] = sum_b scale[g(b)] * d[b] * (sum_k q[k] * xq[k] - zero[g(b)] * sum_k xq[k])
- *     int8:         y[n] = sum_b scale[g(b)] * d[b] * (sum_k (q[k] + 128) * xq[k] - 128 * sum_k xq[k])
- *
- * (int8 codes are signed: vpdpbusd takes them offset to unsigned, q ^ 0x80, and the offset's share is
- * taken off in int32, so each block's integer dot product is q . xq exactly.)
- * That reads a 64-weight block with a fraction of the instructions of decoding it to floats, which is
- * what one row (decoding) is bound by. It is not bit-exact: x is rounded to 8 bits (relative error
- * of a dot product about 0.5 %), so it is an option, never the default.
+/* The int8-activation kernel for AVX512-VNNI (the scheme: int8_activations.c): vpdpbusd multiplies
+ * unsigned codes by signed x (int8 codes are signed: they go in offset to unsigned, q ^ 0x80, and the
+ * offset's share, 128 * sum xq, is taken off in int32, so each block's integer dot product is q . xq
+ * exactly).
  * The codes are also prefetched a few blocks ahead: at this speed a call streams its weights faster
  * than the hardware prefetcher ramps up on each 4 KiB page. */
 #include "quantlab_cpu.h"
-
-/* 1 when this CPU runs the int8-activation kernel (AVX-512 with VNNI), else 0. */
-QL_API int ql_has_vnni(void) {
-#ifdef QL_X86
-    __builtin_cpu_init();
-    return ql_isa() == QL_ISA_AVX512 && __builtin_cpu_supports("avx512vnni");
-#else
-    return 0;
-#endif
-}
 
 #ifdef QL_X86
 #define QL_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")))
@@ -33,13 +14,6 @@ QL_API int ql_has_vnni(void) {
  * more runs; distances 6-10 alike); the int8 kernel, which reads each feature start to end, ran 0.97x
  * [0.94-1.11] with it, so it does without. */
 #define QL_PREFETCH_L2_BLOCKS 8
-
-
-/* 4-bit affine codes (nibble layout) or int8 codes (byte layout), in groups of whole blocks of 64. */
-int ql_a8_eligible(const ql_weight *w) {
-    if (w->group_codes % 64) return 0;
-    return (w->kind == QL_AFFINE && w->bits == 4) || w->kind == QL_INT8;
-}
 
 static inline void ql_prefetch(const uint8_t *from, int64_t bytes, const uint8_t *end) {
     for (int64_t b = 0; b < bytes && from + b < end; b += 64) _mm_prefetch((const char *)(from + b), _MM_HINT_T0);
@@ -201,16 +175,6 @@ QL_INLINE QL_VNNI void ql_block_a8_short(const ql_weight *w, const int8_t *xq, c
         }
     }
     ql_store_sums(4, acc, y + n);
-}
-
-/* xz[g] = sum over group g's blocks of d[b] * sum(xq of block b): the zero point's factor per group. */
-static inline void ql_zero_terms(const ql_weight *w, const float *xd, const int32_t *xs, float *xz) {
-    const int64_t per_group = w->group_codes / 64;
-    for (int64_t g = 0; g < w->groups; g++) {
-        float sum = 0.0f;
-        for (int64_t i = 0; i < per_group; i++) sum += xd[g * per_group + i] * (float)xs[g * per_group + i];
-        xz[g] = sum;
-    }
 }
 
 /* NR features from n, one row, int8 codes: scale * d * float((q + 128) . xq - 128 * sum xq) per block,

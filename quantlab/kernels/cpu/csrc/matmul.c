@@ -34,7 +34,8 @@ static int ql_detect_isa(void) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512dq"))
         return QL_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return QL_ISA_AVX2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return QL_ISA_AVX2;
 #endif
     return QL_ISA_SCALAR;
 }
@@ -103,7 +104,8 @@ typedef struct {
     int64_t first;    /* dequantize: first feature */
     int64_t last;
     int64_t per_chunk;
-    const int8_t *xq; /* int8 activations (avx512_vnni.c): x quantized per block of 64, else NULL */
+    int a8;           /* int8 activations: the kernel (int8_activations.c), QL_A8_NONE for float x */
+    const int8_t *xq; /* x quantized per block of 64 for it, else NULL */
     const float *xd;
     const int32_t *xs;
     _Atomic int failed;
@@ -127,9 +129,10 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
         return;
     }
 #ifdef QL_X86
-    if (job->xq) {
-        ql_gemm512_a8(w, job->xq, job->xd, job->xs, job->m, row_length, n0, n1, job->out, job->out_stride, scratch,
-                      scratch + ql_scratch_params(w));
+    if (job->a8 == QL_A8_VNNI || job->a8 == QL_A8_AVX2) {
+        (job->a8 == QL_A8_VNNI ? ql_gemm512_a8 : ql_gemm256_a8)(w, job->xq, job->xd, job->xs, job->m, row_length, n0,
+                                                                n1, job->out, job->out_stride, scratch,
+                                                                scratch + ql_scratch_params(w));
         free(scratch);
         return;
     }
@@ -232,8 +235,8 @@ int ql_same_layout(const ql_weight *a, const ql_weight *b) {
  * ql_gemm, so each output is computed by the same code as ql_gemm of its weight alone: bit for bit
  * the same values. The weights must share a layout (kind, bits, in_features, group shape).
  * activation_bits 8 (else 0) rounds x to int8 blocks of 64 for 4-bit affine and int8 weights in groups
- * of 64 or a multiple, on CPUs with AVX512-VNNI (avx512_vnni.c: faster, not bit-exact); other formats
- * and CPUs ignore it. */
+ * of 64 or a multiple, on CPUs with AVX2 or AVX512-VNNI (int8_activations.c: faster, not bit-exact);
+ * other formats and CPUs ignore it. */
 QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x, int64_t m, int64_t x_stride, float *y,
                          int64_t y_stride, int threads, int activation_bits) {
     if (count < 1 || (activation_bits != 0 && activation_bits != 8)) return QL_BAD_FORMAT;
@@ -258,11 +261,12 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
         free(first_chunk);
         return QL_NO_MEMORY;
     }
-    int8_t *xq = NULL; /* activation_bits 8: x as int8 blocks of 64 (avx512_vnni.c), where the CPU and format allow */
+    int8_t *xq = NULL; /* activation_bits 8: x as int8 blocks of 64, where the CPU and format allow */
     float *xd = NULL;
     int32_t *xs = NULL;
+    const int a8 = activation_bits == 8 && ql_a8_eligible(&weights[0]) ? ql_a8_kernel() : QL_A8_NONE;
 #ifdef QL_X86
-    if (activation_bits == 8 && ql_has_vnni() && ql_a8_eligible(&weights[0])) {
+    if (a8 != QL_A8_NONE) {
         int64_t blocks = m * weights[0].groups * layout.padded_group / 64;
         void *buffer = malloc((size_t)(blocks * (64 + sizeof(float) + sizeof(int32_t))));
         if (!buffer) {
@@ -274,7 +278,8 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
         xd = (float *)buffer;
         xs = (int32_t *)(xd + blocks);
         xq = (int8_t *)(xs + blocks);
-        ql_quantize_x_a8(xp, m, weights[0].groups * layout.padded_group, layout.nibble, xq, xd, xs);
+        (a8 == QL_A8_VNNI ? ql_quantize_x_a8 : ql_quantize_x_a8_256)(xp, m, weights[0].groups * layout.padded_group,
+                                                                     layout.nibble, xq, xd, xs);
     }
 #endif
     threads = ql_threads(threads, work * (m < 4 ? 1 : m / 4));
@@ -282,7 +287,7 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
     first_chunk[0] = 0;
     for (int64_t i = 0, column = 0; i < count; column += weights[i].n, i++) {
         jobs[i] = (ql_job){.w = &weights[i], .isa = isa, .layout = layout, .xp = xp, .m = m, .out = y + column,
-                           .out_stride = y_stride, .per_chunk = per_chunk, .xq = xq, .xd = xd, .xs = xs};
+                           .out_stride = y_stride, .per_chunk = per_chunk, .a8 = a8, .xq = xq, .xd = xd, .xs = xs};
         first_chunk[i + 1] = first_chunk[i] + (weights[i].n + per_chunk - 1) / per_chunk;
     }
     ql_group_job group = {.jobs = jobs, .first_chunk = first_chunk};

@@ -17,12 +17,12 @@
 #define QL_X86 1
 #include <immintrin.h>
 #define QL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
-#define QL_AVX2 __attribute__((target("avx2,fma")))
+#define QL_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
-#define QL_ABI_VERSION 5
+#define QL_ABI_VERSION 6
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 
 enum { QL_AFFINE = 0, QL_INT8 = 1, QL_NF4 = 2 };
@@ -189,8 +189,7 @@ void ql_gemm512(const ql_weight *w, const ql_layout *layout, const float *xp, in
 void ql_dequantize512(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, float *params);
 void ql_params512(const ql_weight *w, int64_t n, float *scale, float *zero); /* scale and zero of row n's groups */
 void ql_params4_512(const ql_weight *w, int64_t n, float *params); /* rows n..n+3: scales at jG, zeros at (4 + j)G */
-/* avx512_vnni.c: int8 activations for 4-bit and int8 weights */
-int ql_a8_eligible(const ql_weight *w);
+/* avx512_vnni.c: int8 activations for 4-bit and int8 weights (int8_activations.c) */
 void ql_quantize_x_a8(const float *xp, int64_t m, int64_t row_length, int nibble, int8_t *xq, float *xd, int32_t *xs);
 void ql_gemm512_a8(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m,
                    int64_t row_length, int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params, float *xz);
@@ -198,7 +197,20 @@ void ql_gemm512_a8(const ql_weight *w, const int8_t *xq, const float *xd, const 
 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0, int64_t n1,
                 float *y, int64_t y_stride, float *params);
 void ql_dequantize256(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, float *params);
+void ql_params256(const ql_weight *w, int64_t n, float *scale, float *zero); /* ql_params_scalar, 8 groups a step */
+/* avx2_int8.c */
+void ql_quantize_x_a8_256(const float *xp, int64_t m, int64_t row_length, int nibble, int8_t *xq, float *xd,
+                          int32_t *xs);
+void ql_gemm256_a8(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m,
+                   int64_t row_length, int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params, float *xz);
 #endif
+
+/* int8_activations.c */
+enum { QL_A8_NONE = 0, QL_A8_AVX2 = 1, QL_A8_VNNI = 2 };
+int ql_a8_kernel(void); /* which int8-activation kernel this CPU runs */
+int ql_a8_eligible(const ql_weight *w);
+void ql_zero_terms(const ql_weight *w, const float *xd, const int32_t *xs, float *xz);
+QL_API int ql_has_int8_activations(void);
 
 /* pool.c */
 typedef void (*ql_task)(void *arg, int64_t chunk);
@@ -240,7 +252,5 @@ typedef struct {
 
 QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, float *hidden, const float *cos, const float *sin,
                           int64_t position, float *logits, int threads, int activation_bits);
-/* avx512_vnni.c */
-QL_API int ql_has_vnni(void);
 
 #endif

@@ -1,0 +1,44 @@
+/* Int8 activations for 4-bit affine and int8 weights: the compiled decode step's option
+ * `int8_activations` (quantlab.generation). x is quantized per block of 64 inputs to int8 with one
+ * float scale (d = max|x| / 127, as llama.cpp's Q8_0 does per 32), and each block's dot product with
+ * the codes is exact in int32, then scaled:
+ *
+ *     4-bit affine: y[n] = sum_b scale[g(b)] * d[b] * (sum_k q[k] * xq[k] - zero[g(b)] * sum_k xq[k])
+ *     int8:         y[n] = sum_b scale[g(b)] * d[b] * sum_k q[k] * xq[k]
+ *
+ * That reads a 64-weight block with a fraction of the instructions of decoding it to floats, which is
+ * what one row (decoding) is bound by. It is not bit-exact: x is rounded to 8 bits (relative error
+ * of a dot product about 0.5 %), so it is an option, never the default.
+ * Two kernels: avx512_vnni.c (vpdpbusd) and avx2_int8.c (vpmaddubsw + vpmaddwd, llama.cpp's AVX2
+ * scheme); this file chooses between them and holds what they share. */
+#include "quantlab_cpu.h"
+
+/* The int8-activation kernel of this CPU (at the instruction set ql_isa allows). */
+int ql_a8_kernel(void) {
+#ifdef QL_X86
+    __builtin_cpu_init();
+    const int isa = ql_isa();
+    if (isa == QL_ISA_AVX512 && __builtin_cpu_supports("avx512vnni")) return QL_A8_VNNI;
+    if (isa >= QL_ISA_AVX2) return QL_A8_AVX2;
+#endif
+    return QL_A8_NONE;
+}
+
+/* 1 when this CPU runs an int8-activation kernel, else 0. */
+QL_API int ql_has_int8_activations(void) { return ql_a8_kernel() != QL_A8_NONE; }
+
+/* 4-bit affine codes (nibble layout) or int8 codes (byte layout), in groups of whole blocks of 64. */
+int ql_a8_eligible(const ql_weight *w) {
+    if (w->group_codes % 64) return 0;
+    return (w->kind == QL_AFFINE && w->bits == 4) || w->kind == QL_INT8;
+}
+
+/* xz[g] = sum over group g's blocks of d[b] * sum(xq of block b): the zero point's factor per group. */
+void ql_zero_terms(const ql_weight *w, const float *xd, const int32_t *xs, float *xz) {
+    const int64_t per_group = w->group_codes / 64;
+    for (int64_t g = 0; g < w->groups; g++) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < per_group; i++) sum += xd[g * per_group + i] * (float)xs[g * per_group + i];
+        xz[g] = sum;
+    }
+}
