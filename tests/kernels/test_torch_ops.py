@@ -8,8 +8,8 @@ import torch
 
 import quantlab
 from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
-from quantlab.kernels.cpu import extension, ops
-from quantlab.kernels.cpu.linear import ctypes_linear, native_dequantize, native_linear
+from quantlab.kernels.cpu import extension, native, ops
+from quantlab.kernels.cpu.linear import ctypes_linear, native_dequantize, native_linear, native_matmul
 from quantlab.kernels.cpu.weights import native_weight
 from quantlab.kernels.reference import dequantize_matmul
 from quantlab.testing.models import tiny_llama
@@ -101,12 +101,33 @@ def test_input_gradient_of_a_large_weight_decoded_in_tiles_matches_the_reference
 def test_many_rows_in_l2_sized_tiles_compute_each_row_as_alone(operators, config):
     # 80 inputs: about 2,700 rows of x fill a 1 MiB tile, so 6,002 rows run as tiles with a merged tail.
     layer = quantized(config)
+    weight = native_weight(layer)
     x = torch.randn(6002, 80)
     with torch.no_grad():
-        out = ctypes_linear(layer, x)
+        out = native_matmul(weight, x)  # the fused kernel, whatever ql_dequantize_rows says of this CPU
         torch.testing.assert_close(out + layer.bias, dequantize_matmul(layer, x), rtol=0, atol=1e-4 * out.abs().max())
         for first in (0, 2700, 4096, 5936):  # 64 rows alone take the same kernel path as inside a tile
-            assert torch.equal(out[first : first + 64], ctypes_linear(layer, x[first : first + 64]))
+            assert torch.equal(out[first : first + 64], native_matmul(weight, x[first : first + 64]))
+
+
+@pytest.mark.parametrize("config", [CODECS[3], CODECS[-4], CODECS[-2]], ids=config_id)
+@pytest.mark.parametrize("out_features", [24, 13100])  # 80 x 13100 floats: 4.2 MB, decoded in tiles
+def test_from_the_cpus_dequantize_rows_on_the_weight_is_decoded_and_multiplied_by_torchs_gemm(
+    operators, config, out_features
+):
+    layer = quantized(config, out_features=out_features)
+    rows = native.library().ql_dequantize_rows()
+    if rows == 0:
+        pytest.skip("the fused kernel runs every row count on this CPU (AVX-512)")
+    x = torch.randn(rows, 80)
+    with torch.no_grad():
+        expected = x @ native_dequantize(native_weight(layer)).T + layer.bias
+        if out_features * 80 * 4 <= 4 << 20:
+            assert torch.equal(native_linear(layer, x), expected)  # one GEMM: torch's sums exactly
+        for kernel in (native_linear, lambda layer, x: ctypes_linear(layer, x) + layer.bias):
+            torch.testing.assert_close(kernel(layer, x), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+        below = x[: rows - 1]  # one row fewer: the fused kernel, bit for bit
+        assert torch.equal(native_linear(layer, below), native_matmul(native_weight(layer), below) + layer.bias)
 
 
 def test_without_a_cxx_compiler_warns_once_and_keeps_the_ctypes_path(operators, monkeypatch, tmp_path):

@@ -1,11 +1,13 @@
 """Fast CPU kernels for quantized Linear layers, registered for every built-in storage codec.
 
-The native kernel decodes the codes in registers and multiplies as it goes, at any number
-of rows. At one row (decoding) the work is reading the weight, and 4-bit codes are 8x less
-memory traffic than fp32 weights. At many rows (prefill, training) the work is arithmetic;
-each block of 4 output features is decoded once per block of 4 rows, and on the CPU this was
-measured on (AMD Zen 5, MKL's fp32 GEMM runs its AVX2 path) the fused kernel is about twice
-as fast as dequantize-then-matmul with torch's GEMM at 128 rows (`benchmarks/kernels.py`).
+The native kernel decodes the codes in registers and multiplies as it goes. At one row
+(decoding) the work is reading the weight, and 4-bit codes are 8x less memory traffic than fp32
+weights. At many rows (prefill, training) the work is arithmetic; each block of 4 output features
+is decoded once per block of 4 rows. With AVX-512 (AMD Zen 5, where MKL's fp32 GEMM runs its AVX2
+path) the fused kernel is about twice as fast as dequantize-then-matmul with torch's GEMM at 128
+rows; with AVX2 only it is about half as fast, so there, from `ql_dequantize_rows()` rows on, the
+weight is decoded (whole, or a tile of output features at a time) and multiplied by torch's GEMM
+(`benchmarks/kernel_speed.py`).
 
 The kernels run as torch operators (`ops.py`, `csrc/torch_ops.cpp`) when the extension builds,
 else through ctypes. Either way gradients flow to the input through a backward pass that decodes
@@ -82,11 +84,35 @@ def native_matmul(weight: NativeWeight, x: torch.Tensor, lib: ctypes.CDLL | None
     return out
 
 
+def dequantized_matmul(weight: NativeWeight, x: torch.Tensor) -> torch.Tensor:
+    """`x @ W.T` for a 2-D float32 `x`, W decoded whole or a tile of output features at a time (as the
+    backward pass decodes it) and multiplied by torch's GEMM: faster than the fused kernel at many rows
+    on CPUs without AVX-512 (`ql_dequantize_rows`)."""
+    out_features, in_features = weight.out_features, weight.in_features
+    if out_features * in_features * 4 <= BACKWARD_WHOLE_BYTES:
+        return x @ native_dequantize(weight).T
+    lib, threads = native.library(), torch.get_num_threads()
+    tile = max(4, BACKWARD_TILE_BYTES // (4 * in_features))
+    buffer = torch.empty(tile, in_features)
+    out = torch.empty(x.shape[0], out_features)
+    for first in range(0, out_features, tile):
+        part = buffer[: min(tile, out_features - first)]
+        last = first + part.shape[0]
+        _check(lib.ql_dequantize(weight.pointer, first, last, part.data_ptr(), in_features, threads), "dequantize")
+        torch.mm(x, part.T, out=out[:, first:last])
+    return out
+
+
 def _forward(weight: NativeWeight, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     flat = x if x.dim() == 2 else x.reshape(-1, weight.in_features)
     if flat.dtype != torch.float32 or flat.stride(-1) != 1:
         flat = flat.float().contiguous()
-    out = native_matmul(weight, flat, lib)
+    lib = lib or native.library()
+    rows, dequantize_rows = flat.shape[0], lib.ql_dequantize_rows()
+    if rows >= 2 and 0 < dequantize_rows <= rows:  # as quantlab::linear chooses (csrc/torch_ops.cpp)
+        out = dequantized_matmul(weight, flat)
+    else:
+        out = native_matmul(weight, flat, lib)
     if x.dtype != torch.float32:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)

@@ -185,6 +185,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ql_offset_to_signed.argtypes = [ptr, i64]
     lib.ql_offset_to_signed.restype = integer
     lib.ql_isa.restype = ctypes.c_int
+    lib.ql_dequantize_rows.restype = ctypes.c_int64
     lib.ql_has_int8_activations.restype = ctypes.c_int
     lib.ql_force_isa.argtypes = [integer]
     lib.ql_abi_version.restype = ctypes.c_int

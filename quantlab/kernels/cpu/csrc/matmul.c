@@ -48,6 +48,23 @@ QL_API int ql_isa(void) {
 
 QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
 
+/* From how many rows of x on the product is faster as the weight decoded (ql_dequantize) and
+ * multiplied by a BLAS GEMM (torch's) than through the fused kernels here, on this CPU; 0: never.
+ * AVX-512's fused kernel stays ahead at every row count measured (Zen 5: about twice as fast as
+ * dequantize + GEMM at 128 rows). AVX2's decodes each weight once per 4 rows and falls behind from
+ * QL_AVX2_DEQUANTIZE_ROWS rows; the portable C one sooner. */
+#define QL_AVX2_DEQUANTIZE_ROWS 32
+QL_API int64_t ql_dequantize_rows(void) {
+    switch (ql_isa()) {
+    case QL_ISA_AVX512:
+        return 0;
+    case QL_ISA_AVX2:
+        return QL_AVX2_DEQUANTIZE_ROWS;
+    default:
+        return 8;
+    }
+}
+
 QL_API int ql_abi_version(void) { return QL_ABI_VERSION; }
 
 static int ql_check(const ql_weight *w) {

@@ -221,6 +221,7 @@ int64_t ql_chunk_features(int64_t n, int threads, int per_thread);
 
 /* matmul.c */
 QL_API int ql_isa(void);
+QL_API int64_t ql_dequantize_rows(void); /* rows from which decoding + a BLAS GEMM beats the fused kernels */
 int ql_same_layout(const ql_weight *a, const ql_weight *b); /* what ql_gemm_group needs of its weights */
 QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x, int64_t m, int64_t x_stride, float *y,
                          int64_t y_stride, int threads, int activation_bits);

@@ -42,10 +42,12 @@ namespace {
 using GemmFn = int (*)(const ql_weight *, const float *, int64_t, int64_t, float *, int64_t, int);
 using DequantizeFn = int (*)(const ql_weight *, int64_t, int64_t, float *, int64_t, int);
 using GemmGroupFn = int (*)(const ql_weight *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int, int);
+using RowsFn = int64_t (*)(void);
 
 GemmFn gemm_fn = nullptr;
 GemmGroupFn gemm_group_fn = nullptr;
 DequantizeFn dequantize_fn = nullptr;
+RowsFn dequantize_rows_fn = nullptr;
 float nf4_levels[16];
 float absmax_map[256];
 
@@ -121,7 +123,7 @@ Described describe(const Layout &layout, const at::Tensor &codes, Optional scale
     const int64_t kind = layout.kind, bits = layout.bits, in_features = layout.in_features;
     const int64_t group_size = layout.group_size, absmax_block = layout.absmax_block;
     const double zero_const = layout.zero_const;
-    TORCH_CHECK(gemm_fn && dequantize_fn && gemm_group_fn, "quantlab: the torch operators are not bound to the C kernels");
+    TORCH_CHECK(gemm_fn && dequantize_fn && gemm_group_fn && dequantize_rows_fn, "quantlab: the torch operators are not bound to the C kernels");
     TORCH_CHECK(codes.dim() == 3 && codes.element_size() == 1, "quantlab: codes must be [out, groups, bytes] of one-byte "
                 "integers, got ", codes.sizes(), " ", codes.scalar_type());
     TORCH_CHECK(bits >= 2 && bits <= 8 && kind >= QL_AFFINE && kind <= QL_NF4, "quantlab: bad kind ", kind, " or bits ",
@@ -187,6 +189,39 @@ Described describe(const Layout &layout, const at::Tensor &codes, Optional scale
     return d;
 }
 
+// A weight up to this many float32 bytes is decoded whole (every SmolLM2 layer), a larger one a tile of
+// output features of about kDecodedTileBytes at a time, each tile multiplied as soon as it is decoded:
+// the decoded copy stays in cache and the allocator reuses it, instead of a fresh weight-sized buffer
+// per call (2048x8192: 64 MiB, mostly page faults). Measured for the backward pass at 512 rows,
+// 2048x8192 and 8192x2048, one thread: the input gradient at 0.98-1.00x the speed of fp32's `grad @ W`,
+// 0.85x decoded whole.
+constexpr int64_t kDecodedWholeBytes = 4 << 20;
+constexpr int64_t kDecodedTileBytes = 2 << 20;
+
+// Whether `rows` rows of x are faster through the weight decoded by the C library and torch's GEMM
+// than through the fused kernel, on this CPU (ql_dequantize_rows).
+bool dequantize_first(int64_t rows) {
+    if (rows < 2) return false;
+    const int64_t from = dequantize_rows_fn();
+    return from > 0 && rows >= from;
+}
+
+// out[rows, n] (rows of stride out.stride(0)) = flat @ W.T, W decoded whole or a tile of output features
+// at a time (kDecodedWholeBytes): each decoded value is the reference's, the sums torch's GEMM's.
+void dequantized_matmul(const ql_weight &w, const at::Tensor &flat, const at::Tensor &out) {
+    const int64_t n = w.n, k = flat.size(1);
+    const int64_t tile = n * k * 4 <= kDecodedWholeBytes ? n : std::max<int64_t>(4, kDecodedTileBytes / (4 * k));
+    at::Tensor buffer = at::empty({std::min(tile, n), k}, flat.options());
+    for (int64_t first = 0; first < n; first += tile) {
+        const int64_t count = std::min(tile, n - first);
+        at::Tensor part = buffer.narrow(0, 0, count);
+        int status = dequantize_fn(&w, first, first + count, part.data_ptr<float>(), k, at::get_num_threads());
+        TORCH_CHECK(status == 0, "quantlab native dequantize failed with status ", status);
+        at::Tensor columns = out.narrow(1, first, count);
+        at::mm_out(columns, flat, part.t());
+    }
+}
+
 at::Tensor linear(const at::Tensor &x, Optional bias, c10::string_view layout_text, const at::Tensor &codes,
                   Optional scale, Optional zero, Optional absmax_codes, Optional absmax_scale, Optional absmax_offset) {
     const Layout layout = parse_layout(layout_text);
@@ -203,7 +238,9 @@ at::Tensor linear(const at::Tensor &x, Optional bias, c10::string_view layout_te
     c10::SmallVector<int64_t, 4> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = n;
     at::Tensor out = at::empty(shape, flat.options());
-    if (rows) {
+    if (dequantize_first(rows)) {
+        dequantized_matmul(d.weight, flat, out.view({rows, n}));
+    } else if (rows) {
         int status = gemm_fn(&d.weight, flat.data_ptr<float>(), rows, flat.stride(0), out.data_ptr<float>(), n,
                              at::get_num_threads());
         TORCH_CHECK(status == 0, "quantlab native matmul failed with status ", status);
@@ -246,7 +283,10 @@ at::Tensor linear_group(const at::Tensor &x, OptionalList bias, c10::string_view
     if (flat.scalar_type() != at::kFloat || flat.stride(1) != 1) flat = flat.to(at::kFloat).contiguous();
     const int64_t rows = flat.size(0);
     at::Tensor out = at::empty({rows, features}, flat.options());
-    if (rows) {
+    if (activation_bits == 0 && dequantize_first(rows)) {
+        for (int64_t i = 0, column = 0; i < static_cast<int64_t>(count); column += weights[i].n, i++)
+            dequantized_matmul(weights[i], flat, out.narrow(1, column, weights[i].n));
+    } else if (rows) {
         int status = gemm_group_fn(weights.data(), static_cast<int64_t>(count), flat.data_ptr<float>(), rows,
                                    flat.stride(0), out.data_ptr<float>(), features, at::get_num_threads(),
                                    static_cast<int>(activation_bits));
@@ -300,15 +340,6 @@ std::optional<at::Tensor> feature_rows(Optional tensor, int64_t groups, int64_t 
     return tensor->reshape({-1}).narrow(0, first * groups, count * groups);
 }
 
-// Weights above this many float32 bytes are decoded for the backward pass in tiles of output features
-// of about kBackwardTileBytes, each multiplied into the input gradient as soon as it is decoded: the
-// decoded copy stays in cache and the allocator reuses it, instead of a fresh weight-sized buffer per
-// call (2048x8192: 64 MiB, mostly page faults). Measured at 512 rows, 2048x8192 and 8192x2048, one
-// thread: the input gradient at 0.98-1.00x the speed of fp32's `grad @ W`, 0.85x decoded whole.
-// Smaller weights (every SmolLM2 layer) are decoded whole: one GEMM, the reference's exact sums.
-constexpr int64_t kBackwardWholeBytes = 4 << 20;
-constexpr int64_t kBackwardTileBytes = 2 << 20;
-
 // grad @ W for the gradient with respect to x: [rows, out] -> [rows, in], float32.
 at::Tensor grad_input(const at::Tensor &grad, const std::vector<at::Tensor> &saved, const std::string &layout_text) {
     const Layout layout = parse_layout(layout_text);
@@ -319,12 +350,12 @@ at::Tensor grad_input(const at::Tensor &grad, const std::vector<at::Tensor> &sav
     const at::Tensor &codes = saved[0];
     const int64_t out = codes.size(0), in = layout.in_features, groups = codes.size(1);
     at::Tensor flat = grad.to(at::kFloat).reshape({-1, out});
-    if (out * in * 4 <= kBackwardWholeBytes)
+    if (out * in * 4 <= kDecodedWholeBytes)  // one GEMM: the reference's exact sums
         return at::mm(flat, weight(codes, defined_or_none(saved[1]), defined_or_none(saved[2]),
                                    defined_or_none(saved[3]), defined_or_none(saved[4])));
     // Whole blocks of NF4's double-quantized absmax: a tile of `align` features starts on a block.
     const int64_t block = layout.absmax_block, align = block > 0 ? block : 4;
-    int64_t tile = kBackwardTileBytes / (4 * in) / align * align;
+    int64_t tile = kDecodedTileBytes / (4 * in) / align * align;
     if (tile < align) tile = align;
     at::Tensor result;
     for (int64_t first = 0; first < out; first += tile) {
@@ -410,10 +441,12 @@ at::Tensor linear_group_autograd(const at::Tensor &x, OptionalList bias, c10::st
 // Called once from Python with the C library's entry points and NF4's constant tables.
 extern "C" __attribute__((visibility("default"))) int quantlab_torch_ops_bind(void *gemm, void *gemm_group,
                                                                              void *dequantize_entry,
+                                                                             void *dequantize_rows,
                                                                              const float *levels, const float *map) {
     gemm_fn = reinterpret_cast<GemmFn>(gemm);
     gemm_group_fn = reinterpret_cast<GemmGroupFn>(gemm_group);
     dequantize_fn = reinterpret_cast<DequantizeFn>(dequantize_entry);
+    dequantize_rows_fn = reinterpret_cast<RowsFn>(dequantize_rows);
     std::memcpy(nf4_levels, levels, sizeof nf4_levels);
     std::memcpy(absmax_map, map, sizeof absmax_map);
     return QL_ABI_VERSION;
