@@ -259,6 +259,76 @@ QL_INLINE QL_AVX2 void ql_block256_of(const int decoder, const int NR, const int
         ql_block256(NR, R, w, bits, layout, xp, row_length, n0, y, y_stride, params);
 }
 
+/* 4 features' weights decoded into `decoded` (4 rows in the layout of x: the values of ql_values8 or
+ * of the nibble blocks, the reference's dequantization bit for bit), for ql_micro256. */
+QL_INLINE QL_AVX2 void ql_decode4_256(const int decoder, const ql_weight *w, const ql_bits256 *bits,
+                                      const ql_layout *layout, int64_t n0, float *decoded, float *params) {
+    const int64_t G = w->groups, row_length = G * layout->padded_group;
+    const __m256i low_nibble = _mm256_set1_epi32(15);
+    for (int j = 0; j < 4; j++) {
+        float *scale = params, *zero = params + G;
+        ql_params256(w, n0 + j, scale, zero);
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *group = w->codes + ((n0 + j) * G + g) * w->group_bytes;
+            const ql_group256 constants = ql_group256_make(w, scale[g], zero[g]);
+            float *out = decoded + j * row_length + g * layout->padded_group;
+            if (decoder == QL256_GENERIC) {
+                for (int64_t c = 0; c < layout->padded_group; c += 8)
+                    _mm256_storeu_ps(out + c, ql_values8(w, bits, group, c, &constants));
+                continue;
+            }
+            for (int64_t c = 0; c < w->group_codes; c += 32) {
+                for (int64_t half = 0; half < 16; half += 8) {
+                    const __m256i packed = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(group + c / 2 + half)));
+                    const int nf4 = decoder == QL256_NF4_NIBBLE;
+                    _mm256_storeu_ps(out + c + half, ql_decode8(nf4, _mm256_and_si256(packed, low_nibble), &constants));
+                    _mm256_storeu_ps(out + c + half + 16, ql_decode8(nf4, _mm256_srli_epi32(packed, 4), &constants));
+                }
+            }
+        }
+    }
+}
+
+/* y[r, n0..n0+3] for R rows (at most 3) of x times 4 decoded features: 12 accumulators, each weight and
+ * each input loaded once per step of 8 for all of them, so the product runs at the FMA units' speed. */
+QL_INLINE QL_AVX2 void ql_micro256(const int R, const float *decoded, int64_t row_length, const float *xr, int64_t n0,
+                                   float *yr, int64_t y_stride) {
+    __m256 acc[4][3];
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < R; r++) acc[j][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < row_length; k += 8) {
+        __m256 xv[3];
+        for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(xr + r * row_length + k);
+        for (int j = 0; j < 4; j++) {
+            const __m256 wv = _mm256_loadu_ps(decoded + j * row_length + k);
+            for (int r = 0; r < R; r++) acc[j][r] = _mm256_fmadd_ps(wv, xv[r], acc[j][r]);
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < R; r++) yr[r * y_stride + n0 + j] = ql_sum256(acc[j][r]);
+}
+
+/* Many rows: each block of 4 features is decoded once (ql_decode4_256) and multiplied by every row of
+ * x, 3 rows at a time; features left over past the last block of 4 take the blocks below. */
+QL_INLINE QL_AVX2 void ql_gemm256_decoded(const int decoder, const ql_weight *w, const ql_layout *layout,
+                                          const float *xp, int64_t m, int64_t n0, int64_t n1, float *y,
+                                          int64_t y_stride, float *params, float *decoded) {
+    ql_bits256 bits = ql_bits256_make(w->bits);
+    const int64_t row_length = w->groups * layout->padded_group;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+        ql_decode4_256(decoder, w, &bits, layout, n, decoded, params);
+        int64_t r = 0;
+        for (; r + 3 <= m; r += 3) ql_micro256(3, decoded, row_length, xp + r * row_length, n, y + r * y_stride, y_stride);
+        if (m - r == 2) ql_micro256(2, decoded, row_length, xp + r * row_length, n, y + r * y_stride, y_stride);
+        if (m - r == 1) ql_micro256(1, decoded, row_length, xp + r * row_length, n, y + r * y_stride, y_stride);
+    }
+    for (; n < n1; n++)
+        for (int64_t r = 0; r < m; r++)
+            ql_block256_of(decoder, 1, 1, w, &bits, layout, xp + r * row_length, row_length, n, y + r * y_stride,
+                           y_stride, params);
+}
+
 /* Features in blocks of 4 (one row), 2 x 2 or 1 x 4 (features x rows), the rest one by one. */
 QL_INLINE QL_AVX2 void ql_gemm256_with(const int decoder, const ql_weight *w, const ql_layout *layout,
                                        const float *xp, int64_t m, int64_t n0, int64_t n1, float *y, int64_t y_stride,
@@ -291,8 +361,16 @@ QL_INLINE QL_AVX2 void ql_gemm256_with(const int decoder, const ql_weight *w, co
 }
 
 QL_AVX2 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0,
-                        int64_t n1, float *y, int64_t y_stride, float *params) {
-    if (!layout->nibble)
+                        int64_t n1, float *y, int64_t y_stride, float *params, float *decoded) {
+    if (decoded) {
+        const int decoder = !layout->nibble ? QL256_GENERIC : w->kind == QL_NF4 ? QL256_NF4_NIBBLE : QL256_AFFINE_NIBBLE;
+        if (decoder == QL256_GENERIC)
+            ql_gemm256_decoded(QL256_GENERIC, w, layout, xp, m, n0, n1, y, y_stride, params, decoded);
+        else if (decoder == QL256_NF4_NIBBLE)
+            ql_gemm256_decoded(QL256_NF4_NIBBLE, w, layout, xp, m, n0, n1, y, y_stride, params, decoded);
+        else
+            ql_gemm256_decoded(QL256_AFFINE_NIBBLE, w, layout, xp, m, n0, n1, y, y_stride, params, decoded);
+    } else if (!layout->nibble)
         ql_gemm256_with(QL256_GENERIC, w, layout, xp, m, n0, n1, y, y_stride, params);
     else if (w->kind == QL_NF4)
         ql_gemm256_with(QL256_NF4_NIBBLE, w, layout, xp, m, n0, n1, y, y_stride, params);

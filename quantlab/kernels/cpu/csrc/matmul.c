@@ -51,9 +51,13 @@ QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
 /* From how many rows of x on the product is faster as the weight decoded (ql_dequantize) and
  * multiplied by a BLAS GEMM (torch's) than through the fused kernels here, on this CPU; 0: never.
  * AVX-512's fused kernel stays ahead at every row count measured (Zen 5: about twice as fast as
- * dequantize + GEMM at 128 rows). AVX2's decodes each weight once per 4 rows and falls behind from
- * QL_AVX2_DEQUANTIZE_ROWS rows; the portable C one sooner. */
-#define QL_AVX2_DEQUANTIZE_ROWS 32
+ * dequantize + GEMM at 128 rows). AVX2's (from QL_AVX2_DECODE_ROWS rows on: 4 features decoded into
+ * a buffer, then 3 rows x 4 features a step, avx2.c) is ahead up to about 256 rows on SmolLM2's
+ * shapes, 4-bit g64, 2 threads, AVX2 EPYC (Zen 3): at 64 rows 1.08-1.79x fp32 against dequantize +
+ * GEMM's 0.73-1.01x, at 256 rows 0.94-1.07x against 0.91-0.95x, at 512 rows 0.73-0.96x against
+ * 0.92-1.02x. The portable C kernel decodes each weight once per 4 rows: behind from a few rows. */
+#define QL_AVX2_DEQUANTIZE_ROWS 256
+#define QL_AVX2_DECODE_ROWS 8 /* from this many rows on, AVX2 decodes 4 features at a time into a buffer */
 QL_API int64_t ql_dequantize_rows(void) {
     switch (ql_isa()) {
     case QL_ISA_AVX512:
@@ -89,6 +93,7 @@ static ql_layout ql_layout_for(const ql_weight *w, int isa) {
 }
 
 #define QL_ROW_TILE_BYTES (1 << 20) /* x rows per tile: about an L2 (a smaller tile costs more at 128 rows) */
+#define QL_AVX2_ROW_TILE_BYTES (256 << 10) /* AVX2 decoding 4 features at a time: half a Zen 3 L2 */
 #define QL_MIN_ROW_TILE 16            /* AVX-512 decodes odd widths once per tile: keep that amortized */
 
 /* Chunks per thread of a product on m rows. Below QL_DECODE_ROWS rows a call is a pass over its
@@ -138,6 +143,7 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
 #ifdef QL_X86
     if (job->isa == QL_ISA_AVX512 && ql_mode512(w) == QL_MODE_BITS && job->m >= QL_DECODE_ROWS)
         decoded_length = 4 * row_length;
+    if (job->isa == QL_ISA_AVX2 && job->m >= QL_AVX2_DECODE_ROWS) decoded_length = 4 * row_length;
     if (job->xq) decoded_length = job->m * w->groups; /* the int8-activation kernel's zero terms */
 #endif
     float *scratch = ql_scratch(w, decoded_length);
@@ -159,7 +165,8 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
      * whole blocks of 4 rows, so every output is computed exactly as without tiles. Measured on
      * 2048x8192 at 512 rows: 1.1-1.2x faster (every format, 1 and 2 threads); at 128 rows and on
      * SmolLM2's shapes, where x fits, unchanged. */
-    int64_t tile = QL_ROW_TILE_BYTES / (row_length * (int64_t)sizeof(float)) / 4 * 4;
+    const int64_t tile_bytes = job->isa == QL_ISA_AVX2 && decoded_length ? QL_AVX2_ROW_TILE_BYTES : QL_ROW_TILE_BYTES;
+    int64_t tile = tile_bytes / (row_length * (int64_t)sizeof(float)) / 4 * 4;
     if (tile < QL_MIN_ROW_TILE) tile = QL_MIN_ROW_TILE;
     for (int64_t r0 = 0, rows; r0 < job->m; r0 += rows) {
         rows = job->m - r0 < tile + QL_MIN_ROW_TILE ? job->m - r0 : tile; /* no short last tile */
@@ -169,7 +176,8 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
         if (job->isa == QL_ISA_AVX512)
             ql_gemm512(w, &job->layout, xp, rows, n0, n1, out, job->out_stride, scratch, scratch + ql_scratch_params(w));
         else if (job->isa == QL_ISA_AVX2)
-            ql_gemm256(w, &job->layout, xp, rows, n0, n1, out, job->out_stride, scratch);
+            ql_gemm256(w, &job->layout, xp, rows, n0, n1, out, job->out_stride, scratch,
+                       decoded_length ? scratch + ql_scratch_params(w) : NULL);
         else
 #endif
             ql_gemm_scalar(w, &job->layout, xp, rows, n0, n1, out, job->out_stride, scratch);

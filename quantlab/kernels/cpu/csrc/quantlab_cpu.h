@@ -195,7 +195,7 @@ void ql_gemm512_a8(const ql_weight *w, const int8_t *xq, const float *xd, const 
                    int64_t row_length, int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params, float *xz);
 /* avx2.c */
 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0, int64_t n1,
-                float *y, int64_t y_stride, float *params);
+                float *y, int64_t y_stride, float *params, float *decoded); /* decoded: NULL, or 4 rows of x */
 void ql_dequantize256(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, float *params);
 void ql_params256(const ql_weight *w, int64_t n, float *scale, float *zero); /* ql_params_scalar, 8 groups a step */
 /* avx2_int8.c */
