@@ -289,14 +289,17 @@ QL_INLINE QL_AVX2 void ql_decode4_256(const int decoder, const ql_weight *w, con
     }
 }
 
-/* y[r, n0..n0+3] for R rows (at most 3) of x times 4 decoded features: 12 accumulators, each weight and
- * each input loaded once per step of 8 for all of them, so the product runs at the FMA units' speed. */
-QL_INLINE QL_AVX2 void ql_micro256(const int R, const float *decoded, int64_t row_length, const float *xr, int64_t n0,
-                                   float *yr, int64_t y_stride) {
+#define QL_MICRO_INPUTS 768 /* inputs a pass: 3 rows of x and 4 decoded features, 21 KiB, stay in L1 */
+
+/* y[r, n0..n0+3] (added to its value so far unless k0 is 0) for R rows (at most 3) of x times 4 decoded
+ * features over inputs [k0, k1): 12 accumulators, each weight and each input loaded once per step of 8
+ * for all of them, so the product runs at the FMA units' speed. */
+QL_INLINE QL_AVX2 void ql_micro256(const int R, const float *decoded, int64_t row_length, int64_t k0, int64_t k1,
+                                   const float *xr, int64_t n0, float *yr, int64_t y_stride) {
     __m256 acc[4][3];
     for (int j = 0; j < 4; j++)
         for (int r = 0; r < R; r++) acc[j][r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < row_length; k += 8) {
+    for (int64_t k = k0; k < k1; k += 8) {
         __m256 xv[3];
         for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(xr + r * row_length + k);
         for (int j = 0; j < 4; j++) {
@@ -305,7 +308,10 @@ QL_INLINE QL_AVX2 void ql_micro256(const int R, const float *decoded, int64_t ro
         }
     }
     for (int j = 0; j < 4; j++)
-        for (int r = 0; r < R; r++) yr[r * y_stride + n0 + j] = ql_sum256(acc[j][r]);
+        for (int r = 0; r < R; r++) {
+            const float sum = ql_sum256(acc[j][r]);
+            yr[r * y_stride + n0 + j] = k0 ? yr[r * y_stride + n0 + j] + sum : sum;
+        }
 }
 
 /* Many rows: each block of 4 features is decoded once (ql_decode4_256) and multiplied by every row of
@@ -318,10 +324,14 @@ QL_INLINE QL_AVX2 void ql_gemm256_decoded(const int decoder, const ql_weight *w,
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) {
         ql_decode4_256(decoder, w, &bits, layout, n, decoded, params);
-        int64_t r = 0;
-        for (; r + 3 <= m; r += 3) ql_micro256(3, decoded, row_length, xp + r * row_length, n, y + r * y_stride, y_stride);
-        if (m - r == 2) ql_micro256(2, decoded, row_length, xp + r * row_length, n, y + r * y_stride, y_stride);
-        if (m - r == 1) ql_micro256(1, decoded, row_length, xp + r * row_length, n, y + r * y_stride, y_stride);
+        for (int64_t k0 = 0; k0 < row_length; k0 += QL_MICRO_INPUTS) {
+            const int64_t k1 = row_length - k0 <= QL_MICRO_INPUTS ? row_length : k0 + QL_MICRO_INPUTS;
+            int64_t r = 0;
+            for (; r + 3 <= m; r += 3)
+                ql_micro256(3, decoded, row_length, k0, k1, xp + r * row_length, n, y + r * y_stride, y_stride);
+            if (m - r == 2) ql_micro256(2, decoded, row_length, k0, k1, xp + r * row_length, n, y + r * y_stride, y_stride);
+            if (m - r == 1) ql_micro256(1, decoded, row_length, k0, k1, xp + r * row_length, n, y + r * y_stride, y_stride);
+        }
     }
     for (; n < n1; n++)
         for (int64_t r = 0; r < m; r++)
