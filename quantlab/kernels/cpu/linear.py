@@ -19,6 +19,7 @@ When the native library cannot be built, every call goes to the reference kernel
 """
 
 import ctypes
+from collections.abc import Iterator
 
 import torch
 
@@ -51,25 +52,32 @@ BACKWARD_WHOLE_BYTES = 4 << 20  # decoded whole up to this size (every SmolLM2 l
 BACKWARD_TILE_BYTES = 2 << 20
 
 
+def _decoded_tiles(weight: NativeWeight) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first feature, float32 rows) of the weight: whole up to BACKWARD_WHOLE_BYTES (every SmolLM2 layer),
+    else tiles of output features of about BACKWARD_TILE_BYTES, decoded one after the other into one
+    buffer that stays in cache (see the module doc)."""
+    out_features, in_features = weight.out_features, weight.in_features
+    if out_features * in_features * 4 <= BACKWARD_WHOLE_BYTES:
+        yield 0, native_dequantize(weight)
+        return
+    lib, threads = native.library(), torch.get_num_threads()
+    tile = max(4, BACKWARD_TILE_BYTES // (4 * in_features))
+    buffer = torch.empty(tile, in_features)
+    for first in range(0, out_features, tile):
+        part = buffer[: min(tile, out_features - first)]
+        _check(lib.ql_dequantize(weight.pointer, first, first + part.shape[0], part.data_ptr(), in_features, threads),
+               "dequantize")  # fmt: skip
+        yield first, part
+
+
 def native_grad_input(weight: NativeWeight, grad: torch.Tensor) -> torch.Tensor:
     """`grad @ W` (float32), W decoded whole or a tile of output features at a time (see the module doc)."""
-    out_features, in_features = weight.out_features, weight.in_features
-    flat = grad.reshape(-1, out_features).float()
-    if out_features * in_features * 4 <= BACKWARD_WHOLE_BYTES:
-        result = flat @ native_dequantize(weight)
-    else:
-        lib, threads = native.library(), torch.get_num_threads()
-        tile = max(4, BACKWARD_TILE_BYTES // (4 * in_features))
-        buffer = torch.empty(tile, in_features)
-        result = None
-        for first in range(0, out_features, tile):
-            part = buffer[: min(tile, out_features - first)]
-            last = first + part.shape[0]
-            status = lib.ql_dequantize(weight.pointer, first, last, part.data_ptr(), in_features, threads)
-            _check(status, "dequantize")
-            columns = flat[:, first:last]
-            result = columns @ part if result is None else result.addmm_(columns, part)
-    return result.view(*grad.shape[:-1], in_features)
+    flat = grad.reshape(-1, weight.out_features).float()
+    result = None
+    for first, part in _decoded_tiles(weight):
+        columns = flat[:, first : first + part.shape[0]]
+        result = columns @ part if result is None else result.addmm_(columns, part)
+    return result.view(*grad.shape[:-1], weight.in_features)
 
 
 def native_matmul(weight: NativeWeight, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -85,21 +93,12 @@ def native_matmul(weight: NativeWeight, x: torch.Tensor, lib: ctypes.CDLL | None
 
 
 def dequantized_matmul(weight: NativeWeight, x: torch.Tensor) -> torch.Tensor:
-    """`x @ W.T` for a 2-D float32 `x`, W decoded whole or a tile of output features at a time (as the
-    backward pass decodes it) and multiplied by torch's GEMM: faster than the fused kernel at many rows
-    on CPUs without AVX-512 (`ql_dequantize_rows`)."""
-    out_features, in_features = weight.out_features, weight.in_features
-    if out_features * in_features * 4 <= BACKWARD_WHOLE_BYTES:
-        return x @ native_dequantize(weight).T
-    lib, threads = native.library(), torch.get_num_threads()
-    tile = max(4, BACKWARD_TILE_BYTES // (4 * in_features))
-    buffer = torch.empty(tile, in_features)
-    out = torch.empty(x.shape[0], out_features)
-    for first in range(0, out_features, tile):
-        part = buffer[: min(tile, out_features - first)]
-        last = first + part.shape[0]
-        _check(lib.ql_dequantize(weight.pointer, first, last, part.data_ptr(), in_features, threads), "dequantize")
-        torch.mm(x, part.T, out=out[:, first:last])
+    """`x @ W.T` for a 2-D float32 `x`, W decoded as the backward pass decodes it (`_decoded_tiles`) and
+    multiplied by torch's GEMM: faster than the fused kernel at many rows on CPUs without AVX-512
+    (`ql_dequantize_rows`)."""
+    out = torch.empty(x.shape[0], weight.out_features)
+    for first, part in _decoded_tiles(weight):
+        torch.mm(x, part.T, out=out[:, first : first + part.shape[0]])
     return out
 
 
@@ -108,8 +107,7 @@ def _forward(weight: NativeWeight, x: torch.Tensor, lib: ctypes.CDLL | None = No
     if flat.dtype != torch.float32 or flat.stride(-1) != 1:
         flat = flat.float().contiguous()
     lib = lib or native.library()
-    rows, dequantize_rows = flat.shape[0], lib.ql_dequantize_rows()
-    if rows >= 2 and 0 < dequantize_rows <= rows:  # as quantlab::linear chooses (csrc/torch_ops.cpp)
+    if flat.shape[0] >= 2 and 0 < lib.ql_dequantize_rows() <= flat.shape[0]:  # as quantlab::linear chooses
         out = dequantized_matmul(weight, flat)
     else:
         out = native_matmul(weight, flat, lib)

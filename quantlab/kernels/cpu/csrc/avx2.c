@@ -109,13 +109,6 @@ QL_INLINE QL_AVX2 __m256 ql_values8(const ql_weight *w, const ql_bits256 *bits, 
     return ql_decode8(w->kind == QL_NF4, codes, constants);
 }
 
-QL_INLINE QL_AVX2 float ql_sum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 QL_INLINE QL_AVX2 void ql_block256(const int NR, const int R, const ql_weight *w, const ql_bits256 *bits,
                                    const ql_layout *layout, const float *xp, int64_t row_length, int64_t n0, float *y,
                                    int64_t y_stride, float *params) {

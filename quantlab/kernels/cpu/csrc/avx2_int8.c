@@ -48,13 +48,6 @@ QL_AVX2 void ql_quantize_x_a8_256(const float *xp, int64_t m, int64_t row_length
     }
 }
 
-QL_INLINE QL_AVX2 float ql_sum256_a8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* NR features from n, one row, 4-bit codes: acc_j += scale * d * float(q . xq) per block, then the
  * zero point's share, sum over groups of scale * zero * xz[g] (ql_zero_terms), taken off. A block's
  * 32 code bytes are one load: low nibbles meet its first 32 int8 inputs, high nibbles the next 32. */
@@ -82,7 +75,7 @@ QL_INLINE QL_AVX2 void ql_block256_a8(const int NR, const ql_weight *w, const in
         const float *scale = params + 2 * j * G, *zero = params + (2 * j + 1) * G;
         float share = 0.0f;
         for (int64_t g = 0; g < G; g++) share += scale[g] * zero[g] * xz[g];
-        y[n + j] = ql_sum256_a8(acc[j]) - share;
+        y[n + j] = ql_sum256(acc[j]) - share;
     }
 }
 
@@ -110,7 +103,7 @@ QL_INLINE QL_AVX2 void ql_feature256_a8_int8(const ql_weight *w, const int8_t *x
                 even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sd, even);
         }
     }
-    y[n] = ql_sum256_a8(_mm256_add_ps(even, odd));
+    y[n] = ql_sum256(_mm256_add_ps(even, odd));
 }
 
 /* y[r, n] for features [n0, n1) of a weight `ql_a8_eligible` accepts, x as ql_quantize_x_a8_256 left

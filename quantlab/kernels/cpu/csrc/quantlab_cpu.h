@@ -162,6 +162,14 @@ QL_INLINE QL_AVX512 __m512 ql_load16(const void *base, int32_t dtype, int64_t i,
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 
+/* The sum of v's 8 lanes (avx2.c, avx2_int8.c). */
+QL_INLINE QL_AVX2 float ql_sum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 /* y[j] = the sum of acc[j]'s lanes for j < NR; 4 accumulators are summed together, pairwise. */
 QL_INLINE QL_AVX512 void ql_store_sums(const int NR, const __m512 *acc, float *y) {
     if (NR != 4) {
