@@ -57,6 +57,15 @@ QL_AVX2 void ql_params256(const ql_weight *w, int64_t n, float *scale, float *ze
         for (int64_t g = 0; g < G; g++) zero[g] = w->kind == QL_NF4 ? 0.0f : w->zero_const;
 }
 
+/* At one row these kernels read 4 features' codes side by side: 4 short interleaved streams that
+ * the hardware prefetcher follows late. Asking for group g of the next 4 features while this block
+ * works on group g keeps the next block's codes on their way. SmolLM2 decoding (native step, float
+ * activations, 2 threads, AVX2 EPYC, 10 rounds alternated in one process): 4-bit g64 e8 1.27x
+ * [0.99-1.71], int8 e8 1.17x [1.03-1.66] the tokens/s without it. */
+QL_INLINE void ql_prefetch_next4(const ql_weight *w, int64_t n0, int NR, int64_t g) {
+    for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(w->codes + ((n0 + j + 4) * w->groups + g) * w->group_bytes), _MM_HINT_T0);
+}
+
 typedef struct {
     __m256 low, high; /* NF4: levels 0-7 and 8-15, times absmax */
     __m256 zero, scale;
@@ -125,6 +134,7 @@ QL_INLINE QL_AVX2 void ql_block256(const int NR, const int R, const ql_weight *w
             group[j] = w->codes + index * w->group_bytes;
             constants[j] = ql_group256_make(w, params[2 * j * G + g], params[(2 * j + 1) * G + g]);
         }
+        if (R == 1) ql_prefetch_next4(w, n0, NR, g);
         const float *xg = xp + g * layout->padded_group;
         for (int64_t c = 0; c < w->group_codes; c += 8) {
             __m256 value[4];
@@ -162,6 +172,7 @@ QL_INLINE QL_AVX2 void ql_block256_nf4(const int NR, const int R, const ql_weigh
             group[j] = w->codes + ((n0 + j) * G + g) * w->group_bytes;
             constants[j] = ql_group256_make(w, params[2 * j * G + g], params[(2 * j + 1) * G + g]);
         }
+        if (R == 1) ql_prefetch_next4(w, n0, NR, g);
         const float *xg = xp + g * layout->padded_group;
         for (int64_t c = 0; c < w->group_codes; c += 32) {
             for (int64_t half = 0; half < 16; half += 8) {
@@ -209,6 +220,7 @@ QL_INLINE QL_AVX2 void ql_block256_affine4(const int NR, const int R, const ql_w
             for (int r = 0; r < R; r++) dot[j][r] = _mm256_setzero_ps();
         }
         for (int r = 0; r < R; r++) xsum[r] = _mm256_setzero_ps();
+        if (R == 1) ql_prefetch_next4(w, n0, NR, g);
         const float *xg = xp + g * layout->padded_group;
         for (int64_t c = 0; c < w->group_codes; c += 32) {
             for (int64_t half = 0; half < 16; half += 8) {
