@@ -27,34 +27,46 @@ static QL_AVX2 ql_bits256 ql_bits256_make(int bits) {
     return constants;
 }
 
-/* count stored floats (float32, float16 or bfloat16) from index first, converted exactly, into out. */
+/* count stored floats (float32, float16 or bfloat16) from index first, converted exactly, into out;
+ * a tail of fewer than 8 goes through a zero-padded copy, so it too is converted 8 at a time. */
+QL_INLINE QL_AVX2 __m256 ql_floats8(const uint16_t *halves, int32_t dtype) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)halves);
+    return dtype == QL_F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 QL_INLINE QL_AVX2 void ql_floats256(const void *base, int32_t dtype, int64_t first, int64_t count, float *out) {
-    int64_t i = 0;
     if (dtype == QL_F32) {
         memcpy(out, (const float *)base + first, (size_t)count * sizeof(float));
         return;
     }
-    for (const uint16_t *halves = (const uint16_t *)base + first; i + 8 <= count; i += 8) {
-        const __m128i h = _mm_loadu_si128((const __m128i *)(halves + i));
-        _mm256_storeu_ps(out + i, dtype == QL_F16 ? _mm256_cvtph_ps(h)
-                                                  : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    const uint16_t *halves = (const uint16_t *)base + first;
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, ql_floats8(halves + i, dtype));
+    if (i < count) {
+        uint16_t tail[8] = {0};
+        float values[8];
+        memcpy(tail, halves + i, (size_t)(count - i) * sizeof(uint16_t));
+        _mm256_storeu_ps(values, ql_floats8(tail, dtype));
+        memcpy(out + i, values, (size_t)(count - i) * sizeof(float));
     }
-    for (; i < count; i++) out[i] = ql_load_float(base, dtype, first + i);
 }
 
-/* Scale and zero of every group of feature n, the values of ql_params_scalar 8 groups a step: in
- * groups of 64 converting a group's float16 scale one by one took about as long as its dot product. */
-QL_AVX2 void ql_params256(const ql_weight *w, int64_t n, float *scale, float *zero) {
+/* Scale and zero of every group of features [n, n + count), the values of ql_params_scalar, into
+ * scale[j * groups + g] and zero[j * groups + g]: the features' parameters are stored side by side,
+ * so they convert 8 groups a step across feature boundaries. In groups of 64, converting one float16
+ * scale at a time took as long as the group's dot product; at 576 inputs (9 groups) a feature at a
+ * time still left a scalar tail per feature. */
+QL_AVX2 void ql_params256(const ql_weight *w, int64_t n, int count, float *scale, float *zero) {
     const int64_t G = w->groups;
     if (w->kind == QL_NF4 && w->absmax_codes) { /* double-quantized absmax: a table lookup per group */
-        ql_params_scalar(w, n, scale, zero);
+        for (int j = 0; j < count; j++) ql_params_scalar(w, n + j, scale + j * G, zero + j * G);
         return;
     }
-    ql_floats256(w->scale, w->scale_dtype, n * G, G, scale);
+    ql_floats256(w->scale, w->scale_dtype, n * G, count * G, scale);
     if (w->kind != QL_NF4 && w->zero)
-        ql_floats256(w->zero, w->zero_dtype, n * G, G, zero);
+        ql_floats256(w->zero, w->zero_dtype, n * G, count * G, zero);
     else
-        for (int64_t g = 0; g < G; g++) zero[g] = w->kind == QL_NF4 ? 0.0f : w->zero_const;
+        for (int64_t g = 0; g < count * G; g++) zero[g] = w->kind == QL_NF4 ? 0.0f : w->zero_const;
 }
 
 /* At one row these kernels read 4 features' codes side by side: 4 short interleaved streams that
@@ -122,7 +134,7 @@ QL_INLINE QL_AVX2 void ql_block256(const int NR, const int R, const ql_weight *w
                                    const ql_layout *layout, const float *xp, int64_t row_length, int64_t n0, float *y,
                                    int64_t y_stride, float *params) {
     const int64_t G = w->groups;
-    for (int j = 0; j < NR; j++) ql_params256(w, n0 + j, params + 2 * j * G, params + (2 * j + 1) * G);
+    ql_params256(w, n0, NR, params, params + NR * G);
     __m256 acc[4][4];
     for (int j = 0; j < NR; j++)
         for (int r = 0; r < R; r++) acc[j][r] = _mm256_setzero_ps();
@@ -132,7 +144,7 @@ QL_INLINE QL_AVX2 void ql_block256(const int NR, const int R, const ql_weight *w
         for (int j = 0; j < NR; j++) {
             int64_t index = (n0 + j) * w->groups + g;
             group[j] = w->codes + index * w->group_bytes;
-            constants[j] = ql_group256_make(w, params[2 * j * G + g], params[(2 * j + 1) * G + g]);
+            constants[j] = ql_group256_make(w, params[j * G + g], params[(NR + j) * G + g]);
         }
         if (R == 1) ql_prefetch_next4(w, n0, NR, g);
         const float *xg = xp + g * layout->padded_group;
@@ -160,7 +172,7 @@ QL_INLINE QL_AVX2 void ql_block256_nf4(const int NR, const int R, const ql_weigh
     const int A = R == 1 ? 2 : 1;
     const int64_t G = w->groups;
     const __m256i low_nibble = _mm256_set1_epi32(15);
-    for (int j = 0; j < NR; j++) ql_params256(w, n0 + j, params + 2 * j * G, params + (2 * j + 1) * G);
+    ql_params256(w, n0, NR, params, params + NR * G);
     __m256 acc[4][4][2];
     for (int j = 0; j < NR; j++)
         for (int r = 0; r < R; r++)
@@ -170,7 +182,7 @@ QL_INLINE QL_AVX2 void ql_block256_nf4(const int NR, const int R, const ql_weigh
         ql_group256 constants[4];
         for (int j = 0; j < NR; j++) {
             group[j] = w->codes + ((n0 + j) * G + g) * w->group_bytes;
-            constants[j] = ql_group256_make(w, params[2 * j * G + g], params[(2 * j + 1) * G + g]);
+            constants[j] = ql_group256_make(w, params[j * G + g], params[(NR + j) * G + g]);
         }
         if (R == 1) ql_prefetch_next4(w, n0, NR, g);
         const float *xg = xp + g * layout->padded_group;
@@ -208,7 +220,7 @@ QL_INLINE QL_AVX2 void ql_block256_affine4(const int NR, const int R, const ql_w
                                            float *params) {
     const int64_t G = w->groups;
     const __m256i low_nibble = _mm256_set1_epi32(15);
-    for (int j = 0; j < NR; j++) ql_params256(w, n0 + j, params + 2 * j * G, params + (2 * j + 1) * G);
+    ql_params256(w, n0, NR, params, params + NR * G);
     __m256 acc[4][4];
     for (int j = 0; j < NR; j++)
         for (int r = 0; r < R; r++) acc[j][r] = _mm256_setzero_ps();
@@ -240,7 +252,7 @@ QL_INLINE QL_AVX2 void ql_block256_affine4(const int NR, const int R, const ql_w
             }
         }
         for (int j = 0; j < NR; j++) {
-            const float scale = params[2 * j * G + g], zero = params[(2 * j + 1) * G + g];
+            const float scale = params[j * G + g], zero = params[(NR + j) * G + g];
             const __m256 s = _mm256_set1_ps(scale), sz = _mm256_set1_ps(scale * zero);
             for (int r = 0; r < R; r++) acc[j][r] = _mm256_fnmadd_ps(xsum[r], sz, _mm256_fmadd_ps(dot[j][r], s, acc[j][r]));
         }
@@ -270,9 +282,9 @@ QL_INLINE QL_AVX2 void ql_decode4_256(const int decoder, const ql_weight *w, con
                                       const ql_layout *layout, int64_t n0, float *decoded, float *params) {
     const int64_t G = w->groups, row_length = G * layout->padded_group;
     const __m256i low_nibble = _mm256_set1_epi32(15);
+    ql_params256(w, n0, 4, params, params + 4 * G);
     for (int j = 0; j < 4; j++) {
-        float *scale = params, *zero = params + G;
-        ql_params256(w, n0 + j, scale, zero);
+        const float *scale = params + j * G, *zero = params + (4 + j) * G;
         for (int64_t g = 0; g < G; g++) {
             const uint8_t *group = w->codes + ((n0 + j) * G + g) * w->group_bytes;
             const ql_group256 constants = ql_group256_make(w, scale[g], zero[g]);
@@ -398,7 +410,7 @@ QL_AVX2 void ql_dequantize256(const ql_weight *w, int64_t n0, int64_t n1, float 
     ql_bits256 bits = ql_bits256_make(w->bits);
     for (int64_t n = n0; n < n1; n++) {
         float *row = out + (n - n0) * out_stride;
-        ql_params256(w, n, params, params + w->groups);
+        ql_params256(w, n, 1, params, params + w->groups);
         for (int64_t g = 0; g < w->groups; g++) {
             int64_t index = n * w->groups + g, first = g * w->group_size;
             int64_t valid = w->group_size < w->k - first ? w->group_size : w->k - first;

@@ -73,11 +73,11 @@ QL_INLINE QL_AVX2 void ql_block256_a8(const int NR, const ql_weight *w, const in
             const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(packed, low), lows),
                                                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), highs));
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(_mm256_broadcast_ss(params + 2 * j * G + g), d), acc[j]);
+            acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(_mm256_broadcast_ss(params + j * G + g), d), acc[j]);
         }
     }
     for (int j = 0; j < NR; j++) {
-        const float *scale = params + 2 * j * G, *zero = params + (2 * j + 1) * G;
+        const float *scale = params + j * G, *zero = params + (NR + j) * G;
         float share = 0.0f;
         for (int64_t g = 0; g < G; g++) share += scale[g] * zero[g] * xz[g];
         y[n + j] = ql_sum256(acc[j]) - share;
@@ -120,7 +120,7 @@ QL_AVX2 void ql_gemm256_a8(const ql_weight *w, const int8_t *xq, const float *xd
     const int64_t G = w->groups, blocks = row_length / 64;
     if (w->kind == QL_INT8) {
         for (int64_t n = n0; n < n1; n++) {
-            ql_params256(w, n, params, params + G);
+            ql_params256(w, n, 1, params, params + G);
             for (int64_t r = 0; r < m; r++)
                 ql_feature256_a8_int8(w, xq + r * blocks * 64, xd + r * blocks, n, y + r * y_stride, params);
         }
@@ -129,7 +129,7 @@ QL_AVX2 void ql_gemm256_a8(const ql_weight *w, const int8_t *xq, const float *xd
     for (int64_t r = 0; r < m; r++) ql_zero_terms(w, xd + r * blocks, xs + r * blocks, xz + r * G);
     for (int64_t n = n0; n < n1;) {
         const int NR = n1 - n >= 4 ? 4 : 1;
-        for (int j = 0; j < NR; j++) ql_params256(w, n + j, params + 2 * j * G, params + (2 * j + 1) * G);
+        ql_params256(w, n, NR, params, params + NR * G);
         for (int64_t r = 0; r < m; r++) {
             const int8_t *xr = xq + r * blocks * 64;
             if (NR == 4)

@@ -205,7 +205,7 @@ void ql_gemm512_a8(const ql_weight *w, const int8_t *xq, const float *xd, const 
 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0, int64_t n1,
                 float *y, int64_t y_stride, float *params, float *decoded); /* decoded: NULL, or 4 rows of x */
 void ql_dequantize256(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, float *params);
-void ql_params256(const ql_weight *w, int64_t n, float *scale, float *zero); /* ql_params_scalar, 8 groups a step */
+void ql_params256(const ql_weight *w, int64_t n, int count, float *scale, float *zero); /* ql_params_scalar of count features, 8 groups a step */
 /* avx2_int8.c */
 void ql_quantize_x_a8_256(const float *xp, int64_t m, int64_t row_length, int nibble, int8_t *xq, float *xd,
                           int32_t *xs);
