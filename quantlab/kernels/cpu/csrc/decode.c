@@ -62,11 +62,54 @@ QL_AVX512 static void ql_axpy512(float *y, float a, const float *x, int64_t n) {
         _mm512_storeu_ps(y + i, _mm512_fmadd_ps(scale, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
     for (; i < n; i++) y[i] += a * x[i];
 }
+
+/* The AVX2 versions of the helpers above, 8 lanes at a time (an AVX2-only CPU has no AVX-512). */
+QL_AVX2 static float ql_dot256(const float *a, const float *b, int64_t n) {
+    __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        sum0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
+        sum1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), sum1);
+    }
+    for (; i + 8 <= n; i += 8) sum0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
+    float sum = ql_sum256(_mm256_add_ps(sum0, sum1));
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* ql_exp512's polynomial on 8 lanes; 2^n is built in the exponent bits, so x is also kept below
+ * 88.376 (n <= 127), where expf is within 1 ulp of FLT_MAX; softmax's inputs are at most 0 and
+ * silu's large ones give 0 either way. */
+QL_AVX2 static __m256 ql_exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.3762626647949f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(power));
+}
+
+QL_AVX2 static void ql_axpy256(float *y, float a, const float *x, int64_t n) {
+    const __m256 scale = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(scale, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
 #endif
 
 static float ql_dot(int isa, const float *a, const float *b, int64_t n) {
 #ifdef QL_X86
     if (isa == QL_ISA_AVX512) return ql_dot512(a, b, n);
+    if (isa == QL_ISA_AVX2) return ql_dot256(a, b, n);
 #endif
     float partial[8] = {0};
     int64_t i = 0;
@@ -82,6 +125,10 @@ static void ql_axpy(int isa, float *y, float a, const float *x, int64_t n) {
 #ifdef QL_X86
     if (isa == QL_ISA_AVX512) {
         ql_axpy512(y, a, x, n);
+        return;
+    }
+    if (isa == QL_ISA_AVX2) {
+        ql_axpy256(y, a, x, n);
         return;
     }
 #endif
@@ -116,6 +163,17 @@ QL_AVX512 static void ql_silu_times512(float *gate, const float *up, int64_t n) 
         _mm512_mask_storeu_ps(gate + i, mask, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(mask, up + i)));
     }
 }
+
+QL_AVX2 static void ql_silu_times256(float *gate, const float *up, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = ql_exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(gate + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
 #endif
 
 /* gate = silu(gate) * up = gate / (1 + exp(-gate)) * up, as LlamaMLP computes it. 16 at a time with AVX-512:
@@ -124,6 +182,10 @@ static void ql_silu_times(int isa, float *gate, const float *up, int64_t n) {
 #ifdef QL_X86
     if (isa == QL_ISA_AVX512) {
         ql_silu_times512(gate, up, n);
+        return;
+    }
+    if (isa == QL_ISA_AVX2) {
+        ql_silu_times256(gate, up, n);
         return;
     }
 #endif
@@ -210,6 +272,36 @@ QL_AVX512 static void ql_attention_head512(const float *q, const float *keys, co
     memset(out, 0, (size_t)dim * sizeof(float));
     for (t = 0; t < length; t++) ql_axpy512(out, scores[t] * inverse, values + t * dim, dim);
 }
+
+/* ql_attention_head512 on 8 lanes (head_dim a multiple of 8): scores 4 positions at a time, softmax's
+ * exponentials 8 at a time. */
+QL_AVX2 static void ql_attention_head256(const float *q, const float *keys, const float *values, int64_t length,
+                                         int64_t dim, float scale, float *scores, float *out) {
+    int64_t t = 0;
+    for (; t + 4 <= length; t += 4) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t i = 0; i < dim; i += 8) {
+            const __m256 qi = _mm256_loadu_ps(q + i);
+            for (int j = 0; j < 4; j++) acc[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys + (t + j) * dim + i), acc[j]);
+        }
+        for (int j = 0; j < 4; j++) scores[t + j] = ql_sum256(acc[j]) * scale;
+    }
+    for (; t < length; t++) scores[t] = ql_dot256(q, keys + t * dim, dim) * scale;
+    float top = -INFINITY;
+    for (t = 0; t < length; t++) top = scores[t] > top ? scores[t] : top;
+    const __m256 max = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= length; t += 8) {
+        const __m256 e = ql_exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t), max));
+        _mm256_storeu_ps(scores + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float total = ql_sum256(sum);
+    for (; t < length; t++) total += scores[t] = expf(scores[t] - top);
+    const float inverse = 1.0f / total;
+    memset(out, 0, (size_t)dim * sizeof(float));
+    for (t = 0; t < length; t++) ql_axpy256(out, scores[t] * inverse, values + t * dim, dim);
+}
 #endif
 
 static void ql_attention_head(void *arg, int64_t head) {
@@ -222,6 +314,10 @@ static void ql_attention_head(void *arg, int64_t head) {
 #ifdef QL_X86
     if (job->isa == QL_ISA_AVX512 && dim % 16 == 0) {
         ql_attention_head512(q, keys, values, job->length, dim, d->attention_scale, scores, out);
+        return;
+    }
+    if (job->isa == QL_ISA_AVX2 && dim % 8 == 0) {
+        ql_attention_head256(q, keys, values, job->length, dim, d->attention_scale, scores, out);
         return;
     }
 #endif
