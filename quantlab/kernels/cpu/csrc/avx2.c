@@ -264,6 +264,19 @@ QL_INLINE QL_AVX2 void ql_block256_affine4(const int NR, const int R, const ql_w
         for (int r = 0; r < R; r++) y[r * y_stride + n0 + j] = ql_sum256(acc[j][r]);
 }
 
+/* The 8 bytes from `at` of a group with fewer than 8 left: the group's last 8 shifted down (copying
+ * them out to a padded buffer stalled on store forwarding), or copied when the group is shorter. */
+QL_INLINE QL_AVX2 __m128i ql_group_tail(const ql_weight *w, const uint8_t *group, int64_t at) {
+    const int64_t left = w->group_bytes - at;
+    if (w->group_bytes >= 8) {
+        const __m128i last = _mm_loadl_epi64((const __m128i *)(group + w->group_bytes - 8));
+        return _mm_srl_epi64(last, _mm_cvtsi32_si128((int)(8 * (8 - left))));
+    }
+    uint8_t tail[8] = {0};
+    memcpy(tail, group + at, (size_t)left);
+    return _mm_loadl_epi64((const __m128i *)tail);
+}
+
 /* The block for 8-bit codes (int8, and 8-bit affine): per group the codes as they are times x are
  * summed (one widening load, one conversion and one FMA per 8 codes), then scaled, y += s * sum(q * x)
  * - s * z * sum(x), as the affine nibble block does (within float32 summation error of the
@@ -301,11 +314,7 @@ QL_INLINE QL_AVX2 void ql_block256_bytes(const int is_signed, const int NR, cons
             if (c < whole) {
                 for (int j = 0; j < NR; j++) q[j] = ql_bytes8(is_signed, _mm_loadl_epi64((const __m128i *)(group[j] + c)));
             } else { /* the group's last codes; x is zero past them (ql_prepare_x pads it) */
-                for (int j = 0; j < NR; j++) {
-                    uint8_t tail[8] = {0};
-                    memcpy(tail, group[j] + c, (size_t)(w->group_codes - c));
-                    q[j] = ql_bytes8(is_signed, _mm_loadl_epi64((const __m128i *)tail));
-                }
+                for (int j = 0; j < NR; j++) q[j] = ql_bytes8(is_signed, ql_group_tail(w, group[j], c));
             }
             for (int j = 0; j < NR; j++)
                 for (int r = 0; r < R; r++) dot[j][r] = _mm256_fmadd_ps(q[j], xv[r], dot[j][r]);
@@ -322,10 +331,10 @@ QL_INLINE QL_AVX2 void ql_block256_bytes(const int is_signed, const int NR, cons
 
 /* The block for affine codes of 2 to 7 bits outside the nibble layout (3-bit, 5-bit, ...): per group
  * the codes as they are times x, then scaled, as the blocks above; the codes unpacked as the generic
- * decoder unpacks them (ql_values8), whose per-weight centring and scaling this leaves out. A group's
- * last codes are read as its last 8 bytes shifted down, not copied out (the copy stalled on store
- * forwarding). 3-bit g64 576x1536, one row through the op, 2 threads: 290-380 -> 102-160 us (torch
- * fp32 89-135 us in the same processes). */
+ * decoder unpacks them (ql_values8), whose per-weight centring and scaling this leaves out. 3-bit
+ * g64 576x1536, one row through the op, 2 threads: 290-380 -> 102-160 us (torch fp32 89-135 us in the
+ * same processes). It has the 8-bit block's shape; one function for both (the unpacking a
+ * compile-time choice) made int8 576x576 at one row 24-28 -> 30-32 us, so they stay two. */
 QL_INLINE QL_AVX2 void ql_block256_codes(const int NR, const int R, const ql_weight *w, const ql_bits256 *bits,
                                          const ql_layout *layout, const float *xp, int64_t row_length, int64_t n0,
                                          float *y, int64_t y_stride, float *params) {
@@ -352,17 +361,8 @@ QL_INLINE QL_AVX2 void ql_block256_codes(const int NR, const int R, const ql_wei
             }
             const int64_t at = c * w->bits / 8, left = w->group_bytes - at;
             for (int j = 0; j < NR; j++) {
-                __m128i bytes;
-                if (left >= 8) {
-                    bytes = _mm_loadl_epi64((const __m128i *)(group[j] + at));
-                } else if (w->group_bytes >= 8) { /* the group's last 8 bytes, shifted down to `at` */
-                    const __m128i last = _mm_loadl_epi64((const __m128i *)(group[j] + w->group_bytes - 8));
-                    bytes = _mm_srl_epi64(last, _mm_cvtsi32_si128((int)(8 * (8 - left))));
-                } else {
-                    uint8_t tail[8] = {0};
-                    memcpy(tail, group[j] + at, (size_t)left);
-                    bytes = _mm_loadl_epi64((const __m128i *)tail);
-                }
+                const __m128i bytes = left >= 8 ? _mm_loadl_epi64((const __m128i *)(group[j] + at))
+                                                : ql_group_tail(w, group[j], at);
                 const __m256i codes = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(bytes), bits->shuffle);
                 q[j] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(codes, bits->shift), bits->mask));
             }
