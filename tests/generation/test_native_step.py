@@ -77,6 +77,27 @@ def test_the_native_step_decodes_as_the_eager_model(name):
     assert _relative(native_logits, logits) < 1e-5
 
 
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=["scalar", "avx2", "avx512"])
+def test_the_native_step_decodes_as_the_eager_model_at_every_instruction_set(isa):
+    """The step's own vector code (attention, SiLU, dot products) exists per instruction set; each one the
+    CPU has gives the eager model's tokens, eager and native both at that instruction set."""
+    lib = native.library()
+    if isa > lib.ql_isa():
+        pytest.skip("this CPU lacks that instruction set")
+    model = quantlab.quantize(tiny_llama(seed=3), quantlab.CustomBitsConfig(bits=4, group_size=32))
+    model.generation_config.pad_token_id = 0
+    lib.ql_force_isa(isa)
+    try:
+        tokens, logits = _decode(model)
+        step = _native(model)
+        native_tokens, native_logits = _decode(model)
+    finally:
+        lib.ql_force_isa(-1)
+    assert (step.native_steps, step.fallback_steps) == (TOKENS - 1, 0)
+    assert torch.equal(native_tokens, tokens)
+    assert _relative(native_logits, logits) < 1e-5
+
+
 def test_biases_of_a_qwen2_model_are_applied():
     model = quantlab.quantize(tiny_qwen2(seed=1), quantlab.CustomBitsConfig(bits=4, group_size=32))
     model.generation_config.pad_token_id = 0
