@@ -8,7 +8,7 @@ import torch
 
 import quantlab
 from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
-from quantlab.kernels.cpu import extension, native, ops
+from quantlab.kernels.cpu import extension, ops
 from quantlab.kernels.cpu.linear import ctypes_linear, native_dequantize, native_linear, native_matmul
 from quantlab.kernels.cpu.weights import native_weight
 from quantlab.kernels.reference import dequantize_matmul
@@ -113,12 +113,19 @@ def test_many_rows_in_l2_sized_tiles_compute_each_row_as_alone(operators, config
 @pytest.mark.parametrize("config", [CODECS[3], CODECS[-4], CODECS[-2]], ids=config_id)
 @pytest.mark.parametrize("out_features", [24, 13100])  # 80 x 13100 floats: 4.2 MB, decoded in tiles
 def test_from_the_cpus_dequantize_rows_on_the_weight_is_decoded_and_multiplied_by_torchs_gemm(
-    operators, config, out_features
+    operators, library, config, out_features
 ):
     layer = quantized(config, out_features=out_features)
-    rows = native.library().ql_dequantize_rows()
-    if rows == 0:
-        pytest.skip("the fused kernel runs every row count on this CPU (AVX-512)")
+    library.ql_force_isa(0)  # the portable kernel's choice: x86 CPUs run the fused kernel at every row count
+    try:
+        rows = library.ql_dequantize_rows()
+        assert rows > 0
+        _check_dequantize_first(layer, rows, out_features)
+    finally:
+        library.ql_force_isa(-1)
+
+
+def _check_dequantize_first(layer, rows: int, out_features: int) -> None:
     x = torch.randn(rows, 80)
     with torch.no_grad():
         expected = x @ native_dequantize(native_weight(layer)).T + layer.bias

@@ -3,11 +3,11 @@
 The native kernel decodes the codes in registers and multiplies as it goes. At one row
 (decoding) the work is reading the weight, and 4-bit codes are 8x less memory traffic than fp32
 weights. At many rows (prefill, training) the work is arithmetic; each block of 4 output features
-is decoded once per block of 4 rows. With AVX-512 (AMD Zen 5, where MKL's fp32 GEMM runs its AVX2
-path) the fused kernel is about twice as fast as dequantize-then-matmul with torch's GEMM at 128
-rows; with AVX2 only it is about half as fast, so there, from `ql_dequantize_rows()` rows on, the
-weight is decoded (whole, or a tile of output features at a time) and multiplied by torch's GEMM
-(`benchmarks/kernel_speed.py`).
+is decoded once per block of rows (AVX2: panels of 16 features, 6 rows x 16 features a step). On
+x86 the fused kernel is at least as fast as dequantize-then-matmul with torch's GEMM at every row
+count measured (`benchmarks/kernel_speed.py`); the portable C kernel is not, so there, from
+`ql_dequantize_rows()` rows on, the weight is decoded (whole, or a tile of output features at a
+time) and multiplied by torch's GEMM.
 
 The kernels run as torch operators (`ops.py`, `csrc/torch_ops.cpp`) when the extension builds,
 else through ctypes. Either way gradients flow to the input through a backward pass that decodes

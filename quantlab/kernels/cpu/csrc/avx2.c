@@ -400,49 +400,101 @@ QL_INLINE QL_AVX2 void ql_block256_of(const int decoder, const int NR, const int
         ql_block256(NR, R, w, bits, layout, xp, row_length, n0, y, y_stride, params);
 }
 
-/* 4 features' weights decoded into `decoded` (4 rows in the layout of x: the values of ql_values8 or
- * of the nibble blocks, the reference's dequantization bit for bit), for ql_micro256. */
+/* ---- dequantization: the weight decoded into float32 rows, for torch's GEMM at many rows ---- */
+
+/* 8 values into out[0, count), count < 8: through a buffer, so nothing past the row is written (the
+ * next row may be another thread's). */
+QL_INLINE QL_AVX2 void ql_store_part(float *out, __m256 values, int64_t count) {
+    float part[8];
+    _mm256_storeu_ps(part, values);
+    memcpy(out, part, (size_t)count * sizeof(float));
+}
+
+/* The valid codes of one group into out, each the reference's value bit for bit ((q - zero) * scale,
+ * or NF4's level times absmax). The decoder is a compile-time constant, so the inner loops hold no
+ * branch: 4-bit codes 32 a step (16 bytes split into low and high nibbles, interleaved back into
+ * their order as bytes), 8-bit ones 8 a step by one widening load, 2-7-bit ones 8 a step by shuffle
+ * and shift (a group's last bytes read by ql_group_tail: copied out, they stalled on store forwarding,
+ * 3-bit at 0.85 ns a weight), codes past the last 8 of a row through the generic decoder. The generic decoder for every code
+ * (a branch per 8 on the width and the group's end) ran at about 2 cycles a weight: 576x576 4-bit
+ * g64, one thread, 236 us. */
+QL_INLINE QL_AVX2 void ql_dequantize_group256(const int decoder, const ql_weight *w, const ql_bits256 *bits,
+                                              const uint8_t *group, int64_t valid, const ql_group256 *constants,
+                                              float *out) {
+    int64_t c = 0;
+    if (decoder == QL256_AFFINE_NIBBLE || decoder == QL256_NF4_NIBBLE) {
+        const int nf4 = decoder == QL256_NF4_NIBBLE;
+        const __m128i low_nibbles = _mm_set1_epi8(15);
+        for (; c + 32 <= valid; c += 32) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(group + c / 2));
+            const __m128i low = _mm_and_si128(bytes, low_nibbles);
+            const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+            const __m128i first = _mm_unpacklo_epi8(low, high), second = _mm_unpackhi_epi8(low, high);
+            _mm256_storeu_ps(out + c, ql_decode8(nf4, _mm256_cvtepu8_epi32(first), constants));
+            _mm256_storeu_ps(out + c + 8, ql_decode8(nf4, _mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)), constants));
+            _mm256_storeu_ps(out + c + 16, ql_decode8(nf4, _mm256_cvtepu8_epi32(second), constants));
+            _mm256_storeu_ps(out + c + 24, ql_decode8(nf4, _mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)), constants));
+        }
+    } else if (decoder == QL256_BYTES) {
+        for (; c + 8 <= valid; c += 8) {
+            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(group + c));
+            const __m256i codes = w->kind == QL_INT8 ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+            _mm256_storeu_ps(out + c, ql_decode8(0, codes, constants));
+        }
+    } else if (decoder == QL256_CODES) {
+        for (; c + 8 <= valid; c += 8) {
+            const int64_t at = c * w->bits / 8;
+            const __m128i bytes = at + 8 <= w->group_bytes ? _mm_loadl_epi64((const __m128i *)(group + at))
+                                                           : ql_group_tail(w, group, at);
+            const __m256i codes = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(bytes), bits->shuffle);
+            _mm256_storeu_ps(out + c, ql_decode8(0, _mm256_and_si256(_mm256_srlv_epi32(codes, bits->shift), bits->mask),
+                                                 constants));
+        }
+    }
+    for (; c < valid; c += 8) {
+        const __m256 values = ql_values8(w, bits, group, c, constants);
+        if (valid - c >= 8)
+            _mm256_storeu_ps(out + c, values);
+        else
+            ql_store_part(out + c, values, valid - c);
+    }
+}
+
+/* 4 features' weights decoded into `decoded` (4 rows of row_length, in the plain layout of x: each
+ * group's values, then zeros up to padded_group), for ql_micro256: the values of the dequantization
+ * above, the reference's bit for bit. */
 QL_INLINE QL_AVX2 void ql_decode4_256(const int decoder, const ql_weight *w, const ql_bits256 *bits,
                                       const ql_layout *layout, int64_t n0, float *decoded, float *params) {
-    const int64_t G = w->groups, row_length = G * layout->padded_group;
-    const __m256i low_nibble = _mm256_set1_epi32(15);
+    const int64_t G = w->groups, padded = layout->padded_group, row_length = G * padded;
     ql_params256(w, n0, 4, params, params + 4 * G);
     for (int j = 0; j < 4; j++) {
         const float *scale = params + j * G, *zero = params + (4 + j) * G;
         for (int64_t g = 0; g < G; g++) {
-            const uint8_t *group = w->codes + ((n0 + j) * G + g) * w->group_bytes;
+            const int64_t first = g * w->group_size;
+            const int64_t valid = w->group_size < w->k - first ? w->group_size : w->k - first;
             const ql_group256 constants = ql_group256_make(w, scale[g], zero[g]);
-            float *out = decoded + j * row_length + g * layout->padded_group;
-            if (decoder == QL256_GENERIC) {
-                for (int64_t c = 0; c < layout->padded_group; c += 8)
-                    _mm256_storeu_ps(out + c, ql_values8(w, bits, group, c, &constants));
-                continue;
-            }
-            for (int64_t c = 0; c < w->group_codes; c += 32) {
-                for (int64_t half = 0; half < 16; half += 8) {
-                    const __m256i packed = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(group + c / 2 + half)));
-                    const int nf4 = decoder == QL256_NF4_NIBBLE;
-                    _mm256_storeu_ps(out + c + half, ql_decode8(nf4, _mm256_and_si256(packed, low_nibble), &constants));
-                    _mm256_storeu_ps(out + c + half + 16, ql_decode8(nf4, _mm256_srli_epi32(packed, 4), &constants));
-                }
-            }
+            float *out = decoded + j * row_length + g * padded;
+            ql_dequantize_group256(decoder, w, bits, w->codes + ((n0 + j) * G + g) * w->group_bytes, valid,
+                                   &constants, out);
+            if (valid < padded) memset(out + valid, 0, (size_t)(padded - valid) * sizeof(float));
         }
     }
 }
 
-#define QL_MICRO_INPUTS 768 /* inputs a pass: 3 rows of x and 4 decoded features, 21 KiB, stay in L1 */
+#define QL_MICRO_INPUTS 768 /* inputs a pass of ql_micro256: 3 rows of x and 4 decoded features, 21 KiB, stay in L1 */
+#define QL_PANEL_INPUTS 256 /* inputs a pass of ql_panel256: 16 KiB of the panel stay in L1 */
 
 /* y[r, n0..n0+3] (added to its value so far unless k0 is 0) for R rows (at most 3) of x times 4 decoded
  * features over inputs [k0, k1): 12 accumulators, each weight and each input loaded once per step of 8
  * for all of them, so the product runs at the FMA units' speed. */
 QL_INLINE QL_AVX2 void ql_micro256(const int R, const float *decoded, int64_t row_length, int64_t k0, int64_t k1,
-                                   const float *xr, int64_t n0, float *yr, int64_t y_stride) {
+                                   const float *xr, int64_t x_stride, int64_t n0, float *yr, int64_t y_stride) {
     __m256 acc[4][3];
     for (int j = 0; j < 4; j++)
         for (int r = 0; r < R; r++) acc[j][r] = _mm256_setzero_ps();
     for (int64_t k = k0; k < k1; k += 8) {
         __m256 xv[3];
-        for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(xr + r * row_length + k);
+        for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(xr + r * x_stride + k);
         for (int j = 0; j < 4; j++) {
             const __m256 wv = _mm256_loadu_ps(decoded + j * row_length + k);
             for (int r = 0; r < R; r++) acc[j][r] = _mm256_fmadd_ps(wv, xv[r], acc[j][r]);
@@ -455,28 +507,105 @@ QL_INLINE QL_AVX2 void ql_micro256(const int R, const float *decoded, int64_t ro
         }
 }
 
-/* Many rows: each block of 4 features is decoded once (ql_decode4_256) and multiplied by every row of
- * x, 3 rows at a time; features left over past the last block of 4 take the blocks below. */
-QL_INLINE QL_AVX2 void ql_gemm256_decoded(const int decoder, const ql_weight *w, const ql_layout *layout,
-                                          const float *xp, int64_t m, int64_t n0, int64_t n1, float *y,
-                                          int64_t y_stride, float *params, float *decoded) {
+/* 8 rows of 8 floats (row stride `stride`) transposed into out[i * out_stride + j] = in[j][i]. */
+QL_INLINE QL_AVX2 void ql_transpose8x8(const float *in, int64_t stride, float *out, int64_t out_stride) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(in + i * stride);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(out + i * out_stride, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
+        _mm256_storeu_ps(out + (4 + i) * out_stride, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
+    }
+}
+
+/* y[r, n0..n0+15] (added to its value so far unless k0 is 0) for R rows (at most 6) of x times a panel
+ * of 16 decoded features (panel[k * 16 + j], input-major) over inputs [k0, k1): the outer-product form
+ * of BLAS kernels, 12 accumulators, per input 2 weight loads and R broadcasts of x for 2R FMAs, and
+ * no horizontal sums (each accumulator holds 8 outputs). */
+QL_INLINE QL_AVX2 void ql_panel256(const int R, const float *panel, int64_t k0, int64_t k1, const float *xr,
+                                   int64_t x_stride, int64_t n0, float *yr, int64_t y_stride) {
+    __m256 acc[6][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; k++) {
+        const __m256 w0 = _mm256_loadu_ps(panel + k * 16), w1 = _mm256_loadu_ps(panel + k * 16 + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_broadcast_ss(xr + r * x_stride + k);
+            acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *out = yr + r * y_stride + n0;
+        if (k0) {
+            acc[r][0] = _mm256_add_ps(_mm256_loadu_ps(out), acc[r][0]);
+            acc[r][1] = _mm256_add_ps(_mm256_loadu_ps(out + 8), acc[r][1]);
+        }
+        _mm256_storeu_ps(out, acc[r][0]);
+        _mm256_storeu_ps(out + 8, acc[r][1]);
+    }
+}
+
+/* Many rows: features in panels of 16, each decoded once (ql_decode4_256, the plain layout of x),
+ * transposed input-major and multiplied by every row of x, 6 rows at a time (ql_panel256), a pass of
+ * QL_PANEL_INPUTS inputs at a time so that the panel's part (16 KiB) stays in L1 while the rows go by.
+ * The 3 rows x 4 features dot-product kernel it replaces ran at 0.76-0.91x the speed of torch's fp32
+ * GEMM at 128 rows on SmolLM2's shapes (its 12 horizontal sums per block, x read once per 4 features).
+ * Features left over past the last panel: blocks of 4 decoded (ql_micro256), then one-feature blocks
+ * (`block`: the decoder of the plain layout). */
+QL_INLINE QL_AVX2 void ql_gemm256_decoded(const int decoder, const int block, const ql_weight *w,
+                                          const ql_layout *layout, const float *xp, int64_t x_stride, int64_t m,
+                                          int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params,
+                                          float *decoded) {
     ql_bits256 bits = ql_bits256_make(w->bits);
     const int64_t row_length = w->groups * layout->padded_group;
+    const int64_t passes = (row_length + QL_PANEL_INPUTS - 1) / QL_PANEL_INPUTS;
+    const int64_t pass = ql_round_up((row_length + passes - 1) / passes, 8); /* equal passes */
+    float *panel = decoded + 16 * row_length;
     int64_t n = n0;
+    for (; n + 16 <= n1; n += 16) {
+        for (int64_t j = 0; j < 16; j += 4) ql_decode4_256(decoder, w, &bits, layout, n + j, decoded + j * row_length, params);
+        for (int64_t k = 0; k < row_length; k += 8)
+            for (int64_t half = 0; half < 16; half += 8)
+                ql_transpose8x8(decoded + half * row_length + k, row_length, panel + k * 16 + half, 16);
+        for (int64_t k0 = 0; k0 < row_length; k0 += pass) {
+            const int64_t k1 = row_length - k0 <= pass ? row_length : k0 + pass;
+            int64_t r = 0;
+            for (; r + 6 <= m; r += 6) ql_panel256(6, panel, k0, k1, xp + r * x_stride, x_stride, n, y + r * y_stride, y_stride);
+            const float *xr = xp + r * x_stride;
+            float *yr = y + r * y_stride;
+            switch (m - r) {
+            case 5: ql_panel256(5, panel, k0, k1, xr, x_stride, n, yr, y_stride); break;
+            case 4: ql_panel256(4, panel, k0, k1, xr, x_stride, n, yr, y_stride); break;
+            case 3: ql_panel256(3, panel, k0, k1, xr, x_stride, n, yr, y_stride); break;
+            case 2: ql_panel256(2, panel, k0, k1, xr, x_stride, n, yr, y_stride); break;
+            case 1: ql_panel256(1, panel, k0, k1, xr, x_stride, n, yr, y_stride); break;
+            default: break;
+            }
+        }
+    }
     for (; n + 4 <= n1; n += 4) {
         ql_decode4_256(decoder, w, &bits, layout, n, decoded, params);
-        for (int64_t k0 = 0; k0 < row_length; k0 += QL_MICRO_INPUTS) {
-            const int64_t k1 = row_length - k0 <= QL_MICRO_INPUTS ? row_length : k0 + QL_MICRO_INPUTS;
+        for (int64_t k0 = 0; k0 < row_length; k0 += pass) {
+            const int64_t k1 = row_length - k0 <= pass ? row_length : k0 + pass;
             int64_t r = 0;
             for (; r + 3 <= m; r += 3)
-                ql_micro256(3, decoded, row_length, k0, k1, xp + r * row_length, n, y + r * y_stride, y_stride);
-            if (m - r == 2) ql_micro256(2, decoded, row_length, k0, k1, xp + r * row_length, n, y + r * y_stride, y_stride);
-            if (m - r == 1) ql_micro256(1, decoded, row_length, k0, k1, xp + r * row_length, n, y + r * y_stride, y_stride);
+                ql_micro256(3, decoded, row_length, k0, k1, xp + r * x_stride, x_stride, n, y + r * y_stride, y_stride);
+            if (m - r == 2) ql_micro256(2, decoded, row_length, k0, k1, xp + r * x_stride, x_stride, n, y + r * y_stride, y_stride);
+            if (m - r == 1) ql_micro256(1, decoded, row_length, k0, k1, xp + r * x_stride, x_stride, n, y + r * y_stride, y_stride);
         }
     }
     for (; n < n1; n++)
         for (int64_t r = 0; r < m; r++)
-            ql_block256_of(decoder, 1, 1, w, &bits, layout, xp + r * row_length, row_length, n, y + r * y_stride,
+            ql_block256_of(block, 1, 1, w, &bits, layout, xp + r * x_stride, row_length, n, y + r * y_stride,
                            y_stride, params);
 }
 
@@ -511,16 +640,17 @@ QL_INLINE QL_AVX2 void ql_gemm256_with(const int decoder, const ql_weight *w, co
                            y_stride, params);
 }
 
-QL_AVX2 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0,
+QL_AVX2 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t x_stride, int64_t m, int64_t n0,
                         int64_t n1, float *y, int64_t y_stride, float *params, float *decoded) {
-    if (decoded) {
-        const int decoder = !layout->nibble ? QL256_GENERIC : w->kind == QL_NF4 ? QL256_NF4_NIBBLE : QL256_AFFINE_NIBBLE;
-        if (decoder == QL256_GENERIC)
-            ql_gemm256_decoded(QL256_GENERIC, w, layout, xp, m, n0, n1, y, y_stride, params, decoded);
-        else if (decoder == QL256_NF4_NIBBLE)
-            ql_gemm256_decoded(QL256_NF4_NIBBLE, w, layout, xp, m, n0, n1, y, y_stride, params, decoded);
+    if (decoded) { /* many rows, x in the plain layout (ql_layout_for) */
+        if (w->kind == QL_NF4)
+            ql_gemm256_decoded(QL256_NF4_NIBBLE, QL256_GENERIC, w, layout, xp, x_stride, m, n0, n1, y, y_stride, params, decoded);
+        else if (w->bits == 4)
+            ql_gemm256_decoded(QL256_AFFINE_NIBBLE, QL256_CODES, w, layout, xp, x_stride, m, n0, n1, y, y_stride, params, decoded);
+        else if (w->bits == 8)
+            ql_gemm256_decoded(QL256_BYTES, QL256_BYTES, w, layout, xp, x_stride, m, n0, n1, y, y_stride, params, decoded);
         else
-            ql_gemm256_decoded(QL256_AFFINE_NIBBLE, w, layout, xp, m, n0, n1, y, y_stride, params, decoded);
+            ql_gemm256_decoded(QL256_CODES, QL256_CODES, w, layout, xp, x_stride, m, n0, n1, y, y_stride, params, decoded);
     } else if (!layout->nibble && w->bits == 8 && w->kind != QL_NF4)
         ql_gemm256_with(QL256_BYTES, w, layout, xp, m, n0, n1, y, y_stride, params);
     else if (!layout->nibble && w->kind == QL_AFFINE)
@@ -533,28 +663,32 @@ QL_AVX2 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float
         ql_gemm256_with(QL256_AFFINE_NIBBLE, w, layout, xp, m, n0, n1, y, y_stride, params);
 }
 
-QL_AVX2 void ql_dequantize256(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride,
-                                     float *params) {
-    ql_bits256 bits = ql_bits256_make(w->bits);
+QL_INLINE QL_AVX2 void ql_dequantize256_with(const int decoder, const ql_weight *w, int64_t n0, int64_t n1, float *out,
+                                             int64_t out_stride, float *params) {
+    const ql_bits256 bits = ql_bits256_make(w->bits);
+    const int64_t G = w->groups;
     for (int64_t n = n0; n < n1; n++) {
         float *row = out + (n - n0) * out_stride;
-        ql_params256(w, n, 1, params, params + w->groups);
-        for (int64_t g = 0; g < w->groups; g++) {
-            int64_t index = n * w->groups + g, first = g * w->group_size;
-            int64_t valid = w->group_size < w->k - first ? w->group_size : w->k - first;
-            const uint8_t *group = w->codes + index * w->group_bytes;
-            ql_group256 constants = ql_group256_make(w, params[g], params[w->groups + g]);
-            for (int64_t c = 0; c < valid; c += 8) {
-                __m256 value = ql_values8(w, &bits, group, c, &constants);
-                if (valid - c >= 8) {
-                    _mm256_storeu_ps(row + first + c, value);
-                } else {
-                    float tail[8];
-                    _mm256_storeu_ps(tail, value);
-                    memcpy(row + first + c, tail, (size_t)(valid - c) * sizeof(float));
-                }
-            }
+        ql_params256(w, n, 1, params, params + G);
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t first = g * w->group_size;
+            const int64_t valid = w->group_size < w->k - first ? w->group_size : w->k - first;
+            const ql_group256 constants = ql_group256_make(w, params[g], params[G + g]);
+            ql_dequantize_group256(decoder, w, &bits, w->codes + (n * G + g) * w->group_bytes, valid, &constants,
+                                   row + first);
         }
     }
+}
+
+QL_AVX2 void ql_dequantize256(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride,
+                              float *params) {
+    if (w->bits == 4 && w->kind == QL_NF4)
+        ql_dequantize256_with(QL256_NF4_NIBBLE, w, n0, n1, out, out_stride, params);
+    else if (w->bits == 4)
+        ql_dequantize256_with(QL256_AFFINE_NIBBLE, w, n0, n1, out, out_stride, params);
+    else if (w->bits == 8)
+        ql_dequantize256_with(QL256_BYTES, w, n0, n1, out, out_stride, params);
+    else
+        ql_dequantize256_with(QL256_CODES, w, n0, n1, out, out_stride, params);
 }
 #endif

@@ -51,19 +51,17 @@ QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
 /* From how many rows of x on the product is faster as the weight decoded (ql_dequantize) and
  * multiplied by a BLAS GEMM (torch's) than through the fused kernels here, on this CPU; 0: never.
  * AVX-512's fused kernel stays ahead at every row count measured (Zen 5: about twice as fast as
- * dequantize + GEMM at 128 rows). AVX2's (from QL_AVX2_DECODE_ROWS rows on: 4 features decoded into
- * a buffer, then 3 rows x 4 features a step, avx2.c) is ahead up to about 256 rows on SmolLM2's
- * shapes, 4-bit g64, 2 threads, AVX2 EPYC (Zen 3): at 64 rows 1.08-1.79x fp32 against dequantize +
- * GEMM's 0.73-1.01x, at 256 rows 0.94-1.07x against 0.91-0.95x, at 512 rows 0.73-0.96x against
- * 0.92-1.02x. The portable C kernel decodes each weight once per 4 rows: behind from a few rows. */
-#define QL_AVX2_DEQUANTIZE_ROWS 256
-#define QL_AVX2_DECODE_ROWS 8 /* from this many rows on, AVX2 decodes 4 features at a time into a buffer */
+ * dequantize + GEMM at 128 rows), and so does AVX2's (from QL_AVX2_DECODE_ROWS rows on: panels of 16
+ * features decoded, then 6 rows x 16 features a step, avx2.c): SmolLM2's shapes and 2048x8192, 4-bit,
+ * 3-bit g64, NF4 and int8, 2 threads, AVX2 EPYC (Zen 3), median of 3 rounds: at 128 rows 0.98-1.73x
+ * the speed of torch's fp32 GEMM against dequantize + GEMM's 0.79-1.51x, at 512 rows 0.90-1.49x
+ * against 0.88-1.23x. The portable C kernel decodes each weight once per 4 rows: behind from a few rows. */
+#define QL_AVX2_DECODE_ROWS 8 /* from this many rows on, AVX2 decodes panels of 16 features (avx2.c) */
 QL_API int64_t ql_dequantize_rows(void) {
     switch (ql_isa()) {
     case QL_ISA_AVX512:
-        return 0;
     case QL_ISA_AVX2:
-        return QL_AVX2_DEQUANTIZE_ROWS;
+        return 0;
     default:
         return 8;
     }
@@ -82,18 +80,20 @@ static int ql_check(const ql_weight *w) {
     return QL_OK;
 }
 
-static ql_layout ql_layout_for(const ql_weight *w, int isa) {
+/* How x is laid out for the kernels of `isa` on m rows (`a8`: int8 activations, which keep the layout
+ * of one row). AVX2 at many rows decodes weights into the plain layout (ql_decode4_256). */
+static ql_layout ql_layout_for(const ql_weight *w, int isa, int64_t m, int a8) {
 #ifdef QL_X86
     if (isa == QL_ISA_AVX512) return ql_make_layout(w, ql_mode512(w) == QL_MODE_NIBBLE ? 32 : 16, ql_mode512(w) == QL_MODE_NIBBLE);
+    if (isa == QL_ISA_AVX2 && m >= QL_AVX2_DECODE_ROWS && a8 == QL_A8_NONE) return ql_make_layout(w, 8, 0);
     if (isa == QL_ISA_AVX2) /* 4-bit codes in chunks of 32: the nibble blocks of avx2.c */
         return ql_mode512(w) == QL_MODE_NIBBLE ? ql_make_layout(w, 32, 1) : ql_make_layout(w, 8, 0);
 #endif
-    (void)isa;
+    (void)isa, (void)m, (void)a8;
     return ql_make_layout(w, 1, 0);
 }
 
 #define QL_ROW_TILE_BYTES (1 << 20) /* x rows per tile: about an L2 (a smaller tile costs more at 128 rows) */
-#define QL_AVX2_ROW_TILE_BYTES (256 << 10) /* AVX2 decoding 4 features at a time: half a Zen 3 L2 */
 #define QL_MIN_ROW_TILE 16            /* AVX-512 decodes odd widths once per tile: keep that amortized */
 
 /* Chunks per thread of a product on m rows. Below QL_DECODE_ROWS rows a call is a pass over its
@@ -120,6 +120,7 @@ typedef struct {
     int isa;
     ql_layout layout;
     const float *xp;
+    int64_t x_stride; /* row stride of xp: the prepared copy's row length, or the caller's x used as it is */
     int64_t m;
     float *out;
     int64_t out_stride;
@@ -143,7 +144,7 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
 #ifdef QL_X86
     if (job->isa == QL_ISA_AVX512 && ql_mode512(w) == QL_MODE_BITS && job->m >= QL_DECODE_ROWS)
         decoded_length = 4 * row_length;
-    if (job->isa == QL_ISA_AVX2 && job->m >= QL_AVX2_DECODE_ROWS) decoded_length = 4 * row_length;
+    if (job->isa == QL_ISA_AVX2 && job->m >= QL_AVX2_DECODE_ROWS) decoded_length = QL_DECODED_FEATURES * row_length;
     if (job->xq) decoded_length = job->m * w->groups; /* the int8-activation kernel's zero terms */
 #endif
     float *scratch = ql_scratch(w, decoded_length);
@@ -165,18 +166,17 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
      * whole blocks of 4 rows, so every output is computed exactly as without tiles. Measured on
      * 2048x8192 at 512 rows: 1.1-1.2x faster (every format, 1 and 2 threads); at 128 rows and on
      * SmolLM2's shapes, where x fits, unchanged. */
-    const int64_t tile_bytes = job->isa == QL_ISA_AVX2 && decoded_length ? QL_AVX2_ROW_TILE_BYTES : QL_ROW_TILE_BYTES;
-    int64_t tile = tile_bytes / (row_length * (int64_t)sizeof(float)) / 4 * 4;
+    int64_t tile = QL_ROW_TILE_BYTES / (row_length * (int64_t)sizeof(float)) / 4 * 4;
     if (tile < QL_MIN_ROW_TILE) tile = QL_MIN_ROW_TILE;
     for (int64_t r0 = 0, rows; r0 < job->m; r0 += rows) {
         rows = job->m - r0 < tile + QL_MIN_ROW_TILE ? job->m - r0 : tile; /* no short last tile */
-        const float *xp = job->xp + r0 * row_length;
+        const float *xp = job->xp + r0 * job->x_stride;
         float *out = job->out + r0 * job->out_stride;
 #ifdef QL_X86
         if (job->isa == QL_ISA_AVX512)
             ql_gemm512(w, &job->layout, xp, rows, n0, n1, out, job->out_stride, scratch, scratch + ql_scratch_params(w));
         else if (job->isa == QL_ISA_AVX2)
-            ql_gemm256(w, &job->layout, xp, rows, n0, n1, out, job->out_stride, scratch,
+            ql_gemm256(w, &job->layout, xp, job->x_stride, rows, n0, n1, out, job->out_stride, scratch,
                        decoded_length ? scratch + ql_scratch_params(w) : NULL);
         else
 #endif
@@ -207,6 +207,23 @@ static void ql_dequantize_chunk(void *arg, int64_t chunk) {
     free(scratch);
 }
 
+/* Features a chunk of a product on m rows, `threads` threads sharing `features`: AVX2's many-row kernel
+ * works in panels of 16 features, so its chunks are whole panels. */
+static int64_t ql_chunk_for(int64_t features, int threads, int isa, int64_t m, int a8) {
+    if (isa == QL_ISA_AVX2 && m >= QL_AVX2_DECODE_ROWS && a8 == QL_A8_NONE)
+        return ql_round_up(ql_chunk_features(features, threads, 8), 16);
+    return ql_chunk_features(features, threads, ql_stream_chunks(m));
+}
+
+/* Whether x can be read as it is (row stride x_stride) instead of a copy in the kernels' layout: AVX2's
+ * many-row kernel reads the plain layout, which is x itself when every group is whole and a multiple of 8
+ * inputs (every SmolLM2 layer in groups of 32-128). The copy ran on one thread before the others
+ * started: 576x576 at 128 rows, 8% of a thread's time. */
+static int ql_x_as_is(const ql_weight *w, const ql_layout *layout, int isa, int64_t m, int a8) {
+    return isa == QL_ISA_AVX2 && m >= QL_AVX2_DECODE_ROWS && a8 == QL_A8_NONE && !layout->nibble &&
+           layout->padded_group == w->group_size && w->groups * w->group_size == w->k;
+}
+
 /* x copied once into the kernels' layout (ql_prepare_x): 64-byte aligned, freed by the caller; NULL if out of memory. */
 static float *ql_prepared_x(const ql_weight *w, const ql_layout *layout, const float *x, int64_t m, int64_t x_stride) {
     int64_t row_length = w->groups * layout->padded_group;
@@ -222,12 +239,14 @@ QL_API int ql_gemm(const ql_weight *w, const float *x, int64_t m, int64_t x_stri
     int status = ql_check(w);
     if (status != QL_OK) return status;
     ql_job job = {.w = w, .isa = ql_isa(), .m = m, .out = y, .out_stride = y_stride};
-    job.layout = ql_layout_for(w, job.isa);
-    float *xp = ql_prepared_x(w, &job.layout, x, m, x_stride);
-    if (!xp) return QL_NO_MEMORY;
-    job.xp = xp;
+    job.layout = ql_layout_for(w, job.isa, m, QL_A8_NONE);
+    const int as_is = ql_x_as_is(w, &job.layout, job.isa, m, QL_A8_NONE);
+    float *xp = as_is ? NULL : ql_prepared_x(w, &job.layout, x, m, x_stride);
+    if (!as_is && !xp) return QL_NO_MEMORY;
+    job.xp = as_is ? x : xp;
+    job.x_stride = as_is ? x_stride : w->groups * job.layout.padded_group;
     threads = ql_threads(threads, w->n * w->groups * w->group_bytes * (m < 4 ? 1 : m / 4));
-    job.per_chunk = threads > 1 ? ql_chunk_features(w->n, threads, ql_stream_chunks(m)) : w->n;
+    job.per_chunk = threads > 1 ? ql_chunk_for(w->n, threads, job.isa, m, QL_A8_NONE) : w->n;
     int64_t chunks = (w->n + job.per_chunk - 1) / job.per_chunk;
     ql_run(ql_gemm_chunk, &job, chunks, threads);
     free(xp);
@@ -260,8 +279,8 @@ int ql_same_layout(const ql_weight *a, const ql_weight *b) {
  * ql_gemm, so each output is computed by the same code as ql_gemm of its weight alone: bit for bit
  * the same values. The weights must share a layout (kind, bits, in_features, group shape).
  * activation_bits 8 (else 0) rounds x to int8 blocks of 64 for 4-bit affine and int8 weights in groups
- * of 64 or a multiple, on CPUs with AVX2 or AVX512-VNNI (int8_activations.c: faster, not bit-exact);
- * other formats and CPUs ignore it. */
+ * of 64 or a multiple, on CPUs with AVX2 or AVX512-VNNI (int8_activations.c: faster, not bit-exact;
+ * with AVX2 only below QL_AVX2_DECODE_ROWS rows); other formats and CPUs ignore it. */
 QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x, int64_t m, int64_t x_stride, float *y,
                          int64_t y_stride, int threads, int activation_bits) {
     if (count < 1 || (activation_bits != 0 && activation_bits != 8)) return QL_BAD_FORMAT;
@@ -279,9 +298,14 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
     ql_job *jobs = calloc((size_t)count, sizeof(ql_job));
     int64_t *first_chunk = malloc((size_t)(count + 1) * sizeof(int64_t));
     int isa = ql_isa();
-    ql_layout layout = ql_layout_for(&weights[0], isa);
-    float *xp = jobs && first_chunk ? ql_prepared_x(&weights[0], &layout, x, m, x_stride) : NULL;
-    if (!xp) {
+    /* AVX2's int8-activation kernel is a one-row kernel; from QL_AVX2_DECODE_ROWS rows on the float panels
+     * are faster (576x576 at 512 rows: 0.59x against 0.97x torch fp32) and exact. */
+    const int a8_kernel = activation_bits == 8 && ql_a8_eligible(&weights[0]) ? ql_a8_kernel() : QL_A8_NONE;
+    const int a8 = a8_kernel == QL_A8_AVX2 && m >= QL_AVX2_DECODE_ROWS ? QL_A8_NONE : a8_kernel;
+    ql_layout layout = ql_layout_for(&weights[0], isa, m, a8);
+    const int as_is = ql_x_as_is(&weights[0], &layout, isa, m, a8);
+    float *xp = jobs && first_chunk && !as_is ? ql_prepared_x(&weights[0], &layout, x, m, x_stride) : NULL;
+    if (!jobs || !first_chunk || (!as_is && !xp)) {
         free(jobs);
         free(first_chunk);
         return QL_NO_MEMORY;
@@ -289,7 +313,6 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
     int8_t *xq = NULL; /* activation_bits 8: x as int8 blocks of 64, where the CPU and format allow */
     float *xd = NULL;
     int32_t *xs = NULL;
-    const int a8 = activation_bits == 8 && ql_a8_eligible(&weights[0]) ? ql_a8_kernel() : QL_A8_NONE;
 #ifdef QL_X86
     if (a8 != QL_A8_NONE) {
         int64_t blocks = m * weights[0].groups * layout.padded_group / 64;
@@ -308,10 +331,11 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
     }
 #endif
     threads = ql_threads(threads, work * (m < 4 ? 1 : m / 4));
-    int64_t per_chunk = threads > 1 ? ql_chunk_features(features, threads, ql_stream_chunks(m)) : widest;
+    int64_t per_chunk = threads > 1 ? ql_chunk_for(features, threads, isa, m, a8) : widest;
     first_chunk[0] = 0;
     for (int64_t i = 0, column = 0; i < count; column += weights[i].n, i++) {
-        jobs[i] = (ql_job){.w = &weights[i], .isa = isa, .layout = layout, .xp = xp, .m = m, .out = y + column,
+        jobs[i] = (ql_job){.w = &weights[i], .isa = isa, .layout = layout, .xp = as_is ? x : xp,
+                           .x_stride = as_is ? x_stride : weights[0].groups * layout.padded_group, .m = m, .out = y + column,
                            .out_stride = y_stride, .per_chunk = per_chunk, .a8 = a8, .xq = xq, .xd = xd, .xs = xs};
         first_chunk[i + 1] = first_chunk[i] + (weights[i].n + per_chunk - 1) / per_chunk;
     }

@@ -24,6 +24,7 @@
 #define QL_INLINE static inline __attribute__((always_inline))
 #define QL_ABI_VERSION 6
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
+#define QL_DECODED_FEATURES 32 /* AVX2 at many rows: 16 features decoded, and their input-major panel (avx2.c) */
 
 enum { QL_AFFINE = 0, QL_INT8 = 1, QL_NF4 = 2 };
 enum { QL_F32 = 0, QL_F16 = 1, QL_BF16 = 2 };
@@ -202,8 +203,8 @@ void ql_quantize_x_a8(const float *xp, int64_t m, int64_t row_length, int nibble
 void ql_gemm512_a8(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m,
                    int64_t row_length, int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params, float *xz);
 /* avx2.c */
-void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t m, int64_t n0, int64_t n1,
-                float *y, int64_t y_stride, float *params, float *decoded); /* decoded: NULL, or 4 rows of x */
+void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t x_stride, int64_t m, int64_t n0, int64_t n1,
+                float *y, int64_t y_stride, float *params, float *decoded); /* decoded: NULL, or QL_DECODED_FEATURES rows of x */
 void ql_dequantize256(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride, float *params);
 void ql_params256(const ql_weight *w, int64_t n, int count, float *scale, float *zero); /* ql_params_scalar of count features, 8 groups a step */
 /* avx2_int8.c */
