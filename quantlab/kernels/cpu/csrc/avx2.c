@@ -461,8 +461,8 @@ QL_INLINE QL_AVX2 void ql_dequantize_group256(const int decoder, const ql_weight
 }
 
 /* 4 features' weights decoded into `decoded` (4 rows of row_length, in the plain layout of x: each
- * group's values, then zeros up to padded_group), for ql_micro256: the values of the dequantization
- * above, the reference's bit for bit. */
+ * group's values, then zeros up to padded_group), for the panels and ql_micro256: the values of the
+ * dequantization above, the reference's bit for bit. */
 QL_INLINE QL_AVX2 void ql_decode4_256(const int decoder, const ql_weight *w, const ql_bits256 *bits,
                                       const ql_layout *layout, int64_t n0, float *decoded, float *params) {
     const int64_t G = w->groups, padded = layout->padded_group, row_length = G * padded;
@@ -481,8 +481,7 @@ QL_INLINE QL_AVX2 void ql_decode4_256(const int decoder, const ql_weight *w, con
     }
 }
 
-#define QL_MICRO_INPUTS 768 /* inputs a pass of ql_micro256: 3 rows of x and 4 decoded features, 21 KiB, stay in L1 */
-#define QL_PANEL_INPUTS 256 /* inputs a pass of ql_panel256: 16 KiB of the panel stay in L1 */
+#define QL_PANEL_INPUTS 256 /* inputs a pass (ql_gemm256_decoded): 16 KiB of a panel stay in L1 */
 
 /* y[r, n0..n0+3] (added to its value so far unless k0 is 0) for R rows (at most 3) of x times 4 decoded
  * features over inputs [k0, k1): 12 accumulators, each weight and each input loaded once per step of 8
