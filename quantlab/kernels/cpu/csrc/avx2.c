@@ -400,7 +400,7 @@ QL_INLINE QL_AVX2 void ql_block256_of(const int decoder, const int NR, const int
         ql_block256(NR, R, w, bits, layout, xp, row_length, n0, y, y_stride, params);
 }
 
-/* ---- dequantization: the weight decoded into float32 rows, for torch's GEMM at many rows ---- */
+/* ---- dequantization: weights decoded into float32 rows (the panels below, the input gradient) ---- */
 
 /* 8 values into out[0, count), count < 8: through a buffer, so nothing past the row is written (the
  * next row may be another thread's). */
@@ -415,9 +415,9 @@ QL_INLINE QL_AVX2 void ql_store_part(float *out, __m256 values, int64_t count) {
  * branch: 4-bit codes 32 a step (16 bytes split into low and high nibbles, interleaved back into
  * their order as bytes), 8-bit ones 8 a step by one widening load, 2-7-bit ones 8 a step by shuffle
  * and shift (a group's last bytes read by ql_group_tail: copied out, they stalled on store forwarding,
- * 3-bit at 0.85 ns a weight), codes past the last 8 of a row through the generic decoder. The generic decoder for every code
- * (a branch per 8 on the width and the group's end) ran at about 2 cycles a weight: 576x576 4-bit
- * g64, one thread, 236 us. */
+ * 3-bit at 0.85 ns a weight), codes past the last 8 of a row through the generic decoder. The generic
+ * decoder for every code (a branch per 8 on the width and the group's end) ran at about 2 cycles a
+ * weight: 576x576 4-bit g64, one thread, 236 us. */
 QL_INLINE QL_AVX2 void ql_dequantize_group256(const int decoder, const ql_weight *w, const ql_bits256 *bits,
                                               const uint8_t *group, int64_t valid, const ql_group256 *constants,
                                               float *out) {

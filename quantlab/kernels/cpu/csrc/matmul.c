@@ -57,6 +57,12 @@ QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
  * the speed of torch's fp32 GEMM against dequantize + GEMM's 0.79-1.51x, at 512 rows 0.90-1.49x
  * against 0.88-1.23x. The portable C kernel decodes each weight once per 4 rows: behind from a few rows. */
 #define QL_AVX2_DECODE_ROWS 8 /* from this many rows on, AVX2 decodes panels of 16 features (avx2.c) */
+
+/* Whether a product on m rows takes AVX2's many-row kernel (float x; int8 activations keep the layout
+ * and kernels of one row). */
+static int ql_avx2_panels(int isa, int64_t m, int a8) {
+    return isa == QL_ISA_AVX2 && m >= QL_AVX2_DECODE_ROWS && a8 == QL_A8_NONE;
+}
 QL_API int64_t ql_dequantize_rows(void) {
     switch (ql_isa()) {
     case QL_ISA_AVX512:
@@ -85,7 +91,7 @@ static int ql_check(const ql_weight *w) {
 static ql_layout ql_layout_for(const ql_weight *w, int isa, int64_t m, int a8) {
 #ifdef QL_X86
     if (isa == QL_ISA_AVX512) return ql_make_layout(w, ql_mode512(w) == QL_MODE_NIBBLE ? 32 : 16, ql_mode512(w) == QL_MODE_NIBBLE);
-    if (isa == QL_ISA_AVX2 && m >= QL_AVX2_DECODE_ROWS && a8 == QL_A8_NONE) return ql_make_layout(w, 8, 0);
+    if (ql_avx2_panels(isa, m, a8)) return ql_make_layout(w, 8, 0);
     if (isa == QL_ISA_AVX2) /* 4-bit codes in chunks of 32: the nibble blocks of avx2.c */
         return ql_mode512(w) == QL_MODE_NIBBLE ? ql_make_layout(w, 32, 1) : ql_make_layout(w, 8, 0);
 #endif
@@ -144,7 +150,7 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
 #ifdef QL_X86
     if (job->isa == QL_ISA_AVX512 && ql_mode512(w) == QL_MODE_BITS && job->m >= QL_DECODE_ROWS)
         decoded_length = 4 * row_length;
-    if (job->isa == QL_ISA_AVX2 && job->m >= QL_AVX2_DECODE_ROWS) decoded_length = QL_DECODED_FEATURES * row_length;
+    if (ql_avx2_panels(job->isa, job->m, job->a8)) decoded_length = QL_DECODED_FEATURES * row_length;
     if (job->xq) decoded_length = job->m * w->groups; /* the int8-activation kernel's zero terms */
 #endif
     float *scratch = ql_scratch(w, decoded_length);
@@ -210,28 +216,30 @@ static void ql_dequantize_chunk(void *arg, int64_t chunk) {
 /* Features a chunk of a product on m rows, `threads` threads sharing `features`: AVX2's many-row kernel
  * works in panels of 16 features, so its chunks are whole panels. */
 static int64_t ql_chunk_for(int64_t features, int threads, int isa, int64_t m, int a8) {
-    if (isa == QL_ISA_AVX2 && m >= QL_AVX2_DECODE_ROWS && a8 == QL_A8_NONE)
-        return ql_round_up(ql_chunk_features(features, threads, 8), 16);
+    if (ql_avx2_panels(isa, m, a8)) return ql_round_up(ql_chunk_features(features, threads, 8), 16);
     return ql_chunk_features(features, threads, ql_stream_chunks(m));
 }
 
-/* Whether x can be read as it is (row stride x_stride) instead of a copy in the kernels' layout: AVX2's
- * many-row kernel reads the plain layout, which is x itself when every group is whole and a multiple of 8
- * inputs (every SmolLM2 layer in groups of 32-128). The copy ran on one thread before the others
+/* x as the kernels read it, with its row stride in *stride: x itself where AVX2's many-row kernel reads
+ * the plain layout and that is x's (every group whole and a multiple of 8 inputs: every SmolLM2 layer in
+ * groups of 32-128), else a 64-byte aligned copy in the kernels' layout (ql_prepare_x), returned in
+ * *copy for the caller to free. NULL if out of memory. The copy ran on one thread before the others
  * started: 576x576 at 128 rows, 8% of a thread's time. */
-static int ql_x_as_is(const ql_weight *w, const ql_layout *layout, int isa, int64_t m, int a8) {
-    return isa == QL_ISA_AVX2 && m >= QL_AVX2_DECODE_ROWS && a8 == QL_A8_NONE && !layout->nibble &&
-           layout->padded_group == w->group_size && w->groups * w->group_size == w->k;
-}
-
-/* x copied once into the kernels' layout (ql_prepare_x): 64-byte aligned, freed by the caller; NULL if out of memory. */
-static float *ql_prepared_x(const ql_weight *w, const ql_layout *layout, const float *x, int64_t m, int64_t x_stride) {
-    int64_t row_length = w->groups * layout->padded_group;
-    float *xp = NULL;
-    if (posix_memalign((void **)&xp, 64, (size_t)ql_round_up(m * row_length * (int64_t)sizeof(float) + 64, 64)))
+static const float *ql_kernel_x(const ql_weight *w, const ql_layout *layout, int isa, int64_t m, int a8,
+                                const float *x, int64_t x_stride, int64_t *stride, float **copy) {
+    const int64_t row_length = w->groups * layout->padded_group;
+    *copy = NULL;
+    if (ql_avx2_panels(isa, m, a8) && !layout->nibble && layout->padded_group == w->group_size && row_length == w->k) {
+        *stride = x_stride;
+        return x;
+    }
+    if (posix_memalign((void **)copy, 64, (size_t)ql_round_up(m * row_length * (int64_t)sizeof(float) + 64, 64))) {
+        *copy = NULL;
         return NULL;
-    ql_prepare_x(w, layout, x, m, x_stride, xp);
-    return xp;
+    }
+    ql_prepare_x(w, layout, x, m, x_stride, *copy);
+    *stride = row_length;
+    return *copy;
 }
 
 /* y[m, n] (row stride y_stride) = x[m, k] (row stride x_stride) times the weight, transposed. */
@@ -240,11 +248,9 @@ QL_API int ql_gemm(const ql_weight *w, const float *x, int64_t m, int64_t x_stri
     if (status != QL_OK) return status;
     ql_job job = {.w = w, .isa = ql_isa(), .m = m, .out = y, .out_stride = y_stride};
     job.layout = ql_layout_for(w, job.isa, m, QL_A8_NONE);
-    const int as_is = ql_x_as_is(w, &job.layout, job.isa, m, QL_A8_NONE);
-    float *xp = as_is ? NULL : ql_prepared_x(w, &job.layout, x, m, x_stride);
-    if (!as_is && !xp) return QL_NO_MEMORY;
-    job.xp = as_is ? x : xp;
-    job.x_stride = as_is ? x_stride : w->groups * job.layout.padded_group;
+    float *xp = NULL;
+    job.xp = ql_kernel_x(w, &job.layout, job.isa, m, QL_A8_NONE, x, x_stride, &job.x_stride, &xp);
+    if (!job.xp) return QL_NO_MEMORY;
     threads = ql_threads(threads, w->n * w->groups * w->group_bytes * (m < 4 ? 1 : m / 4));
     job.per_chunk = threads > 1 ? ql_chunk_for(w->n, threads, job.isa, m, QL_A8_NONE) : w->n;
     int64_t chunks = (w->n + job.per_chunk - 1) / job.per_chunk;
@@ -303,9 +309,11 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
     const int a8_kernel = activation_bits == 8 && ql_a8_eligible(&weights[0]) ? ql_a8_kernel() : QL_A8_NONE;
     const int a8 = a8_kernel == QL_A8_AVX2 && m >= QL_AVX2_DECODE_ROWS ? QL_A8_NONE : a8_kernel;
     ql_layout layout = ql_layout_for(&weights[0], isa, m, a8);
-    const int as_is = ql_x_as_is(&weights[0], &layout, isa, m, a8);
-    float *xp = jobs && first_chunk && !as_is ? ql_prepared_x(&weights[0], &layout, x, m, x_stride) : NULL;
-    if (!jobs || !first_chunk || (!as_is && !xp)) {
+    float *xp = NULL;
+    int64_t x_stride_kernels = 0;
+    const float *x_kernels =
+        jobs && first_chunk ? ql_kernel_x(&weights[0], &layout, isa, m, a8, x, x_stride, &x_stride_kernels, &xp) : NULL;
+    if (!x_kernels) {
         free(jobs);
         free(first_chunk);
         return QL_NO_MEMORY;
@@ -326,7 +334,7 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
         xd = (float *)buffer;
         xs = (int32_t *)(xd + blocks);
         xq = (int8_t *)(xs + blocks);
-        (a8 == QL_A8_VNNI ? ql_quantize_x_a8 : ql_quantize_x_a8_256)(xp, m, weights[0].groups * layout.padded_group,
+        (a8 == QL_A8_VNNI ? ql_quantize_x_a8 : ql_quantize_x_a8_256)(x_kernels, m, weights[0].groups * layout.padded_group,
                                                                      layout.nibble, xq, xd, xs);
     }
 #endif
@@ -334,8 +342,8 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
     int64_t per_chunk = threads > 1 ? ql_chunk_for(features, threads, isa, m, a8) : widest;
     first_chunk[0] = 0;
     for (int64_t i = 0, column = 0; i < count; column += weights[i].n, i++) {
-        jobs[i] = (ql_job){.w = &weights[i], .isa = isa, .layout = layout, .xp = as_is ? x : xp,
-                           .x_stride = as_is ? x_stride : weights[0].groups * layout.padded_group, .m = m, .out = y + column,
+        jobs[i] = (ql_job){.w = &weights[i], .isa = isa, .layout = layout, .xp = x_kernels, .x_stride = x_stride_kernels,
+                           .m = m, .out = y + column,
                            .out_stride = y_stride, .per_chunk = per_chunk, .a8 = a8, .xq = xq, .xd = xd, .xs = xs};
         first_chunk[i + 1] = first_chunk[i] + (weights[i].n + per_chunk - 1) / per_chunk;
     }
