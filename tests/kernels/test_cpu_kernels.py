@@ -121,8 +121,9 @@ def test_empty_and_strided_inputs(library):
         assert_matches(native_linear(layer, columns), dequantize_matmul(layer, columns), torch.float32)
 
 
-@pytest.mark.parametrize("config", [CustomBitsConfig(bits=4, group_size=64), CustomBitsConfig(bits=3, group_size=64)],
-                         ids=config_id)
+@pytest.mark.parametrize(
+    "config", [CustomBitsConfig(bits=4, group_size=64), CustomBitsConfig(bits=3, group_size=64)], ids=config_id
+)
 def test_many_rows_read_from_a_wider_tensor_equal_the_contiguous_rows(config, isa):
     """From 8 rows AVX2 reads x in place with its row stride: a column slice gives the contiguous result."""
     layer = quantized(config, 256, 40)
