@@ -4,8 +4,8 @@ The base is quantized while it loads (`--method`, any registered method), loaded
 saved (an already quantized checkpoint), quantized by bitsandbytes (`--bitsandbytes`, NF4 with
 double quantization, for comparison) or kept in float (no `--method`: plain LoRA). LoRA adapters
 train on the bundled WikiText-2 text after its evaluation windows, or on `--data FILE`, with
-held-out perplexity measured before and after. DIR is the run folder: `log.jsonl`,
-`checkpoint-N`, `final/` (the adapter, in PEFT's format), `merged/` (with `--merge`) and the
+held-out perplexity measured before and after. DIR is the run folder: `trainer_state.json`
+(the log), `checkpoint-N`, `final/` (the adapter, in PEFT's format), `merged/` (with `--merge`) and the
 report. The same command runs under `torchrun` or `accelerate launch` (DDP; gloo on CPU); only
 the first process prints and writes.
 """
@@ -114,8 +114,8 @@ def _bitsandbytes_nf4() -> Any:
 def _train(model: Any, tokenizer: Any, base: str, name: str, output: Path, args: Any, console: Console) -> None:
     from transformers import set_seed
 
+    from quantlab.cli.stats import peak_memory_bytes
     from quantlab.training import CausalLMCollator, Trainer, add_lora, read_log, trainable_parameters
-    from quantlab.training.reporting import MIB, peak_memory_bytes
 
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
     alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
@@ -146,7 +146,7 @@ def _train(model: Any, tokenizer: Any, base: str, name: str, output: Path, args:
         "perplexity_after": perplexities[-1] if len(perplexities) > 1 else None,
         "seconds_per_step": runtime / max(len(losses), 1) if runtime else None,
         "tokens_per_second": tokens / runtime if runtime else None,
-        "peak_memory_mib": peak_memory_bytes(trainer.args.device) / MIB, "optimizer_state_mib": optimizer_bytes / MIB,
+        "peak_memory_mib": peak_memory_bytes() / 2**20, "optimizer_state_mib": optimizer_bytes / 2**20,
         "adapter": str(output / "final"), "merge": None,
     }  # fmt: skip
     rows = [

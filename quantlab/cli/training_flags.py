@@ -8,7 +8,7 @@ values are typed and checked as `TrainingArguments` types them (`quantlab.traini
 Where a value is: the table's default < the command's default (`COMMAND_DEFAULTS`) <
 `--training-args FILE` < `--training-arg` < the dedicated flag.
 
-- `--output-dir DIR` is the run folder in every command: `log.jsonl`, `checkpoint-N`, the
+- `--output-dir DIR` is the run folder in every command: `trainer_state.json` (the log), `checkpoint-N`, the
   report, and the command's result in `DIR/final` (finetune: the adapter; prune and distill: the model).
 - `--resume-from-checkpoint` (bare or `latest`) continues from the newest checkpoint of
   `--output-dir`; with a folder, from that checkpoint or that run folder's newest.

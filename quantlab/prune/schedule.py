@@ -51,8 +51,11 @@ class KeepMasks(TrainerCallback):
         apply_masks(self.model)
 
     def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs) -> None:
+        """The masked fraction joins the record: for the other callbacks (`logs`) and in `log_history`."""
         if logs is not None and self.model is not None:
             logs["sparsity"] = masked_fraction(self.model)
+            if state.log_history:  # Trainer appended this record's copy just before calling on_log
+                state.log_history[-1]["sparsity"] = logs["sparsity"]
 
     def state_dict(self) -> dict[str, Any]:
         if self.model is None:

@@ -29,14 +29,10 @@ FINAL_DIR = "final"  # where a run's trained model goes, inside output_dir
 
 def __getattr__(name: str):
     """`Trainer` and `read_log` import transformers' Trainer (and with it PEFT and bitsandbytes): only when used."""
-    if name == "Trainer":
-        from quantlab.training.trainer import Trainer
+    if name in ("Trainer", "read_log"):
+        from quantlab.training import trainer
 
-        return Trainer
-    if name == "read_log":
-        from quantlab.training.reporting import read_log
-
-        return read_log
+        return getattr(trainer, name)
     raise AttributeError(f"module 'quantlab.training' has no attribute {name!r}")
 
 

@@ -1,4 +1,4 @@
-"""`transformers.Trainer` with what quantlab's runs add: held-out perplexity, safe atomic checkpoints, a JSONL log.
+"""`transformers.Trainer` with what quantlab's runs add: held-out perplexity and safe atomic checkpoints.
 
 The loop, accumulation, DDP (gloo on CPU under `torchrun`/`accelerate launch`), mixed precision,
 schedules and optimizers (8-bit ones included: `optim="adamw_8bit"`) are transformers'. Its
@@ -15,7 +15,8 @@ the whole optimizer step across processes (`num_items_in_batch`). What this subc
   naming the last complete checkpoint.
 - `resume_from_checkpoint` takes `"latest"`, a run folder or a checkpoint; a new run refuses a
   folder that holds another run's checkpoints. The trained model goes to `output_dir/final`
-  (unless `save_final=False`: a caller that saves it its own way, sparse say).
+  (unless `save_final=False`: a caller that saves it its own way, sparse say), and the run's
+  `trainer_state.json` (transformers' file: its `log_history` is the log, `read_log`) to `output_dir`.
 - Callbacks with `state_dict`/`load_state_dict` (pruning masks) are checkpointed; their
   `settings()` join the run's fingerprint, so a resume with another schedule is refused.
 """
@@ -36,9 +37,8 @@ from quantlab.training import FINAL_DIR
 from quantlab.training import checkpoints as ckpt
 from quantlab.training.data import CausalLMCollator, TokenSequences
 from quantlab.training.evaluation import heldout_perplexity
-from quantlab.training.reporting import RunLog
 from quantlab.training.state_files import write_state
-from quantlab.utils.atomic import atomic_directory, is_staging_of_live_process
+from quantlab.utils.atomic import atomic_directory, atomic_file, is_staging_of_live_process
 
 TRAINER_STATE = "trainer_state.json"
 CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")  # their shape does not depend on max_steps
@@ -72,7 +72,6 @@ class Trainer(transformers.Trainer):
         self.eval_windows, self.save_final = eval_windows, save_final
         if eval_windows is not None and kwargs.get("eval_dataset") is None:
             kwargs["eval_dataset"] = TokenSequences(list(eval_windows))
-        callbacks = [*(callbacks or []), RunLog(Path(args.output_dir))]
         super().__init__(
             model=model,
             args=args,
@@ -81,13 +80,13 @@ class Trainer(transformers.Trainer):
             callbacks=callbacks,
             **kwargs,
         )
-        # The log goes to log.jsonl; stdout belongs to the caller (the CLI prints its report there).
+        # The log goes to trainer_state.json; stdout belongs to the caller (the CLI prints its report there).
         self.remove_callback(transformers.trainer_callback.PrinterCallback)
 
     # -- runs ---------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | Path | bool | None = None, **kwargs: Any):
-        """Train (or resume: `"latest"`, a run folder or a checkpoint); saves the model to `output_dir/final`."""
+        """Train (or resume: `"latest"`, a run folder or a checkpoint); the model goes to `output_dir/final`."""
         output_dir = Path(self.args.output_dir)
         if self.args.should_save:
             for leftover in output_dir.glob(f".{PREFIX_CHECKPOINT_DIR}-*"):
@@ -107,6 +106,9 @@ class Trainer(transformers.Trainer):
             _raise_full_disk(error, output_dir)
             raise
         self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            with atomic_file(output_dir / TRAINER_STATE) as staging:
+                self.state.save_to_json(str(staging))
         if self.args.should_save and self.save_final:
             with atomic_directory(output_dir / FINAL_DIR, overwrite=True) as staging:
                 self._save(str(staging))
@@ -237,6 +239,12 @@ class Trainer(transformers.Trainer):
             )
         for callback, entry in zip(callbacks, entries, strict=True):
             ckpt.load_into(callback, entry["state"] or {}, checkpoint / "callbacks.json")
+
+
+def read_log(output_dir: str | Path) -> list[dict[str, Any]]:
+    """The log of a finished run: transformers' `log_history` (a record per logging step or evaluation)."""
+    path = Path(output_dir) / TRAINER_STATE
+    return transformers.TrainerState.load_from_json(str(path)).log_history if path.is_file() else []
 
 
 def _raise_full_disk(error: Exception, run_dir: Path) -> None:

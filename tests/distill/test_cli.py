@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import quantlab
 from quantlab.cli.main import main
 from quantlab.testing import tiny_llama
+from quantlab.training import read_log
 
 TRAIN = ["--max-seq-length", "32", "--batch-size", "2", "--learning-rate", "1e-3"]
 
@@ -65,7 +66,7 @@ def test_distill_run_folder_resumes_in_place(tmp_path, capsys, make_checkpoint):
     assert code == 0, err
     assert (tmp_path / "out" / "final" / "config.json").is_file()
     assert sorted(p.name for p in (tmp_path / "out").glob("*checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
-    assert (tmp_path / "out" / "log.jsonl").is_file() and (tmp_path / "out" / "quantlab_report.json").is_file()
+    assert (tmp_path / "out" / "trainer_state.json").is_file() and (tmp_path / "out" / "quantlab_report.json").is_file()
 
     new = ["distill", "--teacher", str(teacher), "--student", str(student), "--max-steps", "2"]
     new += ["--max-seq-length", "32", "--save-steps", "1", "--output-dir", str(tmp_path / "out"), "--json"]
@@ -75,5 +76,5 @@ def test_distill_run_folder_resumes_in_place(tmp_path, capsys, make_checkpoint):
     code, out, err = _run(capsys, *new, "--resume-from-checkpoint", str(first))
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 2
-    log = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
+    log = read_log(tmp_path / "out")
     assert [record["step"] for record in log if "loss" in record] == [1, 2]  # step 2 retrained once, from step 1

@@ -1,7 +1,6 @@
 """Distillation on Trainer with tiny Llamas: the KL falls, pruned students stay pruned, runs resume."""
 
 import copy
-import json
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import quantlab
 from quantlab.distill import DistillationConfig, distillation_trainer, token_kl
 from quantlab.prune import mask_of, masked_layers, prune
 from quantlab.testing import tiny_llama
-from quantlab.training import TokenSequences, add_lora, training_arguments
+from quantlab.training import TokenSequences, add_lora, read_log, training_arguments
 
 
 def _sequences(count: int, seed: int) -> list[torch.Tensor]:
@@ -58,7 +57,7 @@ def test_distillation_lowers_the_kl_to_the_teacher_on_held_out_text(tmp_path):
     trainer.train()
     after = _heldout_kl(teacher, student)
     assert after < 0.85 * before  # measured: 0.87 -> 0.64
-    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    log = read_log(tmp_path)
     assert {"kl", "ce", "loss"} <= set(log[-2])  # the last step's record (the run's summary follows)
     assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
 
@@ -150,7 +149,7 @@ def test_smaller_student_with_hidden_matching_under_bf16_autocast(tmp_path):
     assert projection.projections[0].weight.shape == (64, 32)  # student width -> teacher width
     before = projection.projections[0].weight.detach().clone()
     trainer.train()
-    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    log = read_log(tmp_path)
     log = [record for record in log if "loss" in record]
     assert all(torch.isfinite(torch.tensor(record["loss"])) for record in log)
     assert log[-1]["hidden_mse"] > 0

@@ -1,7 +1,5 @@
 """Pruning as Trainer callbacks: masks hold through optimizer steps, the schedule, resume."""
 
-import json
-
 import pytest
 import torch
 from transformers import TrainerCallback
@@ -9,7 +7,7 @@ from transformers import TrainerCallback
 from quantlab.errors import ConfigError
 from quantlab.prune import GradualPruning, KeepMasks, cubic_sparsity, mask_of, masked_layers, prune
 from quantlab.testing import tiny_llama
-from quantlab.training import TokenSequences, Trainer, training_arguments
+from quantlab.training import TokenSequences, Trainer, read_log, training_arguments
 
 
 def _data(count: int = 32, length: int = 16) -> TokenSequences:
@@ -31,7 +29,7 @@ def _config(output_dir, **overrides):
 
 
 def _log(output_dir) -> list[dict]:
-    records = [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines()]
+    records = read_log(output_dir)
     return [record for record in records if "loss" in record]  # the step records
 
 

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from quantlab.testing import tiny_llama, tiny_model_dir
+from quantlab.training import read_log
 
 TINY = ["--lora-r", "4", "--lora-dropout", "0", "--max-seq-length", "32", "--eval-windows", "2", "--eval-seq-len", "64"]
 
@@ -53,7 +54,7 @@ def test_two_processes_match_one_and_write_one_checkpoint(tmp_path, tokenizer):
     assert {"random_states_0.json", "random_states_1.json", "trainable.safetensors"} <= {
         p.name for p in checkpoint.iterdir()
     }
-    log = [json.loads(line) for line in (tmp_path / "two" / "log.jsonl").read_text().splitlines()]
+    log = read_log(tmp_path / "two")
     assert [r["step"] for r in log if "loss" in r] == [1, 2, 3]  # one log, not one per process
 
     # Same global batch of 4 examples per step: DDP must give the single-process update.
@@ -61,5 +62,5 @@ def test_two_processes_match_one_and_write_one_checkpoint(tmp_path, tokenizer):
     assert adapters[0].keys() == adapters[1].keys()
     for name in adapters[0]:
         torch.testing.assert_close(adapters[0][name], adapters[1][name], rtol=1e-4, atol=1e-6, msg=name)
-    one_log = [json.loads(line) for line in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
+    one_log = read_log(tmp_path / "one")
     assert [r["loss"] for r in log if "loss" in r] == pytest.approx([r["loss"] for r in one_log if "loss" in r])
