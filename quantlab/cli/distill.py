@@ -13,7 +13,7 @@ from pathlib import Path
 
 from quantlab.cli.console import Console, add_output_options, disk_size, seconds
 from quantlab.cli.evaluation import add_eval_arguments, measure_perplexity, read_text
-from quantlab.cli.models import float_checkpoint, load_tokenizer, quantization_method_of, read_config, resolve_model
+from quantlab.cli.models import float_checkpoint, load_tokenizer, resolve_model
 from quantlab.cli.training_flags import (
     add_training_flags,
     finish_run,
@@ -78,16 +78,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _distill(args, teacher_folder, student_folder, names: tuple[str, str], output: Path, distillation, text, console):
-    from quantlab.distill import DistillationTrainer, check_vocabularies, finished_student, trainable_student
+    from quantlab.distill import check_student, check_vocabularies, distill
+    from quantlab.loading import read_config
     from quantlab.saving import save_model
-    from quantlab.training import CausalLMCollator, read_log
 
-    quantized = quantization_method_of(read_config(student_folder)) is not None
-    if quantized and args.lora_r is None:
-        raise QuantlabError(
-            f"the student {student_folder} is quantized: its weights cannot train directly; pass --lora-r R to "
-            f"train LoRA adapters on it (merged into it at the end)"
-        )
+    check_student(read_config(student_folder), args.lora_r)
     teacher_tokenizer, student_tokenizer = load_tokenizer(teacher_folder), load_tokenizer(student_folder)
     tokenizer = student_tokenizer or teacher_tokenizer
     console.note(f"loading the teacher {teacher_folder} and the student {student_folder}")
@@ -98,18 +93,15 @@ def _distill(args, teacher_folder, student_folder, names: tuple[str, str], outpu
         console.note(f"measuring perplexity on {text.describe()}")
         perplexity = {name: measure_perplexity(model, tokenizer, text, console)
                       for name, model in (("teacher", teacher), ("before", student))}  # fmt: skip
-    trainable = trainable_student(student, args.lora_r, quantized)
     data = training_data(args, tokenizer)
     started = time.perf_counter()
     windows = data.eval_windows if args.eval_steps and args.eval_windows else None
     training_args = training_arguments(args, console, eval_steps=args.eval_steps if windows is not None else 0)
-    trainer = DistillationTrainer(
-        trainable, teacher, training_args, data.train, distillation=distillation, eval_windows=windows,
-        data_collator=CausalLMCollator.for_tokenizer(tokenizer), save_final=False,
+    student, losses = distill(
+        student, teacher, training_args, data.train, tokenizer, lora_r=args.lora_r, distillation=distillation,
+        eval_windows=windows, teacher_tokenizer=teacher_tokenizer, resume_from_checkpoint=args.resume_from_checkpoint,
     )  # fmt: skip
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    train_seconds, losses = time.perf_counter() - started, [r["loss"] for r in read_log(output) if "loss" in r]
-    student = finished_student(trainable, quantized)
+    train_seconds = time.perf_counter() - started
     del teacher
     if text is not None:
         perplexity["after"] = measure_perplexity(student, tokenizer, text, console)

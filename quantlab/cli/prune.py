@@ -79,20 +79,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from quantlab.prune import parse_pattern
-    from quantlab.prune.patterns import check_sparsity, resolve_sparsity
+    from quantlab.prune.pipeline import first_examples, pattern_sparsity, prune_by_pattern
 
     console = Console.from_args(args)
     resolve_training_flags(args, "prune")
     pattern = parse_pattern(args.pattern)
-    if pattern.kind == "structured":
-        sparsity = check_sparsity(args.sparsity if args.sparsity is not None else 0.0, "--sparsity")
-        check_sparsity(args.head_sparsity, "--head-sparsity")
-        if sparsity == 0 and args.head_sparsity == 0:
-            raise QuantlabError("structured pruning needs --sparsity (MLP neurons) and/or --head-sparsity (heads)")
-    else:
-        sparsity = resolve_sparsity(pattern, args.sparsity)
-        if args.head_sparsity:
-            raise QuantlabError("--head-sparsity applies to --pattern structured only")
+    sparsity = pattern_sparsity(pattern, args.sparsity, args.head_sparsity)
     if args.distill_from and not args.max_steps:
         raise QuantlabError("--distill-from trains the pruned model from a teacher: give --max-steps N too")
     text = read_text(args, seq_len=args.eval_seq_len, windows=args.eval_windows) if args.eval else None
@@ -115,7 +107,13 @@ def run(args: argparse.Namespace) -> int:
         perplexity = [measure_perplexity(model, tokenizer, text, console)] if text is not None else []
         console.note(f"pruning {source}: {pattern}")
         started = time.perf_counter()
-        report["achieved_sparsity"], report["layers_pruned"] = _prune(model, pattern, sparsity, args, tokenizer)
+        calibration = None
+        if pattern.kind == "structured" and args.calibration_samples > 0 and tokenizer is not None:
+            calibration = first_examples(training_data(args, tokenizer).train, args.calibration_samples)
+        outcome = prune_by_pattern(
+            model, pattern, sparsity, scope=args.scope, head_sparsity=args.head_sparsity, calibration=calibration
+        )
+        report |= {"achieved_sparsity": outcome.sparsity, "layers_pruned": outcome.layers}
         report["prune_seconds"] = time.perf_counter() - started
         report["parameters_after"] = sum(p.numel() for p in model.parameters())
         report["head_sparsity"] = args.head_sparsity if pattern.kind == "structured" else None
@@ -130,50 +128,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prune(model: Any, pattern: Any, sparsity: float, args: argparse.Namespace, tokenizer: Any) -> tuple[float, int]:
-    """Prune in place; returns the fraction removed and the number of layers pruned."""
-    from quantlab.prune import prune, prune_structured
-
-    if pattern.kind != "structured":
-        result = prune(model, pattern, sparsity, scope=args.scope)
-        return result.achieved_sparsity, len(result.layers)
-    calibration = None
-    if args.calibration_samples > 0 and tokenizer is not None:  # the first training examples, one per batch
-        examples = training_data(args, tokenizer).train
-        count = min(args.calibration_samples, len(examples))
-        calibration = [{"input_ids": examples[i]["input_ids"].unsqueeze(0)} for i in range(count)]
-    result = prune_structured(model, mlp_sparsity=sparsity, head_sparsity=args.head_sparsity, calibration=calibration)
-    return result.neuron_sparsity, model.config.num_hidden_layers
-
-
-def _recover(args, model: Any, tokenizer: Any, teacher_source: Any, output: Path, report: dict, console) -> None:
+def _recover(args, model: Any, tokenizer: Any, teacher: Any, output: Path, report: dict, console: Console) -> None:
     """Train the pruned model (masks held) for `--max-steps`, or distill it from `--distill-from`."""
-    from quantlab.distill import DistillationTrainer, freeze_embeddings
-    from quantlab.prune import KeepMasks, masked_layers
-    from quantlab.training import CausalLMCollator, Trainer, read_log
+    from quantlab.prune.pipeline import recover
 
-    data = training_data(args, tokenizer)
-    model.train()
-    freeze_embeddings(model)
-    started = time.perf_counter()
+    started, data = time.perf_counter(), training_data(args, tokenizer)
     windows = data.eval_windows if args.eval_steps and args.eval_windows else None
     training_args = training_arguments(args, console, eval_steps=args.eval_steps if windows is not None else 0)
-    options = {"eval_windows": windows, "data_collator": CausalLMCollator.for_tokenizer(tokenizer), "save_final": False}
-    if teacher_source is None:
-        callbacks = [KeepMasks()] if masked_layers(model) else []
-        trainer = Trainer(model, training_args, data.train, callbacks=callbacks, **options)
-    else:
-        with float_checkpoint(teacher_source, scratch=output.parent, progress=console.progress) as teacher_dir:
-            teacher, teacher_tokenizer = load_checkpoint(teacher_dir), load_tokenizer(teacher_dir)
-        console.note(f"distilling from {teacher_source} for {args.max_steps} steps")
-        trainer = DistillationTrainer(
-            model, teacher, training_args, data.train, distillation=distillation_config(args),
-            teacher_tokenizer=teacher_tokenizer, student_tokenizer=tokenizer, **options,
-        )  # fmt: skip
-        report["teacher"] = str(teacher_source)
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    model.eval()
-    losses = [r["loss"] for r in read_log(output) if "loss" in r]
+    options = {"eval_windows": windows, "resume_from_checkpoint": args.resume_from_checkpoint}
+    if teacher is not None:
+        with float_checkpoint(teacher, scratch=output.parent, progress=console.progress) as folder:
+            options |= {"teacher": load_checkpoint(folder), "teacher_tokenizer": load_tokenizer(folder)}
+        options["distillation"], report["teacher"] = distillation_config(args), str(teacher)
+        console.note(f"distilling from {teacher} for {args.max_steps} steps")
+    losses = recover(model, training_args, data.train, tokenizer, **options)
     report |= {"finetune_steps": args.max_steps, "finetune_loss": losses[-1] if losses else None}
     report["finetune_seconds"] = time.perf_counter() - started
 

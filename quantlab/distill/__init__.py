@@ -16,7 +16,7 @@ from quantlab.distill.compat import VocabularyMismatchError, check_vocabularies,
 from quantlab.distill.config import DistillationConfig
 from quantlab.distill.hidden import HiddenStateProjection, hidden_state_error
 from quantlab.distill.loss import DistillationLoss, token_kl
-from quantlab.distill.student import finished_student, freeze_embeddings, trainable_student
+from quantlab.distill.student import check_student, distill, finished_student, freeze_embeddings, trainable_student
 from quantlab.distill.trainer import DistillationModel, DistillationTrainer, distillation_trainer
 
 __all__ = [
@@ -26,7 +26,9 @@ __all__ = [
     "DistillationTrainer",
     "HiddenStateProjection",
     "VocabularyMismatchError",
+    "check_student",
     "check_vocabularies",
+    "distill",
     "distillation_trainer",
     "finished_student",
     "freeze_embeddings",

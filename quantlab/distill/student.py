@@ -45,3 +45,47 @@ def finished_student(trained: Any, quantized: bool = False) -> nn.Module:
     for name, mask in masks.items():  # the dense LoRA update is pruned back to the student's pattern
         attach_mask(modules[name.removeprefix("base_model.model.").removesuffix(".base_layer")], mask)
     return merged.eval()
+
+
+def check_student(config: Any, lora_r: int | None) -> bool:
+    """Whether the student (`config`) is quantized; a quantized one must train LoRA adapters (`lora_r`)."""
+    from quantlab.errors import QuantlabError
+    from quantlab.loading import quantization_method_of
+
+    quantized = quantization_method_of(config) is not None
+    if quantized and lora_r is None:
+        raise QuantlabError(
+            "the student is quantized: its weights cannot train directly; give it LoRA adapters (lora_r, the CLI's "
+            "--lora-r R), merged into it at the end"
+        )
+    return quantized
+
+
+def distill(
+    student: nn.Module,
+    teacher: nn.Module,
+    args: Any,
+    train: Any,
+    tokenizer: Any,
+    *,
+    lora_r: int | None = None,
+    distillation: Any = None,
+    eval_windows: Any = None,
+    teacher_tokenizer: Any = None,
+    resume_from_checkpoint: str | None = None,
+) -> tuple[nn.Module, list[float]]:
+    """Distill `teacher` into `student` for `args.max_steps` (its weights, or LoRA adapters of rank `lora_r`, which a
+    quantized student needs, merged at the end); returns the finished student and the logged losses."""
+    from quantlab.distill.trainer import DistillationTrainer
+    from quantlab.training import CausalLMCollator
+
+    quantized = check_student(getattr(student, "config", None), lora_r)
+    trainable = trainable_student(student, lora_r, quantized)
+    trainer = DistillationTrainer(
+        trainable, teacher, args, train, distillation=distillation, eval_windows=eval_windows, save_final=False,
+        data_collator=CausalLMCollator.for_tokenizer(tokenizer), teacher_tokenizer=teacher_tokenizer,
+        student_tokenizer=tokenizer,
+    )  # fmt: skip
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    losses = [record["loss"] for record in trainer.state.log_history if "loss" in record]
+    return finished_student(trainable, quantized), losses

@@ -154,3 +154,22 @@ def test_smaller_student_with_hidden_matching_under_bf16_autocast(tmp_path):
     assert all(torch.isfinite(torch.tensor(record["loss"])) for record in log)
     assert log[-1]["hidden_mse"] > 0
     assert not torch.equal(projection.projections[0].weight.detach(), before)  # the projection trains
+
+
+def test_distill_returns_the_finished_student_and_refuses_a_quantized_one_without_lora(tmp_path):
+    from types import SimpleNamespace
+
+    from quantlab.distill import distill
+    from quantlab.errors import QuantlabError
+
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    teacher, data = _teacher(), TokenSequences(_sequences(64, seed=0))
+    quantized = quantlab.quantize(tiny_llama(1), quantlab.NF4Config(blocksize=32))
+    with pytest.raises(QuantlabError, match="--lora-r"):
+        distill(quantized, teacher, _config(tmp_path / "q"), data, tokenizer)
+    student = tiny_llama(1)
+    before = _heldout_kl(teacher, student)
+    config = DistillationConfig(alpha=1.0, temperature=1.0)
+    trained, losses = distill(student, teacher, _config(tmp_path / "f"), data, tokenizer, distillation=config)
+    assert trained is student and not trained.training and len(losses) == 12
+    assert _heldout_kl(teacher, trained) < before
