@@ -15,9 +15,10 @@ Without a C compiler, or with `QUANTLAB_NATIVE_KERNELS=0`, `library()` returns N
 the layers run on the reference kernel: slower, never wrong.
 
 Threads: when torch runs on libgomp (its Linux wheels do), the kernels run on torch's own
-OpenMP team instead of a second pool that would compete with it for the cores (pool.c);
-`QUANTLAB_THREAD_POOL=own` keeps them on the library's own pool, which degrades more gently
-on a machine that other busy processes share (a late thread never stalls a call).
+OpenMP team instead of a second pool that would compete with it for the cores (pool.c), and
+leave it for the library's own pool for a second whenever a call's join waited for a team thread
+that was not running (a machine other busy processes share: a late thread never stalls a call
+on the own pool); `QUANTLAB_THREAD_POOL=own` keeps them on the own pool throughout.
 """
 
 import ctypes
@@ -38,7 +39,7 @@ from quantlab.kernels import trusted
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("csrc")
-ABI_VERSION = 6
+ABI_VERSION = 7
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 # -ffp-contract=off: a*b+c stays two roundings, as torch computes it (decoded weights are bit-exact).
 _COMPILE = ["-O3", "-std=c11", "-fPIC", "-pthread", "-fvisibility=hidden", "-ffp-contract=off", "-fno-math-errno"]
@@ -193,6 +194,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ql_uses_openmp.restype = integer
     if lib.ql_abi_version() != ABI_VERSION:
         raise NativeBuildError(f"library ABI {lib.ql_abi_version()} does not match quantlab's {ABI_VERSION}")
+    lib.ql_set_team_stall_ns.argtypes = [i64, i64]
+    lib.ql_pool_calls.argtypes = [integer]
+    lib.ql_pool_calls.restype = i64
     return lib
 
 
