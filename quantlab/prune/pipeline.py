@@ -32,7 +32,7 @@ def pattern_sparsity(pattern: str | SparsityPattern, sparsity: float | None, hea
             raise ConfigError("head_sparsity (--head-sparsity) is for the pattern structured only")
         return resolve_sparsity(pattern, sparsity)
     mlp = check_sparsity(sparsity if sparsity is not None else 0.0, "sparsity")
-    if mlp == 0 and check_sparsity(head_sparsity, "head_sparsity") == 0:
+    if check_sparsity(head_sparsity, "head_sparsity") == 0 and mlp == 0:
         raise ConfigError(
             "structured pruning needs sparsity (of MLP neurons, --sparsity) and/or head_sparsity (of attention heads, "
             "--head-sparsity)"

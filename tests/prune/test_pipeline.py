@@ -34,6 +34,7 @@ def _arguments(output_dir, steps: int = 3):
         ("unstructured", None, 0.0, "needs a sparsity"),
         ("structured", None, 0.0, "and/or head_sparsity"),
         ("2:4", None, 0.5, "structured only"),
+        ("structured", 0.25, 1.5, "head_sparsity=1.5"),
     ],
 )
 def test_options_that_do_not_fit_the_pattern_are_refused_before_pruning(pattern, sparsity, head_sparsity, message):
