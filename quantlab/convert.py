@@ -226,13 +226,17 @@ def _check_targets(model: nn.Module, modules: list[str]) -> None:
 
 
 def _attach_hf_quantizer(model: nn.Module, config: QuantlabConfig, quantizer_class: type) -> None:
-    """Make a converted transformers model look like one loaded with `quantization_config`."""
+    """Make a converted transformers model look like one loaded with `quantization_config`
+    (its quantizer attached, and the chunked causal-LM loss that loading installs)."""
+    from quantlab.integrations.transformers import use_chunked_loss
+
     if not hasattr(model, "config") or not hasattr(model, "save_pretrained"):
         return
     model.hf_quantizer = quantizer_class(config, pre_quantized=True)
     model.is_quantized = True
     model.quantization_method = config.quant_method
     model.config.quantization_config = config
+    use_chunked_loss(model)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -5,8 +5,13 @@ swaps its Linear layers for the method's quantized layer, then quantizes each fl
 as the loader streams it in (`get_quantize_ops`): the float model never exists in memory.
 A checkpoint saved from such a model reloads through the same quantizer on its pre-quantized
 path, the stored tensors landing straight in the layers' buffers.
+
+A causal LM loaded this way also gets quantlab's chunked cross-entropy as its `loss_function`
+(`quantlab.nn.losses`: same loss and gradients, one logits-sized tensor fewer at the peak of a
+training step); `QUANTLAB_CHUNKED_LOSS=0` keeps transformers' own.
 """
 
+import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -167,6 +172,7 @@ class QuantlabHfQuantizer(HfQuantizer):
                 verify_loaded_layer(name, layer)
         if self.calibrates_after_loading:
             self._calibrate(model)
+        use_chunked_loss(model)
         return model
 
     def _verify_files(self, model: torch.nn.Module) -> None:
@@ -251,6 +257,30 @@ class QuantizeOnLoad(ConversionOps):
             spec = module.storage_spec(module.in_features, module.out_features, module.config)
             stored = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
         return {f"{layer_name}.{name}": tensor for name, tensor in stored.items()}
+
+
+def use_chunked_loss(model: torch.nn.Module) -> bool:
+    """Give `model` quantlab's chunked causal-LM cross-entropy if its loss is transformers' `ForCausalLMLoss`.
+
+    Exact (the same loss and gradients to float rounding), so it is on for every quantlab model;
+    `QUANTLAB_CHUNKED_LOSS=0` turns it off, as does `model.loss_function = ForCausalLMLoss` later.
+    A model whose class or user chose another loss keeps it. Returns whether it was installed.
+    """
+    from transformers import PreTrainedModel
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    from quantlab.nn.losses import causal_lm_loss
+
+    if os.environ.get("QUANTLAB_CHUNKED_LOSS", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if not isinstance(model, PreTrainedModel) or "_loss_function" in vars(model):
+        return False
+    if type(model).loss_function is not PreTrainedModel.loss_function:  # a model class with a loss of its own
+        return False
+    if LOSS_MAPPING.get(getattr(model, "loss_type", None)) is not ForCausalLMLoss:
+        return False
+    model.loss_function = causal_lm_loss
+    return True
 
 
 def _tokenizer_of(model: torch.nn.Module) -> Any:
