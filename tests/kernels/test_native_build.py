@@ -121,8 +121,8 @@ def test_the_environment_keeps_the_kernels_on_their_own_pool(threads_restored, m
 
 @pytest.mark.skipif(native.torch_gomp_parallel() is None, reason="torch does not run on libgomp here")
 def test_a_stalled_join_on_torchs_team_moves_the_next_calls_to_the_own_pool(threads_restored):
-    """A join that waited for an absent team thread (here: a negative bound, so every call counts) sends the
-    calls after it to the library's own pool until the pause ends; then the calls go back to the team."""
+    """Three joins in a row that waited for an absent team thread (here: a negative bound, so every call counts)
+    send the calls after them to the library's own pool until the pause ends; then the calls go back to the team."""
     module, x = layer(), torch.randn(64, 512)
     expected = _gemm(module, x, threads=1)
     threads_restored.ql_use_openmp(native.torch_gomp_parallel())
@@ -130,8 +130,8 @@ def test_a_stalled_join_on_torchs_team_moves_the_next_calls_to_the_own_pool(thre
     try:
         threads_restored.ql_set_team_stall_ns(-(10**15), 60 * 10**9)
         team, own = calls(1), calls(0)
-        results = [_gemm(module, x, threads=2) for _ in range(3)]
-        assert (calls(1) - team, calls(0) - own) == (1, 2)  # the first call stalled "by definition"
+        results = [_gemm(module, x, threads=2) for _ in range(5)]
+        assert (calls(1) - team, calls(0) - own) == (3, 2)  # every call stalls "by definition"; three in a row leave
         threads_restored.ql_set_team_stall_ns(60 * 10**9, 10**9)  # the pause ends; no call can stall that long
         team = calls(1)
         results += [_gemm(module, x, threads=2) for _ in range(3)]

@@ -28,12 +28,14 @@
  * workers spin for a short while, so the next layer's call finds them awake, then sleep on a
  * condition variable.
  *
- * `ql_run` also leaves torch's team by itself while the machine is busy: when the caller of a
- * call waited longer than it worked, by `ql_stall_ns` or more (a team thread was not running, so
- * the join waited for a scheduler time slice; an uneven split waits less than the caller works),
- * the next calls take our pool for `ql_own_ns`, then try the team again. With another process keeping both cores busy
- * (2 vCPUs, one row of 576x192 4-bit through the op), every call on the team took 6.4-8.0 ms
- * (fp32 20 us) and on our pool 13 us; a stalled call a second costs ~1 %.
+ * `ql_run` also leaves torch's team by itself while the machine is busy: when the callers of
+ * QL_STALLS_TO_LEAVE calls in a row waited longer than they worked, by `ql_stall_ns` or more (a
+ * team thread was not running, so the join waited for a scheduler time slice; an uneven split
+ * waits less than the caller works), the next calls take our pool for `ql_own_ns`, then try the
+ * team again. Beside another process running torch on both cores (2 vCPUs, one row of 576x1536
+ * 4-bit through the op, 1000 calls): 8.0 ms a call on the team, 128-130 us with this (fp32 96 us).
+ * A single stall is common on a lightly loaded machine and sent a third of an eager decode's calls
+ * to our pool (10% fewer tokens/s) before three in a row were required; none do now.
  */
 
 #define QL_MAX_WORKERS 63
@@ -135,6 +137,8 @@ typedef struct {
 static int64_t ql_stall_ns = 1000000;   /* a wait this much longer than the work: a thread was absent */
 static int64_t ql_own_ns = 1000000000;  /* then our pool for this long */
 static _Atomic int64_t ql_team_after_ns = 0;
+static _Atomic int ql_stalls_in_row = 0;
+#define QL_STALLS_TO_LEAVE 3            /* one stall now and then is noise; several in a row, a busy machine */
 static _Atomic int64_t ql_calls[2];     /* calls of more than one thread: [0] our pool, [1] torch's team */
 
 static void ql_team_work(void *data) {
@@ -149,6 +153,7 @@ QL_API void ql_set_team_stall_ns(int64_t stall_ns, int64_t own_ns) {
     ql_stall_ns = stall_ns;
     ql_own_ns = own_ns;
     atomic_store(&ql_team_after_ns, 0);
+    atomic_store(&ql_stalls_in_row, 0);
 }
 
 QL_API int64_t ql_pool_calls(int team) { return atomic_load(&ql_calls[team ? 1 : 0]); }
@@ -212,7 +217,10 @@ void ql_run(ql_task task, void *arg, int64_t chunks, int threads) {
             ql_gomp_parallel(ql_team_work, &job, (unsigned)threads, 0);
             atomic_fetch_add(&ql_calls[1], 1);
             int64_t end = ql_now_ns(), waited = end - start - job.caller_busy_ns; /* the caller not working */
-            if (waited - job.caller_busy_ns >= ql_stall_ns) atomic_store(&ql_team_after_ns, end + ql_own_ns);
+            if (waited - job.caller_busy_ns < ql_stall_ns)
+                atomic_store(&ql_stalls_in_row, 0);
+            else if (atomic_fetch_add(&ql_stalls_in_row, 1) + 1 >= QL_STALLS_TO_LEAVE) /* still busy after */
+                atomic_store(&ql_team_after_ns, end + ql_own_ns); /* a pause, one stalled call leaves again */
             return;
         }
     }
