@@ -29,7 +29,6 @@ Set `QUANTLAB_PEFT=0` to leave PEFT and transformers untouched.
 """
 
 import functools
-import os
 from typing import Any
 
 from quantlab.integrations.parameter_count import (
@@ -40,6 +39,7 @@ from quantlab.integrations.parameter_count import (
 from quantlab.integrations.peft_kbit import patch_prepare_model_for_kbit_training
 from quantlab.integrations.peft_merge import patch_lora_merges
 from quantlab.integrations.peft_targets import patch_all_linear
+from quantlab.utils.environment import switched_on
 from quantlab.utils.import_hooks import after_import
 
 _PATCHED = "_quantlab_registers_lora_layers"
@@ -47,7 +47,7 @@ _PATCHED = "_quantlab_registers_lora_layers"
 
 def install() -> None:
     """Adapt PEFT and transformers now where they are loaded, else as soon as they load."""
-    if os.environ.get("QUANTLAB_PEFT", "1") == "0":
+    if not switched_on("QUANTLAB_PEFT"):
         return
     after_import("peft.tuners.lora.config", "LoraConfig", lambda module: patch_lora_config(module.LoraConfig))
     after_import("peft.tuners.tuners_utils", "_maybe_include_all_linear_layers", patch_all_linear)

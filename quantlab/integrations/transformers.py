@@ -11,7 +11,6 @@ A causal LM loaded this way also gets quantlab's chunked cross-entropy as its `l
 training step); `QUANTLAB_CHUNKED_LOSS=0` keeps transformers' own.
 """
 
-import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -30,6 +29,7 @@ from quantlab.config import QuantlabConfig, transformers_name
 from quantlab.errors import QuantlabError, UnknownMethodError
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
+from quantlab.utils.environment import switched_on
 from quantlab.utils.pages import release_mapped_tensor
 
 if TYPE_CHECKING:
@@ -271,7 +271,7 @@ def use_chunked_loss(model: torch.nn.Module) -> bool:
 
     from quantlab.nn.losses import causal_lm_loss
 
-    if os.environ.get("QUANTLAB_CHUNKED_LOSS", "1").lower() in ("0", "false", "no", "off"):
+    if not switched_on("QUANTLAB_CHUNKED_LOSS"):
         return False
     if not isinstance(model, PreTrainedModel) or "_loss_function" in vars(model):
         return False

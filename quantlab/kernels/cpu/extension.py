@@ -30,6 +30,7 @@ import torch
 from quantlab.formats import nf4
 from quantlab.kernels import trusted
 from quantlab.kernels.cpu import native
+from quantlab.utils.environment import switched_on
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ _FLAGS = ["-O2", "-std=c++20", "-fPIC", "-shared", "-fvisibility=hidden", "-w"]
 
 
 def enabled() -> bool:
-    return os.environ.get("QUANTLAB_TORCH_OPS", "1").lower() not in ("0", "false", "no", "off")
+    return switched_on("QUANTLAB_TORCH_OPS")
 
 
 def cxx_compiler() -> str | None:

@@ -35,6 +35,7 @@ import warnings
 from pathlib import Path
 
 from quantlab.kernels import trusted
+from quantlab.utils.environment import switched_on
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def enabled() -> bool:
-    return os.environ.get("QUANTLAB_NATIVE_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+    return switched_on("QUANTLAB_NATIVE_KERNELS")
 
 
 def torch_gomp_parallel() -> int | None:
