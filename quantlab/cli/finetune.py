@@ -115,7 +115,7 @@ def _train(model: Any, tokenizer: Any, base: str, name: str, output: Path, args:
     from transformers import set_seed
 
     from quantlab.cli.stats import peak_memory_bytes
-    from quantlab.training import CausalLMCollator, Trainer, add_lora, read_log, trainable_parameters
+    from quantlab.training import CausalLMCollator, Trainer, add_lora, trainable_parameters
 
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
     alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
@@ -130,7 +130,7 @@ def _train(model: Any, tokenizer: Any, base: str, name: str, output: Path, args:
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if not trainer.is_world_process_zero():
         return
-    log = read_log(output)
+    log = trainer.state.log_history  # what train() wrote to trainer_state.json
     losses = [r["loss"] for r in log if "loss" in r]
     perplexities = [r["eval_perplexity"] for r in log if "eval_perplexity" in r]
     runtime = next((r["train_runtime"] for r in reversed(log) if "train_runtime" in r), None)
