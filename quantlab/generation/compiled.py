@@ -9,7 +9,8 @@ operators. transformers compiles only on accelerators unless told otherwise, and
 models whose quantizer does not declare itself compileable; `compile_for_decoding` sets both up
 on any causal LM, float or quantized. The prompt (prefill) still runs eagerly, on the many-row
 kernels; only the one-token steps run compiled. In the compiled step the quantized projections
-that read one input (q/k/v, gate/up) run as one grouped call each (`fuse_projections`, fusion.py).
+that read one input (q/k/v, gate/up) run as one grouped call each (`fuse_projections`, fusion.py),
+and grouped-query attention reads the cache's key/value heads in place (attention.py).
 """
 
 import copy
@@ -21,6 +22,7 @@ from torch._inductor.custom_graph_pass import get_custom_graph_passes
 from transformers import CompileConfig, GenerationConfig
 
 from quantlab.errors import ConfigError
+from quantlab.generation.attention import restore_sdpa, use_grouped_query_sdpa
 from quantlab.generation.counters import CompileCounts, count_compilations
 from quantlab.generation.fusion import FuseProjections
 from quantlab.generation.loop import NativeGenerate
@@ -122,7 +124,10 @@ def fast_decoding_config(
     call only. The model keeps the compiled step made for this config; use one such config per model
     (with a second one, transformers compiles its own step, shared with other models of its class).
     With `native_step` the model also gets a `create_masks_for_generate` that skips the 4-D mask of the
-    steps the native step takes (other steps get transformers' mask); `disable_compiled_decoding` removes it."""
+    steps the native step takes (other steps get transformers' mask); `disable_compiled_decoding` removes it.
+    On transformers' "sdpa" attention, the model's grouped-query attention layers are marked to run
+    one-token steps without copying the cache for every query head (attention.py: the same attention);
+    `disable_compiled_decoding` unmarks them."""
     _check_can_compile(model, max_cache_len, mode)
     if not module_guards:
         options = {"guard_filter_fn": SKIP_MODULE_GUARDS, **(options or {})}
@@ -138,6 +143,7 @@ def fast_decoding_config(
     generation_config.cache_implementation = "static"
     generation_config.max_cache_len = max_cache_len
     generation_config.compile_config = compile_config
+    use_grouped_query_sdpa(model)
     _install_decode_step(model, compile_config)
     if native_step:
         model._compiled_call = NativeDecodeStep(model, model._compiled_call, 8 if int8_activations else 0)
@@ -175,13 +181,14 @@ def _install_decode_step(model: Any, compile_config: CompileConfig) -> None:
 
 
 def disable_compiled_decoding(model: Any) -> Any:
-    """Undo `compile_for_decoding`: dynamic cache, eager steps (the compiled step is dropped)."""
+    """Undo `compile_for_decoding`: dynamic cache, eager steps (the compiled step is dropped), attention unmarked."""
     generation_config = model.generation_config
     generation_config.cache_implementation = None
     generation_config.max_cache_len = None
     generation_config.compile_config = None
     for name in ("_compiled_call", "_last_compile_config", "create_masks_for_generate", "generate"):
         model.__dict__.pop(name, None)
+    restore_sdpa(model)
     return model
 
 

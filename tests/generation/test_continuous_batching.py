@@ -7,15 +7,25 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import quantlab
+from quantlab.generation import compile_for_decoding
 from quantlab.testing.models import tiny_llama
 
 PROMPTS = [[5, 17, 42, 9], [7, 8, 200, 31, 64, 12], [1, 2, 3], [99, 98, 97, 96, 95, 94, 93, 92, 91]]
 
 
-@pytest.mark.parametrize("config", [quantlab.CustomBitsConfig(bits=4, group_size=32), quantlab.Int8SymmetricConfig()])
-def test_generate_batch_gives_each_prompt_its_greedy_tokens(config):
+@pytest.mark.parametrize(
+    ("config", "fast_path"),
+    [
+        (quantlab.CustomBitsConfig(bits=4, group_size=32), False),
+        (quantlab.Int8SymmetricConfig(), False),
+        (quantlab.CustomBitsConfig(bits=4, group_size=32), True),  # the model also set up for compiled decoding
+    ],
+)
+def test_generate_batch_gives_each_prompt_its_greedy_tokens(config, fast_path):
     model = tiny_llama(seed=5)
     quantlab.quantize(model, config)
+    if fast_path:
+        compile_for_decoding(model, max_cache_len=32)
     generation = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0)
     batching = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64)
     outputs = model.generate_batch(PROMPTS, generation_config=generation, continuous_batching_config=batching)
