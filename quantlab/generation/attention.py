@@ -45,6 +45,7 @@ def grouped_query_sdpa(
         not getattr(module, ONE_TOKEN_GQA, False)
         or groups == 1
         or length != 1
+        or key.shape[1] * groups != heads  # keys already repeated per query head
         or any(kwargs.get(name) is not None for name in ("cache", "position_bias", "softcap"))
         or kwargs.get("output_attentions", False)
         or (attention_mask is not None and attention_mask.shape[1] != 1)

@@ -57,7 +57,7 @@ def test_one_token_queries_give_sdpa_attention_values_on_their_own(layer, plain_
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_prompts_per_head_masks_and_unmarked_layers_go_to_transformers(layer, plain_calls):
+def test_prompts_per_head_masks_repeated_keys_and_unmarked_layers_go_to_transformers(layer, plain_calls):
     query, key, value, mask = _inputs(2, 5)
     expected, _ = sdpa_attention_forward(layer, query, key, value, mask)
     torch.testing.assert_close(grouped_query_sdpa(layer, query, key, value, mask)[0], expected)
@@ -67,7 +67,10 @@ def test_prompts_per_head_masks_and_unmarked_layers_go_to_transformers(layer, pl
     torch.testing.assert_close(grouped_query_sdpa(layer, query, key, value, per_head)[0], expected)
     unmarked = tiny_llama().model.layers[0].self_attn
     grouped_query_sdpa(unmarked, query, key, value, mask)
-    assert plain_calls == [(2, 4, 5, 16), (2, 4, 1, 16), (2, 4, 1, 16)]
+    repeated_key, repeated_value = key.repeat_interleave(2, 1), value.repeat_interleave(2, 1)
+    with pytest.raises(RuntimeError, match="must match the size"):  # as transformers' own attention does
+        grouped_query_sdpa(layer, query, repeated_key, repeated_value, mask)
+    assert plain_calls == [(2, 4, 5, 16), (2, 4, 1, 16), (2, 4, 1, 16), (2, 4, 1, 16)]
 
 
 def test_the_fast_path_marks_sdpa_models_and_keeps_their_attention_implementation():
