@@ -7,8 +7,8 @@ and with a static cache that copies the whole cache, used positions or not, at e
 layer: SmolLM2-135M (3 key/value heads for 9 query heads), 16 sequences, a 128-position cache: ~0.7 ms
 a layer, ~21 ms of an 83 ms step. A one-token query of head group g can instead be laid out as
 `groups` query rows of key/value head g (query [batch, heads, 1, dim] -> [batch, kv_heads, groups,
-dim]): the same attention, the cache read in place. The step's mask
-([batch, 1, 1, length]) is the same for every head and row, so it broadcasts unchanged.
+dim]): the same attention, the cache read in place. The step's mask ([batch, 1, 1, length]) is the
+same for every head and row, so it broadcasts unchanged.
 
 Only attention modules `use_grouped_query_sdpa` marked (`compile_for_decoding` marks a model whose
 attention is "sdpa"; `disable_compiled_decoding` unmarks it) take that route, and only for one-token
@@ -78,7 +78,7 @@ def use_grouped_query_sdpa(model: Any) -> None:
             setattr(module, ONE_TOKEN_GQA, True)
 
 
-def restore_sdpa(model: Any) -> None:
-    """Undo `use_grouped_query_sdpa`."""
+def stop_grouped_query_sdpa(model: Any) -> None:
+    """Undo `use_grouped_query_sdpa`: the model's layers take transformers' "sdpa" attention again."""
     for module in model.modules():
         module.__dict__.pop(ONE_TOKEN_GQA, None)

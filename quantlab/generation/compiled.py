@@ -22,7 +22,7 @@ from torch._inductor.custom_graph_pass import get_custom_graph_passes
 from transformers import CompileConfig, GenerationConfig
 
 from quantlab.errors import ConfigError
-from quantlab.generation.attention import restore_sdpa, use_grouped_query_sdpa
+from quantlab.generation.attention import stop_grouped_query_sdpa, use_grouped_query_sdpa
 from quantlab.generation.counters import CompileCounts, count_compilations
 from quantlab.generation.fusion import FuseProjections
 from quantlab.generation.loop import NativeGenerate
@@ -188,7 +188,7 @@ def disable_compiled_decoding(model: Any) -> Any:
     generation_config.compile_config = None
     for name in ("_compiled_call", "_last_compile_config", "create_masks_for_generate", "generate"):
         model.__dict__.pop(name, None)
-    restore_sdpa(model)
+    stop_grouped_query_sdpa(model)
     return model
 
 
