@@ -85,3 +85,16 @@ def test_the_fast_path_marks_sdpa_models_and_keeps_their_attention_implementatio
     eager_attention.set_attn_implementation("eager")
     compile_for_decoding(eager_attention, max_cache_len=32)
     assert not any(hasattr(layer.self_attn, ONE_TOKEN_GQA) for layer in eager_attention.model.layers)
+
+
+def test_the_compiled_step_takes_the_copy_free_route(plain_calls):
+    """Traced into the step's graph: prompts go to transformers' attention, one-token steps never do."""
+    model = tiny_llama(seed=2)
+    model.generation_config.pad_token_id = 0
+    expected = model.generate(torch.tensor([[5, 17, 42, 9]]), max_new_tokens=6, do_sample=False)  # unmarked
+    plain_calls.clear()
+    torch._dynamo.reset()
+    compile_for_decoding(model, max_cache_len=32)
+    got = model.generate(torch.tensor([[5, 17, 42, 9]]), max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, expected)
+    assert plain_calls and all(shape[2] > 1 for shape in plain_calls)  # the prompt's layers only
