@@ -1,5 +1,6 @@
 """The compiled step's attention: transformers' SDPA attention's values, one-token grouped-query steps of
-marked layers computed on the key/value heads, everything else handed to transformers."""
+marked layers computed on the key/value heads (by `quantlab::attention` where the native kernels are
+built), everything else handed to transformers."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from quantlab.generation import attention as attention_module
 from quantlab.generation import compile_for_decoding, disable_compiled_decoding
 from quantlab.generation.attention import ONE_TOKEN_GQA, grouped_query_sdpa, use_grouped_query_sdpa
+from quantlab.kernels.cpu import ops
 from quantlab.testing.models import tiny_llama
 
 
@@ -98,3 +100,7 @@ def test_the_compiled_step_takes_the_copy_free_route(plain_calls):
     got = model.generate(torch.tensor([[5, 17, 42, 9]]), max_new_tokens=6, do_sample=False)
     assert torch.equal(got, expected)
     assert plain_calls and all(shape[2] > 1 for shape in plain_calls)  # the prompt's layers only
+    with torch.profiler.profile() as profiler:  # compiled by now: what runs, not what is traced
+        model.generate(torch.tensor([[5, 17, 42, 9]]), max_new_tokens=6, do_sample=False)
+    native_calls = sum(event.count for event in profiler.key_averages() if event.key == "quantlab::attention")
+    assert native_calls == (5 * len(model.model.layers) if ops.available() else 0)  # 5 one-token steps

@@ -96,14 +96,12 @@ def _compile(cxx: str, output: Path) -> None:
 def _bind(extension: ctypes.CDLL, kernels: ctypes.CDLL) -> ctypes.CDLL:
     bind = extension.quantlab_torch_ops_bind
     floats = ctypes.POINTER(ctypes.c_float)
-    bind.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, floats, floats]
+    bind.argtypes = [*[ctypes.c_void_p] * 5, floats, floats]
     bind.restype = ctypes.c_int
     levels = (ctypes.c_float * 16)(*nf4.NF4_LEVELS)
     absmax_map = (ctypes.c_float * 256)(*nf4.dynamic_map())
-    entries = (
-        ctypes.cast(entry, ctypes.c_void_p).value
-        for entry in (kernels.ql_gemm, kernels.ql_gemm_group, kernels.ql_dequantize, kernels.ql_dequantize_rows)
-    )
+    functions = ("ql_gemm", "ql_gemm_group", "ql_dequantize", "ql_dequantize_rows", "ql_attention")
+    entries = (ctypes.cast(getattr(kernels, name), ctypes.c_void_p).value for name in functions)
     version = bind(*entries, levels, absmax_map)
     if version != native.ABI_VERSION:
         raise native.NativeBuildError(f"torch operators built for ABI {version}, quantlab's is {native.ABI_VERSION}")

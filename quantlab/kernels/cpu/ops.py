@@ -4,7 +4,10 @@
 `torch.ops.quantlab.dequantize(*weight_arguments(layer))` its float32 `[out, in]` weight.
 `torch.ops.quantlab.linear_group(x, biases, descriptor, codes, scales, ...)` is several such layers of one layout
 on one `x`, their outputs side by side in one call (`group_arguments`); the compiled decode step
-fuses q/k/v and gate/up into it (quantlab.generation.fusion). Here
+fuses q/k/v and gate/up into it (quantlab.generation.fusion).
+`torch.ops.quantlab.attention(query, key, value, mask, scale)` is the attention of one-token queries over
+a KV cache, grouped-query heads read in place (the compiled decode step's: quantlab.generation.attention);
+it has no autograd formula and refuses nothing but bad shapes, so callers use it without gradients. Here
 they get their fake (meta) implementations, so torch.compile and torch.export trace shapes
 without running them. The autograd formula of `linear` with respect to `x` (QLoRA trains
 adapters on top of frozen quantized layers), `grad @ W` decoding the weight again in the
@@ -111,17 +114,20 @@ def available() -> bool:
 linear_op: torch._ops.OpOverload | None = None  # torch.ops.quantlab.linear.default, once loaded
 dequantize_op: torch._ops.OpOverload | None = None
 linear_group_op: torch._ops.OpOverload | None = None
+attention_op: torch._ops.OpOverload | None = None
 
 
 def _register() -> None:
     """The operators' fake implementations (shapes only), and their overloads looked up once: calling the
     overload costs about 1.5 us less per call than the `torch.ops.quantlab.linear` packet."""
-    global linear_op, dequantize_op, linear_group_op
+    global linear_op, dequantize_op, linear_group_op, attention_op
     torch.library.register_fake("quantlab::linear")(_linear_shape)
     torch.library.register_fake("quantlab::linear_group")(_linear_group_shape)
     torch.library.register_fake("quantlab::dequantize")(_dequantize_shape)
+    torch.library.register_fake("quantlab::attention")(_attention_shape)
     dequantize_op = torch.ops.quantlab.dequantize.default
     linear_group_op = torch.ops.quantlab.linear_group.default
+    attention_op = torch.ops.quantlab.attention.default
     linear_op = torch.ops.quantlab.linear.default
 
 
@@ -136,3 +142,7 @@ def _linear_group_shape(x: torch.Tensor, biases: list, descriptor: str, codes: l
 def _dequantize_shape(descriptor: str, codes: torch.Tensor, *weight) -> torch.Tensor:
     in_features = parse_descriptor(descriptor).in_features
     return codes.new_empty((codes.shape[0], in_features), dtype=torch.float32)
+
+
+def _attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)

@@ -22,7 +22,7 @@
 
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
-#define QL_ABI_VERSION 7
+#define QL_ABI_VERSION 8
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 #define QL_DECODED_FEATURES 32 /* AVX2 at many rows: 16 features decoded, and their input-major panel (avx2.c) */
 
@@ -190,6 +190,45 @@ QL_INLINE QL_AVX512 void ql_store_sums(const int NR, const __m512 *acc, float *y
     _mm_storeu_ps(y, _mm512_castps512_ps128(_mm512_permutexvar_ps(first_lanes, sums)));
 }
 
+/* exp(x) of 16 lanes (softmax in attention.c, silu in decode.c), as Cephes' expf computes it: x = n ln2 + r, a degree-6 polynomial in r, times 2^n.
+ * Within 1 ulp of glibc's expf on every 64th float of [-87, 88]; below -87.34 (2^-126) it stays at that, which
+ * against softmax's max of 1 is 0. */
+QL_INLINE QL_AVX512 __m512 ql_exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 in two parts: r exact */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* ql_exp512's polynomial on 8 lanes; 2^n is built in the exponent bits, so x is also kept below
+ * 88.376 (n <= 127), where expf is within 1 ulp of FLT_MAX; softmax's inputs are at most 0 and
+ * silu's large ones give 0 either way. */
+QL_INLINE QL_AVX2 __m256 ql_exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.3762626647949f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(power));
+}
+
 /* avx512.c */
 enum { QL_MODE_NIBBLE = 0, QL_MODE_BYTE = 1, QL_MODE_BITS = 2 };
 int ql_mode512(const ql_weight *w); /* QL_MODE_NIBBLE: the nibble layout of x, on AVX2 too */
@@ -259,6 +298,13 @@ typedef struct {
     int64_t **lengths;  /* [blocks] of the cache's count of positions written */
     int64_t max_len;
 } ql_cache;
+
+/* attention.c: one-token queries over a KV cache */
+void ql_attend(int isa, const float *q, const float *keys, const float *values, const float *bias, int64_t length,
+               int64_t dim, float scale, float *scores, float *out); /* one query row */
+QL_API int ql_attention(const float *q, const float *keys, const float *values, const float *bias, int64_t batch,
+                        int64_t kv_heads, int64_t groups, int64_t length, int64_t dim, float scale, float *out,
+                        int threads);
 
 QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, float *hidden, const float *cos, const float *sin,
                           int64_t position, float *logits, int threads, int activation_bits);

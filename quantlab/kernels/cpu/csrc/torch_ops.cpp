@@ -1,5 +1,5 @@
-// quantlab's native CPU kernels as PyTorch operators: `quantlab::linear`, `quantlab::linear_group` and
-// `quantlab::dequantize`.
+// quantlab's native CPU kernels as PyTorch operators: `quantlab::linear`, `quantlab::linear_group`,
+// `quantlab::dequantize` and `quantlab::attention`.
 //
 // The operators describe a layer's stored tensors to the C kernels (ql_weight, quantlab_cpu.h) and
 // call them; they are registered with the dispatcher, so a quantized layer is one operator call that
@@ -25,6 +25,7 @@ extern "C" {
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -32,6 +33,7 @@ extern "C" {
 #include <array>
 #include <charconv>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -43,11 +45,14 @@ using GemmFn = int (*)(const ql_weight *, const float *, int64_t, int64_t, float
 using DequantizeFn = int (*)(const ql_weight *, int64_t, int64_t, float *, int64_t, int);
 using GemmGroupFn = int (*)(const ql_weight *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int, int);
 using RowsFn = int64_t (*)(void);
+using AttentionFn = int (*)(const float *, const float *, const float *, const float *, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, float, float *, int);
 
 GemmFn gemm_fn = nullptr;
 GemmGroupFn gemm_group_fn = nullptr;
 DequantizeFn dequantize_fn = nullptr;
 RowsFn dequantize_rows_fn = nullptr;
+AttentionFn attention_fn = nullptr;
 float nf4_levels[16];
 float absmax_map[256];
 
@@ -302,6 +307,40 @@ at::Tensor linear_group(const at::Tensor &x, OptionalList bias, c10::string_view
     return out.view(shape);
 }
 
+// One-token queries of the compiled decode step (quantlab.generation.attention), in C (attention.c):
+// query [batch, kv_heads, groups, dim] (the query heads of key/value head h are its `groups` rows), key
+// and value [batch, kv_heads, length, dim] (a static cache, read in place), mask None or [batch or 1, 1,
+// 1, length]: bool (true attends) or float (added to the scores). Returns [batch, kv_heads, groups, dim].
+at::Tensor attention(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, Optional mask,
+                     double scale) {
+    for (const at::Tensor *t : {&query, &key, &value})
+        TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4,
+                    "quantlab::attention: query, key and value must be 4-d float32 CPU tensors");
+    const int64_t batch = query.size(0), kv_heads = query.size(1), groups = query.size(2), dim = query.size(3);
+    const int64_t length = key.size(2);
+    TORCH_CHECK(key.size(0) == batch && key.size(1) == kv_heads && key.size(3) == dim && value.sizes() == key.sizes(),
+                "quantlab::attention: key and value must be [batch, kv_heads, length, dim] of the query's "
+                "[batch, kv_heads, groups, dim], got ", key.sizes(), " and ", value.sizes(), " for ", query.sizes());
+    const at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
+    at::Tensor bias;
+    if (mask.has_value()) {
+        TORCH_CHECK(mask->dim() == 4 && (mask->size(0) == batch || mask->size(0) == 1) && mask->size(1) == 1 &&
+                        mask->size(2) == 1 && mask->size(3) == length,
+                    "quantlab::attention: the mask must be [batch or 1, 1, 1, length], got ", mask->sizes());
+        const at::Tensor rows = mask->expand({batch, 1, 1, length}).reshape({batch, length});
+        if (rows.scalar_type() == at::kBool)
+            bias = at::zeros({batch, length}, q.options()).masked_fill_(rows.logical_not(), -std::numeric_limits<float>::infinity());
+        else
+            bias = rows.to(at::kFloat).contiguous();
+    }
+    at::Tensor out = at::empty_like(q);
+    const int status = attention_fn(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                                    bias.defined() ? bias.data_ptr<float>() : nullptr, batch, kv_heads, groups, length,
+                                    dim, static_cast<float>(scale), out.data_ptr<float>(), at::get_num_threads());
+    TORCH_CHECK(status == 0, "quantlab native attention failed with status ", status);
+    return out;
+}
+
 at::Tensor dequantize(c10::string_view layout_text, const at::Tensor &codes, Optional scale, Optional zero,
                       Optional absmax_codes, Optional absmax_scale, Optional absmax_offset) {
     const Layout layout = parse_layout(layout_text);
@@ -442,11 +481,13 @@ at::Tensor linear_group_autograd(const at::Tensor &x, OptionalList bias, c10::st
 extern "C" __attribute__((visibility("default"))) int quantlab_torch_ops_bind(void *gemm, void *gemm_group,
                                                                              void *dequantize_entry,
                                                                              void *dequantize_rows,
+                                                                             void *attention_entry,
                                                                              const float *levels, const float *map) {
     gemm_fn = reinterpret_cast<GemmFn>(gemm);
     gemm_group_fn = reinterpret_cast<GemmGroupFn>(gemm_group);
     dequantize_fn = reinterpret_cast<DequantizeFn>(dequantize_entry);
     dequantize_rows_fn = reinterpret_cast<RowsFn>(dequantize_rows);
+    attention_fn = reinterpret_cast<AttentionFn>(attention_entry);
     std::memcpy(nf4_levels, levels, sizeof nf4_levels);
     std::memcpy(absmax_map, map, sizeof absmax_map);
     return QL_ABI_VERSION;
@@ -463,12 +504,14 @@ TORCH_LIBRARY(quantlab, m) {
     m.def("linear_group(Tensor x, Tensor?[] bias, str layout, Tensor[] codes, Tensor?[] scale, Tensor?[] zero, "
           "Tensor?[] absmax_codes, Tensor?[] absmax_scale, Tensor?[] absmax_offset, int activation_bits=0) -> Tensor");
     m.def("dequantize(" WEIGHT_ARGS ") -> Tensor");
+    m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantlab, CPU, m) {
     m.impl("linear", &linear);
     m.impl("linear_group", &linear_group);
     m.impl("dequantize", &dequantize);
+    m.impl("attention", &attention);
 }
 
 TORCH_LIBRARY_IMPL(quantlab, Autograd, m) {
