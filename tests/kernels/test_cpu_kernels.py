@@ -32,7 +32,9 @@ CONFIGS = [
 ]
 # (in_features, out_features): odd output counts, inputs that no group size divides.
 SHAPES = [(256, 64), (200, 37), (577, 33)]
-ROWS = [1, 3, 16, 128]
+# Rows: one-row kernels (1, 3); AVX2's 4-feature blocks of 3 rows, the last block of 1 or 2 (16, 17);
+# its panels of 6 rows, the last of 2 or 4 (50, 128).
+ROWS = [1, 3, 16, 17, 50, 128]
 # Relative to the largest output: fp32 sums in another order; bf16/fp16 round the weights too.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 

@@ -481,11 +481,19 @@ QL_INLINE QL_AVX2 void ql_decode4_256(const int decoder, const ql_weight *w, con
     }
 }
 
+/* From this many rows on the panels below; fewer rows take blocks of 4 decoded features times 3 rows
+ * (ql_micro256), where decoding and transposing a panel is paid for by too few rows. Measured side by
+ * side in one process (2 threads, AVX2 EPYC, 5 rounds alternated, SmolLM2's fused shapes 576x960,
+ * 576x576, 576x3072, 1536x576 and the 576x49152 head): the 4-feature blocks were faster at 8 rows by
+ * 1.1-1.45x (4-bit, 8-bit affine), at 16 by 1.05-1.2x (4-bit, 8-bit, 3-bit, NF4, int8), at 32 by
+ * 1.0-1.1x; at 48 rows 0.87-1.02x and at 64 0.86-0.98x. */
+#define QL_AVX2_PANEL_ROWS 48
 #define QL_PANEL_INPUTS 256 /* inputs a pass (ql_gemm256_decoded): 16 KiB of a panel stay in L1 */
 
 /* y[r, n0..n0+3] (added to its value so far unless k0 is 0) for R rows (at most 3) of x times 4 decoded
  * features over inputs [k0, k1): 12 accumulators, each weight and each input loaded once per step of 8
- * for all of them, so the product runs at the FMA units' speed. */
+ * for all of them, so the product runs at the FMA units' speed; a row's 4 sums come out of 3 hadds
+ * together rather than 4 horizontal sums. */
 QL_INLINE QL_AVX2 void ql_micro256(const int R, const float *decoded, int64_t row_length, int64_t k0, int64_t k1,
                                    const float *xr, int64_t x_stride, int64_t n0, float *yr, int64_t y_stride) {
     __m256 acc[4][3];
@@ -499,11 +507,13 @@ QL_INLINE QL_AVX2 void ql_micro256(const int R, const float *decoded, int64_t ro
             for (int r = 0; r < R; r++) acc[j][r] = _mm256_fmadd_ps(wv, xv[r], acc[j][r]);
         }
     }
-    for (int j = 0; j < 4; j++)
-        for (int r = 0; r < R; r++) {
-            const float sum = ql_sum256(acc[j][r]);
-            yr[r * y_stride + n0 + j] = k0 ? yr[r * y_stride + n0 + j] + sum : sum;
-        }
+    for (int r = 0; r < R; r++) { /* the 4 features' sums of row r side by side: 3 hadds and one add */
+        const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][r], acc[1][r]), _mm256_hadd_ps(acc[2][r], acc[3][r]));
+        __m128 sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+        float *out = yr + r * y_stride + n0;
+        if (k0) sums = _mm_add_ps(_mm_loadu_ps(out), sums);
+        _mm_storeu_ps(out, sums);
+    }
 }
 
 /* 8 rows of 8 floats (row stride `stride`) transposed into out[i * out_stride + j] = in[j][i]. */
@@ -553,13 +563,14 @@ QL_INLINE QL_AVX2 void ql_panel256(const int R, const float *panel, int64_t k0, 
     }
 }
 
-/* Many rows: features in panels of 16, each decoded once (ql_decode4_256, the plain layout of x),
- * transposed input-major and multiplied by every row of x, 6 rows at a time (ql_panel256), a pass of
- * QL_PANEL_INPUTS inputs at a time so that the panel's part (16 KiB) stays in L1 while the rows go by.
- * The 3 rows x 4 features dot-product kernel it replaces ran at 0.76-0.91x the speed of torch's fp32
- * GEMM at 128 rows on SmolLM2's shapes (its 12 horizontal sums per block, x read once per 4 features).
- * Features left over past the last panel: blocks of 4 decoded (ql_micro256), then one-feature blocks
- * (`block`: the decoder of the plain layout). */
+/* Many rows: from QL_AVX2_PANEL_ROWS rows on, features in panels of 16, each decoded once
+ * (ql_decode4_256, the plain layout of x), transposed input-major and multiplied by every row of x, 6
+ * rows at a time (ql_panel256), a pass of QL_PANEL_INPUTS inputs at a time so that the panel's part
+ * (16 KiB) stays in L1 while the rows go by. The 3 rows x 4 features dot-product kernel (ql_micro256)
+ * ran at 0.76-0.91x the speed of torch's fp32 GEMM at 128 rows on SmolLM2's shapes (then with 12
+ * horizontal sums per block, x read once per 4 features); below QL_AVX2_PANEL_ROWS rows, and for
+ * features left over past the last panel, it takes blocks of 4 decoded features; the last features
+ * one at a time (`block`: the decoder of the plain layout). */
 QL_INLINE QL_AVX2 void ql_gemm256_decoded(const int decoder, const int block, const ql_weight *w,
                                           const ql_layout *layout, const float *xp, int64_t x_stride, int64_t m,
                                           int64_t n0, int64_t n1, float *y, int64_t y_stride, float *params,
@@ -570,7 +581,7 @@ QL_INLINE QL_AVX2 void ql_gemm256_decoded(const int decoder, const int block, co
     const int64_t pass = ql_round_up((row_length + passes - 1) / passes, 8); /* equal passes */
     float *panel = decoded + 16 * row_length;
     int64_t n = n0;
-    for (; n + 16 <= n1; n += 16) {
+    for (; m >= QL_AVX2_PANEL_ROWS && n + 16 <= n1; n += 16) {
         for (int64_t j = 0; j < 16; j += 4) ql_decode4_256(decoder, w, &bits, layout, n + j, decoded + j * row_length, params);
         for (int64_t k = 0; k < row_length; k += 8)
             for (int64_t half = 0; half < 16; half += 8)

@@ -51,12 +51,13 @@ QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
 /* From how many rows of x on the product is faster as the weight decoded (ql_dequantize) and
  * multiplied by a BLAS GEMM (torch's) than through the fused kernels here, on this CPU; 0: never.
  * AVX-512's fused kernel stays ahead at every row count measured (Zen 5: about twice as fast as
- * dequantize + GEMM at 128 rows), and so does AVX2's (from QL_AVX2_DECODE_ROWS rows on: panels of 16
- * features decoded, then 6 rows x 16 features a step, avx2.c): SmolLM2's shapes and 2048x8192, 4-bit,
+ * dequantize + GEMM at 128 rows), and so does AVX2's (from QL_AVX2_DECODE_ROWS rows on: features decoded
+ * 4 at a time, then 3 rows x 4 features a step, or from 48 rows on panels of 16 features, 6 rows x 16
+ * features a step, avx2.c): SmolLM2's shapes and 2048x8192, 4-bit,
  * 3-bit g64, NF4 and int8, 2 threads, AVX2 EPYC (Zen 3), median of 3 rounds: at 128 rows 0.98-1.73x
  * the speed of torch's fp32 GEMM against dequantize + GEMM's 0.79-1.51x, at 512 rows 0.90-1.49x
  * against 0.88-1.23x. The portable C kernel decodes each weight once per 4 rows: behind from a few rows. */
-#define QL_AVX2_DECODE_ROWS 8 /* from this many rows on, AVX2 decodes panels of 16 features (avx2.c) */
+#define QL_AVX2_DECODE_ROWS 8 /* from this many rows on, AVX2 decodes the weights once a call (avx2.c) */
 
 /* Whether a product on m rows takes AVX2's many-row kernel (float x; int8 activations keep the layout
  * and kernels of one row). */
