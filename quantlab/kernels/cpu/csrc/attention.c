@@ -238,41 +238,50 @@ void ql_attend(int isa, const float *q, const float *keys, const float *values, 
 
 typedef struct {
     const float *q, *keys, *values, *bias;
-    int64_t kv_heads, groups, length, dim;
+    const uint8_t *allowed;
+    int64_t batch, kv_heads, groups, length, dim;
     float scale;
     int isa;
-    float *scores; /* [batch * kv_heads, length] */
+    float *scores; /* [batch * kv_heads, length], then with `allowed` its bias [batch * kv_heads, length] */
     float *out;
 } ql_attention_job;
 
 /* Chunk b * kv_heads + h: the `groups` query rows of sequence b's key/value head h, one after the other
- * over the same keys and values (in L1 after the first). Positions past the last one the bias leaves
+ * over the same keys and values (in L1 after the first). Positions past the last one the mask leaves
  * (a static cache's unused tail) are not read. */
 static void ql_attention_chunk(void *arg, int64_t chunk) {
     const ql_attention_job *job = (const ql_attention_job *)arg;
-    const int64_t b = chunk / job->kv_heads, dim = job->dim;
-    const float *bias = job->bias ? job->bias + b * job->length : NULL;
-    int64_t used = job->length;
+    const int64_t b = chunk / job->kv_heads, dim = job->dim, length = job->length;
+    const float *bias = job->bias ? job->bias + b * length : NULL;
+    if (job->allowed) { /* a bool mask: its bias, 0 or -inf, in this chunk's own scratch */
+        float *own = job->scores + (job->batch * job->kv_heads + chunk) * length;
+        for (int64_t t = 0; t < length; t++) own[t] = job->allowed[b * length + t] ? 0.0f : -INFINITY;
+        bias = own;
+    }
+    int64_t used = length;
     if (bias)
         while (used > 0 && QL_MASKED(bias[used - 1])) used--;
-    const float *keys = job->keys + chunk * job->length * dim, *values = job->values + chunk * job->length * dim;
+    const float *keys = job->keys + chunk * length * dim, *values = job->values + chunk * length * dim;
     for (int64_t g = 0; g < job->groups; g++) {
         const int64_t row = chunk * job->groups + g;
-        ql_attend(job->isa, job->q + row * dim, keys, values, bias, used, dim, job->scale,
-                  job->scores + chunk * job->length, job->out + row * dim);
+        ql_attend(job->isa, job->q + row * dim, keys, values, bias, used, dim, job->scale, job->scores + chunk * length,
+                  job->out + row * dim);
     }
 }
 
-/* out = attention of one-token queries, every tensor contiguous float32: q and out [batch, kv_heads,
- * groups, dim] (query head h * groups + g of a grouped-query layer is row g of key/value head h), keys
- * and values [batch, kv_heads, length, dim], bias [batch, length] or NULL. */
-QL_API int ql_attention(const float *q, const float *keys, const float *values, const float *bias, int64_t batch,
-                        int64_t kv_heads, int64_t groups, int64_t length, int64_t dim, float scale, float *out,
-                        int threads) {
-    if (batch < 0 || kv_heads < 1 || groups < 1 || length < 0 || dim < 1) return QL_BAD_FORMAT;
-    float *scores = malloc((size_t)(batch * kv_heads * (length ? length : 1)) * sizeof(float));
+/* out = attention of one-token queries, every tensor contiguous: q and out [batch, kv_heads, groups, dim]
+ * float32 (query head h * groups + g of a grouped-query layer is row g of key/value head h), keys and
+ * values [batch, kv_heads, length, dim] float32, and a mask of one row per sequence, [batch, length]:
+ * `bias` (float, added to the scores) or `allowed` (bool bytes, nonzero attends), or neither. */
+QL_API int ql_attention(const float *q, const float *keys, const float *values, const float *bias,
+                        const uint8_t *allowed, int64_t batch, int64_t kv_heads, int64_t groups, int64_t length,
+                        int64_t dim, float scale, float *out, int threads) {
+    if (batch < 0 || kv_heads < 1 || groups < 1 || length < 0 || dim < 1 || (bias && allowed)) return QL_BAD_FORMAT;
+    const int64_t rows = batch * kv_heads * (length ? length : 1);
+    float *scores = malloc((size_t)(allowed ? 2 * rows : rows) * sizeof(float));
     if (!scores) return QL_NO_MEMORY;
-    ql_attention_job job = {q, keys, values, bias, kv_heads, groups, length, dim, scale, ql_isa(), scores, out};
+    ql_attention_job job = {q, keys, values, bias, allowed, batch, kv_heads, groups, length, dim, scale, ql_isa(),
+                            scores, out};
     const int64_t work = batch * kv_heads * groups * length * dim;
     ql_run(ql_attention_chunk, &job, batch * kv_heads, work >= 32768 ? threads : 1);
     free(scores);

@@ -302,9 +302,9 @@ typedef struct {
 /* attention.c: one-token queries over a KV cache */
 void ql_attend(int isa, const float *q, const float *keys, const float *values, const float *bias, int64_t length,
                int64_t dim, float scale, float *scores, float *out); /* one query row */
-QL_API int ql_attention(const float *q, const float *keys, const float *values, const float *bias, int64_t batch,
-                        int64_t kv_heads, int64_t groups, int64_t length, int64_t dim, float scale, float *out,
-                        int threads);
+QL_API int ql_attention(const float *q, const float *keys, const float *values, const float *bias,
+                        const uint8_t *allowed, int64_t batch, int64_t kv_heads, int64_t groups, int64_t length,
+                        int64_t dim, float scale, float *out, int threads);
 
 QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, float *hidden, const float *cos, const float *sin,
                           int64_t position, float *logits, int threads, int activation_bits);

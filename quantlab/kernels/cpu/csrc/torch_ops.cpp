@@ -25,7 +25,6 @@ extern "C" {
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
-#include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -33,7 +32,6 @@ extern "C" {
 #include <array>
 #include <charconv>
 #include <cstring>
-#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -45,8 +43,8 @@ using GemmFn = int (*)(const ql_weight *, const float *, int64_t, int64_t, float
 using DequantizeFn = int (*)(const ql_weight *, int64_t, int64_t, float *, int64_t, int);
 using GemmGroupFn = int (*)(const ql_weight *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int, int);
 using RowsFn = int64_t (*)(void);
-using AttentionFn = int (*)(const float *, const float *, const float *, const float *, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, float, float *, int);
+using AttentionFn = int (*)(const float *, const float *, const float *, const float *, const uint8_t *, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, float, float *, int);
 
 GemmFn gemm_fn = nullptr;
 GemmGroupFn gemm_group_fn = nullptr;
@@ -322,21 +320,21 @@ at::Tensor attention(const at::Tensor &query, const at::Tensor &key, const at::T
                 "quantlab::attention: key and value must be [batch, kv_heads, length, dim] of the query's "
                 "[batch, kv_heads, groups, dim], got ", key.sizes(), " and ", value.sizes(), " for ", query.sizes());
     const at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
-    at::Tensor bias;
+    at::Tensor rows;  // the mask, one contiguous row per sequence: bool as it is (C reads its bytes), else float
     if (mask.has_value()) {
         TORCH_CHECK(mask->dim() == 4 && (mask->size(0) == batch || mask->size(0) == 1) && mask->size(1) == 1 &&
                         mask->size(2) == 1 && mask->size(3) == length,
                     "quantlab::attention: the mask must be [batch or 1, 1, 1, length], got ", mask->sizes());
-        const at::Tensor rows = mask->expand({batch, 1, 1, length}).reshape({batch, length});
-        if (rows.scalar_type() == at::kBool)
-            bias = at::zeros({batch, length}, q.options()).masked_fill_(rows.logical_not(), -std::numeric_limits<float>::infinity());
-        else
-            bias = rows.to(at::kFloat).contiguous();
+        rows = mask->expand({batch, 1, 1, length}).reshape({batch, length});
+        rows = rows.scalar_type() == at::kBool ? rows.contiguous() : rows.to(at::kFloat).contiguous();
     }
+    const bool allowed = rows.defined() && rows.scalar_type() == at::kBool;
     at::Tensor out = at::empty_like(q);
-    const int status = attention_fn(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                                    bias.defined() ? bias.data_ptr<float>() : nullptr, batch, kv_heads, groups, length,
-                                    dim, static_cast<float>(scale), out.data_ptr<float>(), at::get_num_threads());
+    const int status = attention_fn(
+        q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+        rows.defined() && !allowed ? rows.data_ptr<float>() : nullptr,
+        allowed ? reinterpret_cast<const uint8_t *>(rows.data_ptr<bool>()) : nullptr, batch, kv_heads, groups, length,
+        dim, static_cast<float>(scale), out.data_ptr<float>(), at::get_num_threads());
     TORCH_CHECK(status == 0, "quantlab native attention failed with status ", status);
     return out;
 }
