@@ -7,7 +7,7 @@ on one `x`, their outputs side by side in one call (`group_arguments`); the comp
 fuses q/k/v and gate/up into it (quantlab.generation.fusion).
 `torch.ops.quantlab.attention(query, key, value, mask, scale)` is the attention of one-token queries over
 a KV cache, grouped-query heads read in place (the compiled decode step's: quantlab.generation.attention);
-it has no autograd formula and refuses nothing but bad shapes, so callers use it without gradients. Here
+it has no autograd formula, so it is called only where no gradient is asked for (the caller checks). Here
 they get their fake (meta) implementations, so torch.compile and torch.export trace shapes
 without running them. The autograd formula of `linear` with respect to `x` (QLoRA trains
 adapters on top of frozen quantized layers), `grad @ W` decoding the weight again in the
