@@ -79,9 +79,14 @@ def _native_attention(
         dropout == 0.0
         and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        and (mask is None or (mask.dim() == 4 and mask.shape[2] == 1 and mask.shape[0] in (1, query.shape[0])))
+        and (mask is None or _one_row_per_sequence(mask, query.shape[0], key.shape[2]))
         and ops.available()
     )
+
+
+def _one_row_per_sequence(mask: torch.Tensor, batch: int, length: int) -> bool:
+    """A mask `quantlab::attention` takes: [batch or 1, 1, 1, length] (other shapes go to SDPA, which broadcasts)."""
+    return mask.dim() == 4 and mask.shape[0] in (1, batch) and tuple(mask.shape[1:]) == (1, 1, length)
 
 
 def _register() -> None:

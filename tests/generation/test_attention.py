@@ -104,3 +104,13 @@ def test_the_compiled_step_takes_the_copy_free_route(plain_calls):
         model.generate(torch.tensor([[5, 17, 42, 9]]), max_new_tokens=6, do_sample=False)
     native_calls = sum(event.count for event in profiler.key_averages() if event.key == "quantlab::attention")
     assert native_calls == (5 * len(model.model.layers) if ops.available() else 0)  # 5 one-token steps
+
+
+def test_a_mask_that_broadcasts_over_positions_gives_sdpa_attention_values(layer, plain_calls):
+    """[batch, 1, 1, 1] is not one row per position: torch's SDPA takes it (it broadcasts), not the operator."""
+    query, key, value, _ = _inputs(3, 1)
+    mask = torch.tensor([True, True, True]).view(3, 1, 1, 1)
+    expected, _ = sdpa_attention_forward(layer, query, key, value, mask)
+    torch.testing.assert_close(grouped_query_sdpa(layer, query, key, value, mask)[0], expected)
+    assert not attention_module._one_row_per_sequence(mask, 3, key.shape[2])
+    assert attention_module._one_row_per_sequence(mask.expand(3, 1, 1, 20), 3, 20)
