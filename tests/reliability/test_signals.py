@@ -28,7 +28,7 @@ def _run(script: str, *argv: str | os.PathLike, signal_number: int = 0, when: st
     code = (
         textwrap.dedent(
             """
-        import os, sys
+        import signal, sys
         from quantlab.cli.main import main
         SIGNAL, WHEN = int(sys.argv[1]), sys.argv[2]
 
@@ -36,7 +36,8 @@ def _run(script: str, *argv: str | os.PathLike, signal_number: int = 0, when: st
             def wrapped(*args, **kwargs):
                 result = function(*args, **kwargs)
                 if SIGNAL and WHEN in " ".join(map(str, args)):
-                    os.kill(os.getpid(), SIGNAL)
+                    signal.raise_signal(SIGNAL)  # to this (the main) thread: os.kill may hand it to a
+                    # kernel thread, and Python may then finish before its handler runs (exit 0)
                 return result
             return wrapped
         """
