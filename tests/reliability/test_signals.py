@@ -31,13 +31,15 @@ def _run(script: str, *argv: str | os.PathLike, signal_number: int = 0, when: st
         import signal, sys
         from quantlab.cli.main import main
         SIGNAL, WHEN = int(sys.argv[1]), sys.argv[2]
+        # Ctrl-C as in a terminal: a shell's background job (CI run with `&`) starts with SIGINT ignored,
+        # and Python then installs no KeyboardInterrupt handler, so the CLI would never see it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         def signalling(function):
             def wrapped(*args, **kwargs):
                 result = function(*args, **kwargs)
                 if SIGNAL and WHEN in " ".join(map(str, args)):
-                    signal.raise_signal(SIGNAL)  # to this (the main) thread: os.kill may hand it to a
-                    # kernel thread, and Python may then finish before its handler runs (exit 0)
+                    signal.raise_signal(SIGNAL)  # to this (the main) thread
                 return result
             return wrapped
         """
