@@ -239,11 +239,10 @@ void ql_attend(int isa, const float *q, const float *keys, const float *values, 
 
 typedef struct {
     const float *q, *keys, *values, *bias;
-    const uint8_t *allowed;
-    int64_t batch, kv_heads, groups, length, dim;
+    int64_t kv_heads, groups, length, dim;
     float scale;
     int isa;
-    float *scores; /* [batch * kv_heads, length], then with `allowed` its bias [batch * kv_heads, length] */
+    float *scores; /* [batch * kv_heads, length] */
     float *out;
 } ql_attention_job;
 
@@ -254,11 +253,6 @@ static void ql_attention_chunk(void *arg, int64_t chunk) {
     const ql_attention_job *job = (const ql_attention_job *)arg;
     const int64_t b = chunk / job->kv_heads, dim = job->dim, length = job->length;
     const float *bias = job->bias ? job->bias + b * length : NULL;
-    if (job->allowed) { /* a bool mask: its bias, 0 or -inf, in this chunk's own scratch */
-        float *own = job->scores + (job->batch * job->kv_heads + chunk) * length;
-        for (int64_t t = 0; t < length; t++) own[t] = job->allowed[b * length + t] ? 0.0f : -INFINITY;
-        bias = own;
-    }
     int64_t used = length;
     if (bias)
         while (used > 0 && QL_MASKED(bias[used - 1])) used--;
@@ -279,10 +273,14 @@ QL_API int ql_attention(const float *q, const float *keys, const float *values, 
                         int64_t dim, float scale, float *out, int threads) {
     if (batch < 0 || kv_heads < 1 || groups < 1 || length < 0 || dim < 1 || (bias && allowed)) return QL_BAD_FORMAT;
     const int64_t rows = batch * kv_heads * (length ? length : 1);
-    float *scores = malloc((size_t)(allowed ? 2 * rows : rows) * sizeof(float));
+    float *scores = malloc((size_t)(rows + (allowed ? batch * length : 0)) * sizeof(float));
     if (!scores) return QL_NO_MEMORY;
-    ql_attention_job job = {q, keys, values, bias, allowed, batch, kv_heads, groups, length, dim, scale, ql_isa(),
-                            scores, out};
+    if (allowed) { /* a bool mask as its bias, 0 or -inf, once per sequence (after the scores) */
+        float *own = scores + rows;
+        for (int64_t i = 0; i < batch * length; i++) own[i] = allowed[i] ? 0.0f : -INFINITY;
+        bias = own;
+    }
+    ql_attention_job job = {q, keys, values, bias, kv_heads, groups, length, dim, scale, ql_isa(), scores, out};
     const int64_t work = batch * kv_heads * groups * length * dim;
     ql_run(ql_attention_chunk, &job, batch * kv_heads, work >= 32768 ? threads : 1);
     free(scores);
