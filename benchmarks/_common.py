@@ -17,7 +17,7 @@ from quantlab.utils.atomic import atomic_file
 
 
 def shared_text_path() -> Path:
-    """The shared evaluation text of baselines.md: `$QUANTLAB_SHARED/data/...`, default `../shared` of the repo."""
+    """The shared evaluation text, the WikiText-2 test split: `$QUANTLAB_SHARED/data/...`, default `../shared`."""
     shared = os.environ.get("QUANTLAB_SHARED") or Path(__file__).resolve().parents[2] / "shared"
     return Path(shared) / "data" / "wikitext-2-raw-test.txt"
 

@@ -18,8 +18,8 @@ process, alternating calls, medians, on a harness window (1 x 512, all logits) a
 Defaults (chosen to be affordable on 2 CPU cores shared with other jobs; a step costs about 4
 forward passes of its tokens): batch 2 x 128 tokens, AdamW lr 1e-4 cosine with 10 warmup steps,
 gradient clipping 1.0, loss alpha 0.5, temperature 1 (0.5 KL to the teacher + 0.5 cross-entropy),
-fp32, one torch thread (on an oversubscribed machine two threads ran a forward pass 3x slower
-than one: each parallel region waits for its descheduled thread).
+fp32, one torch thread (on an oversubscribed machine two threads ran a forward pass slower than
+one: each parallel region waits for its descheduled thread).
 
     python benchmarks/compression.py                          # everything (hours on a busy machine)
     python benchmarks/compression.py --configs 2:4 --steps 50 # a subset

@@ -20,7 +20,7 @@ others; tables print the median and [min-max] over rounds, ratios taken inside e
 
 - decode tokens/s: (tokens - 1) / (time of `tokens` new tokens - time of 1), greedy: the prompt
   and the first token cancel out. `generate(max_new_tokens=...)` as a user calls it, without
-  `min_new_tokens` (whose logits processor costs ~0.5 ms a token on SmolLM2 and has no counterpart in
+  `min_new_tokens` (whose logits processor costs time every token and has no counterpart in
   llama.cpp's loop); a run that ends early at an end-of-sequence token is counted by its tokens.
 - first token: the time of one new token after a `--prompt-tokens` prompt (prefill included).
 - prefill 512: a 512-token prompt processed into the KV cache, logits for its last position only (as
@@ -75,7 +75,7 @@ METHODS = {
     "4bit": CustomBitsConfig(bits=4, group_size=64),
     "3bit": CustomBitsConfig(bits=3, group_size=64),
     # The tied embedding table and output head in int8 too, as llama.cpp stores SmolLM2's (Q8_0: its
-    # rows of 576 are not whole k-quant blocks); the fp32 head alone reads 113 MB a token.
+    # rows of 576 are not whole k-quant blocks); an fp32 head is read in full every token.
     "int8 e8": Int8SymmetricConfig(embedding_bits=8),
     "nf4 e8": NF4Config(embedding_bits=8),
     "4bit e8": CustomBitsConfig(bits=4, group_size=64, embedding_bits=8),
@@ -108,8 +108,8 @@ class TorchCandidate:
     def generate(self, prompt: torch.Tensor, tokens: int, force_length: bool = False) -> tuple[float, list[int]]:
         """Seconds and tokens of `generate(max_new_tokens=tokens)` as a user calls it. `force_length` adds
         `min_new_tokens` (transformers' MinNewTokensLengthLogitsProcessor then masks the end-of-sequence
-        token in a vocabulary-sized tensor every step: ~0.5 ms a token on SmolLM2, which llama.cpp's
-        loop does not pay), for batches, whose aggregate rate counts every sequence's tokens."""
+        token in a vocabulary-sized tensor every step, which llama.cpp's loop does not pay), for batches,
+        whose aggregate rate counts every sequence's tokens."""
         start = time.perf_counter()
         out = self.model.generate(
             prompt,

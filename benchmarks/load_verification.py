@@ -1,4 +1,4 @@
-"""What verifying a quantized checkpoint costs when it loads (the reliability issue's <= 5 % target).
+"""What verifying a quantized checkpoint costs when it loads (the target: at most 5 % of the load time).
 
 Quantizes SmolLM2-135M once (NF4 + double quant, or `--method`), saves it, then loads the
 saved folder again and again in one process, alternating rounds with quantlab's load checks

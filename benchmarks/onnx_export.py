@@ -1,13 +1,13 @@
 """ONNX export of SmolLM2-135M: file sizes, fidelity and decoding speed, side by side in one process.
 
     python benchmarks/onnx_export.py                          # 4-bit asymmetric, groups of 64
-    python benchmarks/onnx_export.py --workdir /tmp/onnx-bench --reuse --json report.json
+    python benchmarks/onnx_export.py --workdir onnx-bench --reuse --json report.json
 
 Exports SmolLM2 (fp32) and its quantlab 4-bit model to ONNX with past key values, and
 onnxruntime's own `quantize_dynamic` int8 of the fp32 export for comparison. Then:
 
 - sizes of the files (embeddings included; the tied embedding / lm_head stays fp32 and is stored once);
-- fidelity on the perplexity windows of baselines.md (16 x 512 tokens of WikiText-2): the
+- fidelity on the shared harness's perplexity windows (16 x 512 tokens of WikiText-2): the
   largest |logit| difference between onnxruntime and the PyTorch quantized model, and both
   perplexities;
 - greedy generation: 5 prompts x 20 tokens, onnxruntime against PyTorch, token for token;
@@ -16,7 +16,7 @@ onnxruntime's own `quantize_dynamic` int8 of the fp32 export for comparison. The
   batch 1, 2 threads each). Every engine runs in every round, in rotated order; a figure is
   the median over rounds, ratios are taken within a round.
 
-Ends with the acceptance checks of issue 6 (4-bit file <= 0.35x fp32, logits within 1e-3,
+Ends with the acceptance checks (4-bit file <= 0.35x fp32, logits within 1e-3,
 perplexity within 0.05, onnxruntime 4-bit decoding >= 3x PyTorch fp32).
 """
 

@@ -1,7 +1,7 @@
 """Quality of quantlab's methods on real weights, beside bitsandbytes run in the same process.
 
 SmolLM2-135M-Instruct: perplexity with the shared harness (WikiText-2, 16 windows of 512
-tokens, notes/baselines.md), stored bits per quantized weight measured from the saved
+tokens; see benchmarks/RESULTS.md), stored bits per quantized weight measured from the saved
 safetensors file, checkpoint size, and the time `from_pretrained` takes to load and quantize.
 all-MiniLM-L6-v2 (genuine fp32 weights): mean (and worst) cosine similarity of mean-pooled
 sentence embeddings to fp32 on 256 non-empty WikiText lines.
@@ -16,7 +16,7 @@ Perplexity is also reported on a second, later part of the text (16 x 512 tokens
 resident memory sampled while it loads and quantizes.
 
 Every model is quantized the way users do it, `from_pretrained(..., quantization_config=...)`.
-Peer figures from notes/baselines.md are printed beside ours where they exist.
+Peer figures (benchmarks/RESULTS.md, "Peer baselines") are printed beside ours where they exist.
 
     python benchmarks/quality.py                 # everything (1-4 hours on 2 cores, depending on their load)
     python benchmarks/quality.py --quick         # a representative subset
@@ -90,9 +90,9 @@ class Row:
 
 
 def builtin_variants() -> list[Variant]:
-    rtn = "RTN, baselines.md"
+    rtn = "RTN, peer baseline"
     variants = [
-        Variant("fp32", "float", None, (36.077, "baselines.md"), quick=True),
+        Variant("fp32", "float", None, (36.077, "peer baseline"), quick=True),
         Variant("int8 (per channel)", "quantlab", quantlab.Int8SymmetricConfig, (36.079, rtn), quick=True),
         Variant("int8 (per channel) gptq", "quantlab", lambda: quantlab.Int8SymmetricConfig(solver="gptq"), quick=True),
         Variant("nf4 b64 + double quant", "quantlab", quantlab.NF4Config, (45.610, "bnb NF4+DQ"), quick=True),
@@ -156,7 +156,7 @@ QUICK_CUSTOM_BITS = {
 def _custom_bits(bits: int, group: int, symmetric: bool, solver: str, awq: bool) -> Variant:
     kind = "sym" if symmetric else "asym"
     label = "awq + gptq" if awq else solver
-    peer = (52.749, "RTN, baselines.md") if (bits, group, symmetric, solver) == (4, 64, False, "rtn") else None
+    peer = (52.749, "RTN, peer baseline") if (bits, group, symmetric, solver) == (4, 64, False, "rtn") else None
     return Variant(
         f"custom_bits {bits}-bit g{group} {kind} {label}",
         "quantlab",
@@ -177,7 +177,7 @@ def plugin_variants() -> tuple[list[Variant], list[str]]:
             f"hqq (plugin) {bits}-bit g{group}",
             "plugin",
             lambda bits=bits, group=group: config_class.from_options({"bits": bits, "group_size": group}),
-            (peer, "hqq package, baselines.md"),
+            (peer, "hqq package, peer baseline"),
             quick=(bits, group) == (4, 64),
         )
         for (bits, group), peer in peers.items()
@@ -201,13 +201,13 @@ def bitsandbytes_variants() -> tuple[list[Variant], list[str]]:
         )
 
     return [
-        Variant("bitsandbytes nf4 + double quant", "bitsandbytes", nf4(True), (45.610, "baselines.md"), quick=True),
-        Variant("bitsandbytes nf4", "bitsandbytes", nf4(False), (45.673, "baselines.md")),
+        Variant("bitsandbytes nf4 + double quant", "bitsandbytes", nf4(True), (45.610, "peer baseline"), quick=True),
+        Variant("bitsandbytes nf4", "bitsandbytes", nf4(False), (45.673, "peer baseline")),
         Variant(
             "bitsandbytes LLM.int8",
             "bitsandbytes",
             lambda: BitsAndBytesConfig(load_in_8bit=True),
-            (36.822, "baselines.md"),
+            (36.822, "peer baseline"),
         ),
     ], []
 
@@ -403,7 +403,7 @@ def minilm_table(rows: list[Row]) -> str:
 
 
 def acceptance(rows: list[Row]) -> list[dict[str, Any]]:
-    """The acceptance points of the calibration issue that this benchmark measures (SmolLM2)."""
+    """The calibration targets this benchmark measures on SmolLM2, each with its figure."""
     by_name = {r.name: r for r in rows if r.error is None}
     results = []
 
@@ -450,7 +450,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--only", action="append", default=None, metavar="TEXT", help="only rows whose name contains TEXT (repeatable)"
     )
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (baselines.md used 2)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (the peer baselines used 2)")
     parser.add_argument(
         "--windows",
         type=int,

@@ -18,7 +18,7 @@ evaluation windows, LoRA r=16 alpha=32 dropout=0.05 on all seven projections, Ad
 (constant), activation checkpointing on, fp32 compute, `quantlab.training.Trainer` (transformers'
 Trainer) built by `training_run`, each step timed from `on_step_begin` to `on_step_end`.
 
-Phases (see notes/baselines.md for why memory and speed are measured this way):
+Phases (benchmarks/RESULTS.md, "How to measure", says why memory and speed are measured this way):
 - memory: each configuration in a fresh process, `--repeats` times, under the allocator set by
   `--allocator` (default `MALLOC_MMAP_THRESHOLD_=65536`, which returns freed large buffers to
   the system, so resident memory tracks live tensors; `default` is glibc's own setting).
@@ -35,7 +35,7 @@ Phases (see notes/baselines.md for why memory and speed are measured this way):
   alternating steps in one process (taking turns as in speed), no activation checkpointing:
   optimizer-state bytes and seconds per step.
 
-The acceptance checks of the training issue are printed at the end, each with its figures.
+The acceptance checks are printed at the end, each with its figures.
 """
 
 import argparse
@@ -67,7 +67,7 @@ LABELS = {
 }
 ALLOCATORS = {"mmap65536": {"MALLOC_MMAP_THRESHOLD_": "65536"}, "default": {}}
 BATCH, SEQ_LEN, RANK = 4, 256, 16
-OLD_LOOP_PEAK_MIB = 1392  # quantlab's own training loop before transformers.Trainer (issue 14)
+OLD_LOOP_PEAK_MIB = 1392  # the peak of quantlab's own training loop, the bound the recipe must stay under
 
 
 def resident_memory_bytes() -> int:
@@ -250,7 +250,7 @@ def lora_model(base: torch.nn.Module, name: str) -> torch.nn.Module:
     if name == "fp32-lora":
         base.requires_grad_(False)
         base.activation_checkpointing_enable({"use_reentrant": False})
-    else:  # the usual k-bit recipe, as in notes/baselines.md (quantlab's layers are k-bit to PEFT)
+    else:  # the usual k-bit recipe, as bitsandbytes users run it (quantlab's layers are k-bit to PEFT)
         options = {"use_reentrant": False}
         prepare_model_for_kbit_training(base, use_gradient_checkpointing=True, gradient_checkpointing_kwargs=options)
     set_seed(0)
@@ -653,8 +653,8 @@ def acceptance(results: dict[str, Any]) -> list[tuple[bool, str]]:
         checks.append((median_ratio <= 1.2, f"recipe NF4 QLoRA {median_ratio:.2f}x fp32 LoRA per step, <= 1.2x"))
         imports = statistics.median(r["resident_after_imports_mib"] for r in nf4)
         checks.append(
-            (worst_nf4 <= OLD_LOOP_PEAK_MIB, f"recipe NF4 QLoRA peak {worst_nf4:.0f} MiB (worst run) <= the old loop's "
-             f"{OLD_LOOP_PEAK_MIB} MiB (issue 14), of which {imports:.0f} MiB resident after imports")
+            (worst_nf4 <= OLD_LOOP_PEAK_MIB, f"recipe NF4 QLoRA peak {worst_nf4:.0f} MiB (worst run) <= the bound "
+             f"{OLD_LOOP_PEAK_MIB} MiB, of which {imports:.0f} MiB resident after imports")
         )  # fmt: skip
     if speed:
         nf4 = speed["quantlab-nf4"]

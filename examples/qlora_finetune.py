@@ -13,15 +13,14 @@ piece is the quantization config (`quantlab.NF4Config()` in place of `BitsAndByt
    every layer with rank-16 adapters (the output head is left out, as PEFT does for any model);
 3. trains with `transformers.Trainer` on the bundled WikiText-2 text *after* its first
    16 x 512 tokens: those are the windows the perplexity harness scores (`quantlab.eval`,
-   notes/baselines.md), measured here before and after training on text the model never saw;
+   benchmarks/RESULTS.md), measured here before and after training on text the model never saw;
 4. saves the adapter (`PeftModel.from_pretrained(base, DIR/adapter)` reloads it anywhere
    quantlab is installed, no import needed).
 
-Two CPU cores: 10-25 s per step of 4 x 256 tokens, depending on what else runs; `--max-steps 10`
-shows the idea. `--resume-from-checkpoint` continues an interrupted run from its newest checkpoint.
-Measured (50 steps from a saved NF4 folder, 2 shared cores at load average 7-11, 23.8 s/step):
-held-out perplexity 45.609 -> 33.730 on the 16 windows; 38.51 -> 27.93 on the first 4, which is
-what `quantlab finetune` scores by default (`--eval-windows 4`).
+On two CPU cores a step of 4 x 256 tokens takes seconds; `--max-steps 10` shows the idea.
+`--resume-from-checkpoint` continues an interrupted run from its newest checkpoint. What 50 steps
+measured (time per step, held-out perplexity before and after on the 16 windows and on the first 4,
+which `quantlab finetune` scores by default) is in benchmarks/RESULTS.md, "Training".
 """
 
 import argparse
