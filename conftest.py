@@ -1,4 +1,4 @@
-"""Shared pytest set-up: keep transformers quiet and the machine's two cores for the tests."""
+"""Shared pytest set-up: refuse a Python without torch with a pointer to quantlab's environment; offline, quiet transformers."""
 
 import importlib.util
 import os
