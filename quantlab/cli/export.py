@@ -1,18 +1,15 @@
 """`quantlab export onnx [MODEL] --output FILE`: write a checkpoint as one ONNX file for onnxruntime.
 
-Quantized layers become onnxruntime low-bit operators carrying the checkpoint's own codes and
-scales (MatMulNBits, MatMulBnb4, or a dequantize fallback); `--ort-dynamic-int8` instead runs
-onnxruntime's own dynamic int8 quantization on a float export, for comparison. The file is
-written atomically; weights above ~1.8 GB go to FILE.data beside it.
+The work is `quantlab.workflows.export.export_onnx`: quantized layers become onnxruntime low-bit
+operators carrying the checkpoint's own codes and scales; `--ort-dynamic-int8` instead runs
+onnxruntime's own dynamic int8 quantization on a float export, for comparison.
 """
 
 import argparse
-import time
-from pathlib import Path
 
 from quantlab.cli.console import Console, add_output_options, disk_size, key_value_table, seconds
-from quantlab.cli.models import resolve_model
-from quantlab.loading import load
+from quantlab.cli.options import MODEL_HELP
+from quantlab.workflows.export import export_onnx
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "model",
         nargs="?",
         metavar="MODEL",
-        help="a Hugging Face model folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        help=MODEL_HELP,
     )
     onnx.add_argument("--output", "-o", required=True, metavar="FILE", help="the .onnx file to write")
     onnx.add_argument(
@@ -58,37 +55,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from quantlab.export import to_onnx
-    from quantlab.utils.atomic import OutputExistsError
-
     console = Console.from_args(args)
-    output = Path(args.output).expanduser()
-    if output.exists() and not args.overwrite:
-        raise OutputExistsError(f"output {output} already exists; pass --overwrite to replace it, or pick another")
-    source = resolve_model(args.model)
-    started = time.perf_counter()
-    model = load(source, dtype=torch.float32, scratch=output.parent, progress=console.progress)
-    loaded = time.perf_counter()
-    console.note(f"exporting {source} to {output}")
-    result = to_onnx(
-        model,
-        output,
+    report = export_onnx(
+        args.model,
+        args.output,
         with_past=args.with_past,
         ort_dynamic_int8=args.ort_dynamic_int8,
         accuracy_level=args.accuracy_level,
         overwrite=args.overwrite,
+        progress=console.progress,
+        notify=console.note,
     )
-    finished = time.perf_counter()
-    data = {
-        "command": "export onnx",
-        "model": str(source),
-        **result.to_json(),
-        "load_seconds": loaded - started,
-        "export_seconds": finished - loaded,
-    }
-    console.report(_table(str(source), result, finished - loaded), data)
+    console.report(
+        _table(report.model, report.result, report.export_seconds), {"command": "export onnx", **report.to_json()}
+    )
     return 0
 
 

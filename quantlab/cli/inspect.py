@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from quantlab.cli.console import Console, add_output_options, column_table, disk_size
-from quantlab.cli.models import resolve_model
 from quantlab.errors import QuantlabError
-from quantlab.loading import ModelSource, load, weights_size
+from quantlab.loading import ModelSource, load, resolve_model, weights_size
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable, TiedOutputHead
 from quantlab.vocabulary import find_vocabulary
@@ -123,7 +122,7 @@ def _reference_path(argument: str, source: ModelSource) -> str:
     """`--reference FLOAT_MODEL` as given, or the model `quantlab quantize` recorded in its report."""
     if argument != FROM_REPORT:
         return argument
-    from quantlab.cli.output import REPORT_FILE
+    from quantlab.workflows.outputs import REPORT_FILE
 
     report = source.folder / REPORT_FILE
     if not report.is_file():

@@ -1,4 +1,4 @@
-"""Command-line flags generated from a method's config dataclass.
+"""Command-line flags: those generated from a method's config dataclass, and the arguments commands share.
 
 Every option of a method's config (`config_class.option_names()`) becomes one flag:
 `group_size` → `--group-size`, typed from its annotation. A plugin method gets its flags
@@ -254,3 +254,19 @@ def explain_unrecognized(extras: Sequence[str], method_name: str | None) -> str:
     unknown = flags[0]
     where = f" ({unknown} is an option of {', '.join(owners[unknown])})" if unknown in owners else ""
     return f"{unknown} is not an option of method {method_name!r}{where}; its options: {own}"
+
+
+# -- the arguments several commands share ---------------------------------------------------------
+
+MODEL_HELP = "a Hugging Face model folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+
+
+def add_model_argument(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
+    """The optional MODEL positional that `quantlab.loading.resolve_model` reads (absent: the embedded default)."""
+    parser.add_argument("model", nargs="?", metavar="MODEL", help=help)
+
+
+def add_output_dir_arguments(parser: argparse.ArgumentParser, help: str = "folder to write the checkpoint to") -> None:
+    """`--output/-o DIR` (required) and `--overwrite`; `help` says what goes into DIR."""
+    parser.add_argument("--output", "-o", required=True, metavar="DIR", help=help)
+    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")

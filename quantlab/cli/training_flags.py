@@ -1,6 +1,6 @@
 """The flags `quantlab finetune`, `prune` and `distill` share, declared once, named after `TrainingArguments`.
 
-Every training command calls `add_training_flags(parser, command)` and gets the same flags,
+Every training command calls `add_training_flags(parser)` and gets the same flags,
 with the same help and defaults: `--learning-rate`, `--max-steps`, `--per-device-train-batch-size`
 (short: `--batch-size`), `--output-dir`, `--resume-from-checkpoint [latest|DIR]`, ... Any other
 field passes through with `--training-arg name=value` or `--training-args FILE` (JSON or YAML);
@@ -19,10 +19,10 @@ Where a value is: the table's default < the command's default (`COMMAND_DEFAULTS
 import argparse
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from quantlab.errors import QuantlabError
+from quantlab.workflows.runs import RUN_OPTIONS, TrainingRun
 
 TRAINING_COMMANDS = ("finetune", "prune", "distill")
 SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -36,8 +36,8 @@ COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
     "distill": {"learning_rate": 1e-4, "lr_scheduler_type": "cosine", "warmup_steps": 0.05,
                 "activation_checkpointing": False, "eval_windows": 16},
 }  # fmt: skip
-# Names the CLI itself uses; they are not TrainingArguments fields.
-CLI_ONLY = ("max_seq_length", "eval_windows", "eval_seq_len", "data", "text_field", "overwrite")
+# quantlab's own run options; they are not TrainingArguments fields.
+CLI_ONLY = RUN_OPTIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,14 +152,14 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-# -- from flags to values ---------------------------------------------------------------------------
+# -- from flags to a run ---------------------------------------------------------------------------
 
 
-def resolve_training_flags(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """Every shared value, by name: defaults, command defaults, file, `--training-arg`, then the flags given.
+def resolve_training_flags(args: argparse.Namespace, command: str) -> TrainingRun:
+    """The run the flags describe: defaults, command defaults, file, `--training-arg`, then the flags given.
 
-    Sets each on `args` too, and keeps the lot as `args.training_values` for `training_arguments`.
-    Bad values are refused here, before any model is loaded; `--max-steps` is required but by prune.
+    Sets each value on `args` too. Bad values are refused here, before any model is loaded;
+    `--max-steps` is required but by prune.
     """
     from transformers.hf_argparser import string_to_bool
 
@@ -189,90 +189,17 @@ def resolve_training_flags(args: argparse.Namespace, command: str) -> dict[str, 
             except (ValueError, argparse.ArgumentTypeError) as error:
                 raise QuantlabError(f"training argument {name}={value!r}: {error}") from error
     values.update(chosen)
-    if values["output_dir"] is None:
-        raise QuantlabError("--output-dir DIR is required: the run folder (log, checkpoints, the result in DIR/final)")
+    run = TrainingRun.from_values(values)
     if values.get("bf16") and values.get("fp16"):
         raise QuantlabError("--bf16 and --fp16 both given; choose one")
     for name, value in values.items():
         setattr(args, name, value)
-    args.training_values = values
-    _check_values(args, steps_required=command != "prune")
-    return values
+    run.validate(steps_required=command != "prune")
+    return run
 
 
-def training_arguments(args: argparse.Namespace, console: Any, **fixed: Any):
-    """`TrainingArguments` of the run from the resolved values; `fixed` (what the command decides) wins."""
-    from quantlab.training.arguments import training_arguments as build
-
-    given = {name: v for name, v in args.training_values.items() if name not in CLI_ONLY and v is not None}
-    return build({**given, "output_dir": str(args.output_dir), "disable_tqdm": not console.progress}, **fixed)
-
-
-def _check_values(args: argparse.Namespace, steps_required: bool) -> None:
-    if args.max_steps is None and steps_required:
-        raise QuantlabError("--max-steps N is required: the number of optimizer steps")
-    if args.max_steps is not None and args.max_steps < (1 if steps_required else 0):
-        raise QuantlabError(f"--max-steps must be at least {1 if steps_required else 0}")
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "eval_seq_len"):
-        if getattr(args, name) < 1:
-            raise QuantlabError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_seq_length < 2:
-        raise QuantlabError("--max-seq-length must be at least 2")
-    if args.eval_windows < 0:
-        raise QuantlabError("--eval-windows must be 0 (no evaluation) or more")
-    if args.data is not None and not Path(args.data).expanduser().is_file():
-        raise QuantlabError(f"--data {args.data}: no such file")
-
-
-def prepare_run_folder(args: argparse.Namespace, inputs: list[Path]) -> Path:
-    """The run folder `--output-dir`: continued with --resume-from-checkpoint, replaced with --overwrite, else new.
-
-    `inputs` (the models read) and the `--data` file are never deleted by `--overwrite`.
-    """
-    import os
-    import shutil
-
-    from quantlab.utils.atomic import OutputExistsError, check_replaceable, make_staging
-
-    output = Path(args.output_dir).expanduser()
-    inputs = [*inputs, *([Path(args.data).expanduser()] if args.data else [])]
-    for path in inputs:
-        if output.resolve() == Path(path).resolve():
-            raise QuantlabError(f"--output-dir {output} is one of the inputs; write somewhere else")
-    if output.exists() and not output.is_dir():
-        raise QuantlabError(f"--output-dir {output} is a file; the run needs a folder there, so pick a folder path")
-    if args.resume_from_checkpoint or not output.exists():
-        return output
-    if not args.overwrite:
-        raise OutputExistsError(
-            f"output {output} already exists; pass --resume-from-checkpoint to continue its run, --overwrite to "
-            f"replace it, or pick another"
-        )
-    check_replaceable(output, overwrite=True, protect=inputs)
-    if os.environ.get("RANK", "0") == "0":
-        retired = make_staging(output.parent, output.name, "old")
-        os.replace(output, retired / output.name)
-        shutil.rmtree(retired, ignore_errors=True)
-    return output
-
-
-# -- what the commands share around a run -------------------------------------------------------------------
-
-
-def training_data(args: argparse.Namespace, tokenizer: Any):
-    """Training examples and the held-out windows (`--eval-windows` x `--eval-seq-len`) kept out of them."""
-    from quantlab.training import causal_lm_data, read_documents
-
-    if tokenizer is None:
-        raise QuantlabError("training needs the model's tokenizer, and the model folder has none")
-    documents = read_documents(Path(args.data).expanduser(), text_field=args.text_field) if args.data else None
-    return causal_lm_data(tokenizer, documents, args.max_seq_length, args.eval_windows, args.eval_seq_len)
-
-
-def finish_run(console: Any, output: Path, title: str, rows: list[tuple[str, str]], report: dict[str, Any]) -> None:
-    """The run's report as JSON in the run folder, and as a table (or one JSON line with --json) on stdout."""
+def print_report(console: Any, title: str, rows: list[tuple[str, str]], report: dict[str, Any]) -> None:
+    """A training command's report as a table (or one JSON line with --json) on stdout."""
     from quantlab.cli.console import key_value_table
-    from quantlab.cli.output import write_report
 
-    write_report(output, report)
     console.report(key_value_table(title, rows), report)

@@ -7,15 +7,8 @@ import json
 import pytest
 from transformers import TrainingArguments
 
-from quantlab.cli.console import Console
 from quantlab.cli.main import build_parser, main, parse
-from quantlab.cli.training_flags import (
-    CLI_ONLY,
-    TRAINING_COMMANDS,
-    resolve_training_flags,
-    training_arguments,
-    training_flags,
-)
+from quantlab.cli.training_flags import CLI_ONLY, TRAINING_COMMANDS, resolve_training_flags, training_flags
 
 BASE = {
     "finetune": ["finetune"],
@@ -95,8 +88,7 @@ def test_old_spellings_are_refused_in_one_line_exit_2(command, old, tmp_path, ca
 
 def _config(command: str, *extra: str) -> TrainingArguments:
     args = parse([*BASE[command], "-o", "run", "--max-steps", "5", *extra])
-    resolve_training_flags(args, command)
-    return training_arguments(args, Console(quiet=True))
+    return resolve_training_flags(args, command).training_arguments(progress=False)
 
 
 def test_training_arg_passes_fields_through_and_flags_win(tmp_path):
