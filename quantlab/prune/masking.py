@@ -70,7 +70,3 @@ def make_permanent(model: nn.Module) -> int:
         object.__delattr__(layer, MASK_ATTRIBUTE)
     return count
 
-
-def zero_fraction(weight: torch.Tensor) -> float:
-    """Fraction of exactly zero entries: the sparsity a weight really has."""
-    return float((weight == 0).sum()) / max(1, weight.numel())
