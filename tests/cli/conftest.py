@@ -1,9 +1,12 @@
-"""Tiny checkpoints (with a byte-level tokenizer) and a helper to run the CLI in a fresh process."""
+"""Tiny checkpoints (with a byte-level tokenizer) and helpers to run the CLI in this process or a fresh one."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,14 +104,25 @@ class Completed:
 
 
 class Cli:
-    """Runs quantlab and Python in fresh processes (stderr is a pipe, so no progress bars)."""
+    """Runs `quantlab.cli.main.main` in this process (stdout and stderr captured, so no progress bars),
+    and Python or a console script in a fresh process for what only a new process shows."""
 
     tiny_eval = TINY_EVAL
 
     @staticmethod
-    def run(*args: str | os.PathLike, env: dict[str, str] | None = None, timeout: float = 900) -> Completed:
-        """`python -m quantlab.cli.main ARGS`."""
-        return Cli.command([sys.executable, "-m", "quantlab.cli.main", *map(str, args)], env=env, timeout=timeout)
+    def run(*args: str | os.PathLike) -> Completed:
+        """`main(ARGS)` in this process, as `quantlab ARGS` runs it; library settings it changes are restored."""
+        from transformers.utils import logging as hf_logging
+
+        from quantlab.cli.main import main
+
+        stdout, stderr, verbosity = io.StringIO(), io.StringIO(), hf_logging.get_verbosity()
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                code = main([str(arg) for arg in args])
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        return Completed(code, stdout.getvalue(), stderr.getvalue())
 
     @staticmethod
     def python(code: str, *args: str | os.PathLike) -> Completed:

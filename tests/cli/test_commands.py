@@ -1,14 +1,13 @@
-"""`quantlab eval`, `methods`, `inspect` and `optimum-cli quantlab`, each in a fresh process."""
+"""`quantlab eval`, `methods` and `inspect` in process; a plugin method and `optimum-cli quantlab` in a fresh one."""
 
 import json
 import math
 import shutil
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.subprocess
 
 
 def test_eval_reproduces_the_perplexity_quantize_reported(cli, quantized_llama) -> None:
@@ -92,8 +91,11 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"PYTHONPATH": str(site)}
 
 
+@pytest.mark.subprocess
 def test_a_plugin_method_gets_listed_and_gets_its_flags(cli, plugin_path, llama_dir: Path, tmp_path: Path) -> None:
-    listed = cli.run("methods", "--json", env=plugin_path)
+    """A fresh process, so the plugin's entry point is found as an installed one is."""
+    quantlab = [sys.executable, "-m", "quantlab.cli.main"]
+    listed = cli.command([*quantlab, "methods", "--json"], env=plugin_path)
     assert listed.returncode == 0, listed.stderr
     plugin = next(method for method in listed.json()["methods"] if method["name"] == "cli_test_plugin")
     assert plugin["source"] == "cli-test-plugin"
@@ -103,14 +105,14 @@ def test_a_plugin_method_gets_listed_and_gets_its_flags(cli, plugin_path, llama_
 
     output = tmp_path / "plugin"
     quantize = ["quantize", llama_dir, "--method", "cli_test_plugin", "--flavour", "spicy", "--group-size", "32"]
-    result = cli.run(*quantize, "--strict", "yes", "--output", output, "--json", env=plugin_path)
+    result = cli.command([*quantlab, *quantize, "--strict", "yes", "--output", output, "--json"], env=plugin_path)
     assert result.returncode == 0, result.stderr
     assert result.json()["layers_quantized"] == 14
     saved = json.loads((output / "config.json").read_text())["quantization_config"]
     assert saved["quant_method"] == "quantlab_cli_test_plugin"
     assert (saved["flavour"], saved["strict"], saved["group_size"]) == ("spicy", True, 32)
 
-    wrong = cli.run(*quantize, "--flavour", "mild", "--output", tmp_path / "x", env=plugin_path)
+    wrong = cli.command([*quantlab, *quantize, "--flavour", "mild", "--output", tmp_path / "x"], env=plugin_path)
     cli.assert_user_error(wrong, "--flavour expects one of plain, spicy, got 'mild'")
 
 
@@ -145,12 +147,17 @@ def test_inspect_reads_width_and_group_of_nf4_and_int8(cli, llama_dir: Path, tmp
         assert row.split()[1:4] == [method, str(width), "channel" if group is None else str(group)]
 
 
-def test_optimum_cli_runs_the_same_quantize(cli, llama_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.subprocess
+def test_optimum_cli_runs_the_same_quantize_and_reports_errors_the_same_way(
+    cli, llama_dir: Path, tmp_path: Path
+) -> None:
     optimum_cli = shutil.which("optimum-cli")
     if optimum_cli is None:
         pytest.skip("optimum is not installed")
     listed = cli.command([optimum_cli, "--help"])
     assert "quantlab" in listed.stdout
+    wrong = cli.command([optimum_cli, "quantlab", "quantize", tmp_path / "nowhere", "--method", "nf4", "-o", "x"])
+    cli.assert_user_error(wrong, "does not exist")
     output = tmp_path / "via-optimum"
     result = cli.command([optimum_cli, "quantlab", "quantize", llama_dir, "--method", "nf4", "-o", output, "--json"])
     assert result.returncode == 0, result.stderr

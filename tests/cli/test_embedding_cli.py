@@ -1,10 +1,8 @@
-"""`--embedding-bits` through `quantize`, `inspect` and `eval`, each in a fresh process."""
+"""`--embedding-bits` through `quantize`, `inspect` and `eval`."""
 
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.subprocess
 
 
 def _quantize(cli, source: Path, output: Path, *flags: str) -> dict:

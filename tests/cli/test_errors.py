@@ -1,15 +1,12 @@
 """Bad input: one line on stderr starting `quantlab: error:`, exit code 2, no traceback, no output folder."""
 
 import errno
-import shutil
 from pathlib import Path
 
 import pytest
 
 from quantlab.cli.main import main
 from quantlab.testing.disks import small_tmpfs
-
-pytestmark = pytest.mark.subprocess
 
 
 def test_missing_model_path(cli, tmp_path: Path) -> None:
@@ -113,14 +110,6 @@ def test_inspect_reference_of_another_architecture(cli, quantized_llama, bert_di
 
 def test_inspect_reference_without_a_report(cli, llama_dir: Path) -> None:
     cli.assert_user_error(cli.run("inspect", llama_dir, "--reference"), "has no quantlab_report.json naming")
-
-
-def test_optimum_cli_reports_errors_the_same_way(cli, tmp_path: Path) -> None:
-    optimum_cli = shutil.which("optimum-cli")
-    if optimum_cli is None:
-        pytest.skip("optimum is not installed")
-    result = cli.command([optimum_cli, "quantlab", "quantize", tmp_path / "nowhere", "--method", "nf4", "-o", "x"])
-    cli.assert_user_error(result, "does not exist")
 
 
 # -- a full disk ------------------------------------------------------------------------------

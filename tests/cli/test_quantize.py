@@ -1,4 +1,4 @@
-"""`quantlab quantize` end to end, each run in a fresh process."""
+"""`quantlab quantize` end to end in process; the checkpoint's reload and the entry points in a fresh one."""
 
 import json
 import math
@@ -6,8 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.subprocess
 
 RELOAD_IN_NEW_PROCESS = """
 import sys, torch
@@ -41,6 +39,20 @@ def test_quantize_writes_a_checkpoint_and_a_json_report(quantized_llama) -> None
     assert saved["perplexity_after"] == report["perplexity_after"]
 
 
+def _reload(folder: Path) -> str:
+    """What RELOAD_IN_NEW_PROCESS prints, computed in this process."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    layers = [type(m).__name__ for m in model.modules() if hasattr(m, "stored_bytes")]
+    ids = torch.tensor([tokenizer("Hello quantized world")["input_ids"]])
+    logits = model(ids).logits
+    return f"{len(layers)} {sorted(set(layers))} {bool(torch.isfinite(logits).all())}"
+
+
+@pytest.mark.subprocess
 def test_the_checkpoint_reloads_in_a_new_process_with_its_tokenizer(cli, quantized_llama) -> None:
     result = cli.python(RELOAD_IN_NEW_PROCESS, quantized_llama.output)
     assert result.returncode == 0, result.stderr
@@ -82,7 +94,7 @@ def test_a_gguf_file_is_dequantized_then_quantized(cli, gguf_file: Path, tmp_pat
     assert report["layers_quantized"] == 14
     assert report["size_before_bytes"] == gguf_file.stat().st_size
     assert math.isfinite(report["perplexity_after"])
-    assert cli.python(RELOAD_IN_NEW_PROCESS, output).stdout.split("\n")[0] == "14 ['NF4Linear'] True"
+    assert _reload(output) == "14 ['NF4Linear'] True"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["from-gguf"]  # the float copy is gone
 
 
@@ -91,10 +103,9 @@ def test_an_encoder_is_quantized_through_its_own_class(cli, bert_dir: Path, tmp_
     result = cli.run("quantize", bert_dir, "--method", "int8", "--group-size", "32", "--output", output, "--json")
     assert result.returncode == 0, result.stderr
     assert result.json()["layers_quantized"] == 13  # 2 x (q, k, v, o, up, down) + pooler
-    code = (
-        "import sys; from transformers import AutoModel; print(type(AutoModel.from_pretrained(sys.argv[1])).__name__)"
-    )
-    assert cli.python(code, output).stdout.strip() == "BertModel"
+    from transformers import AutoModel
+
+    assert type(AutoModel.from_pretrained(output)).__name__ == "BertModel"
 
 
 def test_modules_to_not_convert_keeps_layers_in_float(cli, llama_dir: Path, tmp_path: Path) -> None:
@@ -108,7 +119,13 @@ def test_modules_to_not_convert_keeps_layers_in_float(cli, llama_dir: Path, tmp_
     assert sorted(report["layers_kept"]) == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
 
 
-def test_python_dash_m_quantlab_cli_runs_the_same_command(cli) -> None:
+@pytest.mark.subprocess
+def test_the_console_script_and_python_dash_m_run_the_same_command(cli) -> None:
     result = cli.command([sys.executable, "-m", "quantlab.cli", "methods", "--json"])
     assert result.returncode == 0, result.stderr
     assert {"custom_bits", "int8", "nf4"} <= {method["name"] for method in result.json()["methods"]}
+    script = Path(sys.executable).with_name("quantlab")
+    if not script.is_file():
+        pytest.skip("the quantlab console script is not installed beside this Python")
+    wrong = cli.command([script, "quantize", "--method", "nf4"])
+    cli.assert_user_error(wrong, "the following arguments are required: --output/-o")
