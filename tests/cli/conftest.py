@@ -176,3 +176,12 @@ def quantized_llama(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return QuantizeRun(output, result)
+
+
+@pytest.fixture(scope="session")
+def nf4_llama(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> QuantizeRun:
+    """The tiny Llama quantized with nf4's defaults, reported as JSON (shared by the tests that only read it)."""
+    output = tmp_path_factory.mktemp("quantized") / "llama-nf4"
+    result = Cli.run("quantize", llama_dir, "--method", "nf4", "--output", output, "--json")
+    assert result.returncode == 0, result.stderr
+    return QuantizeRun(output, result)

@@ -137,10 +137,10 @@ def test_inspect_finds_the_reference_in_the_quantize_report(cli, quantized_llama
     assert all(layer["relative_error"] is not None for layer in result.json()["layers"])
 
 
-def test_inspect_reads_width_and_group_of_nf4_and_int8(cli, llama_dir: Path, tmp_path: Path) -> None:
-    for method, flags, width, group in [("nf4", [], 4, 64), ("int8", ["--group-size", "channel"], 8, None)]:
-        output = tmp_path / method
-        assert cli.run("quantize", llama_dir, "--method", method, *flags, "-o", output, "--quiet").returncode == 0
+def test_inspect_reads_width_and_group_of_nf4_and_int8(cli, nf4_llama, llama_dir: Path, tmp_path: Path) -> None:
+    int8 = tmp_path / "int8"
+    assert cli.run("quantize", llama_dir, "--method", "int8", "--group-size", "channel", "-o", int8).returncode == 0
+    for output, method, width, group in [(nf4_llama.output, "nf4", 4, 64), (int8, "int8", 8, None)]:
         result = cli.run("inspect", output)
         assert result.returncode == 0, result.stderr
         row = next(line for line in result.stdout.splitlines() if line.startswith("model.layers.0.mlp.up_proj"))

@@ -11,8 +11,10 @@ def _quantize(cli, source: Path, output: Path, *flags: str) -> dict:
     return result.json()
 
 
-def test_embedding_bits_shrinks_the_file_not_the_linear_layers_bits(cli, llama_dir: Path, tmp_path: Path) -> None:
-    plain = _quantize(cli, llama_dir, tmp_path / "plain")
+def test_embedding_bits_shrinks_the_file_not_the_linear_layers_bits(
+    cli, nf4_llama, llama_dir: Path, tmp_path: Path
+) -> None:
+    plain = nf4_llama.result.json()
     embedded = _quantize(cli, llama_dir, tmp_path / "embedded", "--embedding-bits", "8")
     assert embedded["config"]["embedding_bits"] == 8
     # Bits per weight count the quantized Linear layers only; the tables change the file.
