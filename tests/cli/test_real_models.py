@@ -6,7 +6,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-BASELINE_FP32_PERPLEXITY = 36.077  # notes/baselines.md: the shared harness on SmolLM2-135M, fp32
+BASELINE_FP32_PERPLEXITY = 36.077  # benchmarks/RESULTS.md: the shared harness on SmolLM2-135M, fp32
 
 
 @pytest.fixture(scope="module")
