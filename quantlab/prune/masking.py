@@ -69,4 +69,3 @@ def make_permanent(model: nn.Module) -> int:
     for layer in masked_layers(model).values():
         object.__delattr__(layer, MASK_ATTRIBUTE)
     return count
-
