@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantlab.formats import grouping
-from quantlab.kernels import quantize as quantize_ops
+from quantlab.formats import fast_path, grouping
 
 ORT_BLOCK_SIZES = (16, 32, 64, 128, 256)
 MATMUL_NBITS_BITS = (2, 4, 8)
@@ -68,7 +67,7 @@ def matmul_nbits_weight(
     block_size = nbits_block_size(codes.shape[1], codes.shape[2], in_features, bits)
     codes, index = reblock(codes, in_features, block_size)
     return NBitsWeight(
-        packed=quantize_ops.pack(codes, bits),
+        packed=fast_path.pack(codes, bits),
         scales=scale.float()[:, index],
         zero_points=None if zero is None else zero.float()[:, index],
         bits=bits,

@@ -1,4 +1,8 @@
-"""Storage formats: pure functions that turn float weights into codes and back.
+"""Storage formats: one `Codec` per format (`codec.py`), the layout of a layer (`layout.py`), and the
+pure functions they share (grouping, packing). Nothing here knows about modules or transformers;
+each function is tested bit-exactly.
 
-Nothing here knows about modules or transformers; each function is tested bit-exactly.
+Importing the package registers the built-in codecs: affine, int8, nf4.
 """
+
+from quantlab.formats import affine, int8, nf4  # noqa: F401  (registers the built-in codecs)

@@ -1,83 +1,158 @@
-"""Group-wise affine (asymmetric) and symmetric integer quantization, 2 to 8 bits.
+"""The `affine` codec: group-wise integer codes of 1 to 8 bits, with or without zero points.
 
-Symmetric: `w ≈ (q - 2**(b-1)) * scale`, `scale = absmax / (2**(b-1) - 1)`, so zero is exact.
-Asymmetric: `w ≈ (q - zero) * scale`, `scale = (max - min) / (2**b - 1)`, `zero = -min / scale`
-kept as a float (no rounding of the zero point, the layout of onnxruntime's MatMulNBits).
-Codes are unsigned `0 <= q < 2**b`; the dequantization error of each weight is at most
-`scale / 2`, the round-to-nearest bound.
+Symmetric (no stored zero point): `w ≈ (q - 2**(b-1)) * scale`, `scale = absmax / (2**(b-1) - 1)`,
+so zero is exact. Asymmetric: `w ≈ (q - zero) * scale`, `scale = (max - min) / (2**b - 1)`,
+`zero = -min / scale` kept as a float in the scale dtype (no rounding of the zero point, the
+layout of onnxruntime's MatMulNBits). Codes are unsigned `0 <= q < 2**b`, packed `b` bits to
+the byte; the dequantization error of each weight is at most `scale / 2`.
+
+Scales (and zero points) are cast to their storage dtype before the codes are computed, so
+codes are chosen against the numbers that are kept. A group whose scale is zero in that dtype
+(a constant group, or one whose scale underflows) gets scale 1, and zero point `-min`: its
+weights are then exact. That rule is `AffineCodec.grid`; every writer of affine grids uses it.
 """
 
-from dataclasses import dataclass
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
-from quantlab.formats import grouping
+from quantlab.formats import fast_path, packing
+from quantlab.formats.codec import Codec, GroupParams, TensorSpec, register_codec
+
+if TYPE_CHECKING:
+    from quantlab.formats.layout import Descriptor, StorageLayout
 
 
-@dataclass
-class AffineWeight:
-    """Codes `[out, groups, group_size]` (uint8), scale and optional zero `[out, groups]`."""
+class AffineCodec(Codec):
+    name = "affine"
+    native_kind = 0  # QL_AFFINE
+    onnx_lowering = "integer-grid"
 
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor | None
+    def tensors(self, layout: StorageLayout) -> dict[str, TensorSpec]:
+        out, groups = layout.out_features, layout.groups
+        code_bytes = packing.packed_size(layout.group_length, layout.bits)
+        specs = {
+            "weight": TensorSpec((out, groups, code_bytes), torch.uint8),
+            "weight_scale": TensorSpec((out, groups), layout.scale_dtype),
+        }
+        if self.has_zero(layout):
+            specs["weight_zero"] = TensorSpec((out, groups), layout.scale_dtype)
+        return specs
+
+    def descriptor(self, layout: StorageLayout) -> str:
+        text = super().descriptor(layout)
+        return text if self.has_zero(layout) else f"{text} zero={self.constant_zero(layout):g}"
+
+    def native_arguments(self, layout: StorageLayout) -> tuple[str | None, ...]:
+        return ("weight_scale", "weight_zero") if self.has_zero(layout) else ("weight_scale",)
+
+    # -- round to nearest -----------------------------------------------------------------------
+
+    def quantize(self, layout: StorageLayout, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Round-to-nearest on each group's min-max (absmax when symmetric) grid; a registered
+        `affine_quantize` op computes the same bits in one pass."""
+        symmetric = not self.has_zero(layout)
+        native = fast_path.run(
+            "affine_quantize", weight, weight, layout.bits, layout.group_size, symmetric, layout.scale_dtype
+        )
+        if native is None:
+            return super().quantize(layout, weight)
+        codes, scale, zero = native
+        return self.store(layout, codes, GroupParams(scale=scale, zero=zero))
+
+    # -- the grid -------------------------------------------------------------------------------
+
+    def has_zero(self, layout: StorageLayout) -> bool:
+        return not layout.symmetric
+
+    def constant_zero(self, layout: StorageLayout) -> float:
+        return float(1 << (layout.bits - 1))
+
+    def signed_grids(self, layout: StorageLayout) -> bool:
+        return not self.has_zero(layout)
+
+    def fit(
+        self, layout: StorageLayout, grouped: torch.Tensor, clip: torch.Tensor | float = 1.0, signed: bool = False
+    ) -> GroupParams:
+        grouped = grouped.float()
+        clip = torch.as_tensor(clip, dtype=torch.float32, device=grouped.device)
+        if not self.has_zero(layout):
+            if signed:
+                extreme = grouped.gather(-1, grouped.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+                return self.grid(layout, -extreme * clip / self.constant_zero(layout))
+            qmax = (1 << (layout.bits - 1)) - 1
+            return self.grid(layout, grouped.abs().amax(dim=-1) * clip / qmax)
+        low = grouped.amin(dim=-1) * clip
+        high = grouped.amax(dim=-1) * clip
+        return self.grid(layout, (high - low) / layout.max_code, low=low)
+
+    def grid(
+        self,
+        layout: StorageLayout,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None = None,
+        low: torch.Tensor | None = None,
+    ) -> GroupParams:
+        """Grids `[out, groups]` from float scales (and zero points), as stored.
+
+        With `low` (each group's smallest weight) and no `zero`, the zero point is fitted to the
+        stored scale, `-low / scale`. A scale that is zero in the scale dtype becomes 1, and with
+        `low` given the group's zero point becomes `-low`: a constant group is then exact.
+        """
+        stored = scale.to(layout.scale_dtype)
+        unit = stored == 0
+        scale = torch.where(unit, torch.ones_like(stored), stored).float()
+        if not self.has_zero(layout):
+            return GroupParams(scale=scale)
+        if zero is None:
+            zero = -low / scale
+        elif low is not None:
+            zero = torch.where(unit, -low, zero)
+        return GroupParams(scale=scale, zero=zero.to(layout.scale_dtype).float())
+
+    def encode(
+        self, layout: StorageLayout, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    ) -> torch.Tensor:
+        if zero is None:  # an integer zero point: added after rounding, so the sum is exact
+            target = torch.round(values.float() / scale.float()) + self.constant_zero(layout)
+        else:
+            target = torch.round(values.float() / scale.float() + zero.float())
+        return target.clamp_(0, layout.max_code).to(torch.uint8)
+
+    def decode(
+        self, layout: StorageLayout, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    ) -> torch.Tensor:
+        return (codes.float() - (zero.float() if zero is not None else self.constant_zero(layout))) * scale.float()
+
+    # -- stored tensors -------------------------------------------------------------------------
+
+    def store(self, layout: StorageLayout, codes: torch.Tensor, params: GroupParams) -> dict[str, torch.Tensor]:
+        stored = {"weight": self.stored_codes(layout, codes), "weight_scale": params.scale.to(layout.scale_dtype)}
+        if self.has_zero(layout):
+            stored["weight_zero"] = params.zero.to(layout.scale_dtype)
+        return stored
+
+    def stored_codes(self, layout: StorageLayout, codes: torch.Tensor) -> torch.Tensor:
+        """Unsigned codes `[out, groups, length]` → the `weight` buffer."""
+        return fast_path.pack(codes.to(torch.uint8), layout.bits)
+
+    def codes(self, layout: StorageLayout, weight: torch.Tensor) -> torch.Tensor:
+        return packing.unpack(weight, layout.bits, layout.group_length)
+
+    def params(self, layout: StorageLayout, stored: dict[str, torch.Tensor]) -> GroupParams:
+        zero = stored["weight_zero"].float() if self.has_zero(layout) else None
+        return GroupParams(scale=stored["weight_scale"].float(), zero=zero)
+
+    # -- what other parts of quantlab ask ---------------------------------------------------------
+
+    def label(self, layout: StorageLayout) -> str:
+        return f"{self.name}-asym" if self.has_zero(layout) else f"{self.name}-sym"
+
+    def int8_activations(self, descriptor: Descriptor) -> bool:
+        """4-bit codes in groups of 64 or a multiple (a per-channel group being the row)."""
+        return descriptor.bits == 4 and descriptor.group_size % 64 == 0
 
 
-def quantize(
-    weight: torch.Tensor,
-    bits: int,
-    group_size: int | None,
-    symmetric: bool,
-    scale_dtype: torch.dtype = torch.float32,
-) -> AffineWeight:
-    """Round-to-nearest quantization of a `[out, in]` matrix, scales stored in `scale_dtype`.
-
-    The definition; `quantlab.kernels.quantize.affine_quantize` runs a bit-identical native op
-    when one is registered for the weight's device.
-    """
-    grouped = grouping.group(weight.float(), group_size)
-    if symmetric:
-        return _quantize_symmetric(grouped, bits, scale_dtype)
-    return _quantize_asymmetric(grouped, bits, scale_dtype)
-
-
-def dequantize(
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor | None,
-    bits: int,
-    in_features: int,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Float `[out, in]` matrix from grouped codes; the reference every kernel must match."""
-    zero_point = zero.float().unsqueeze(-1) if zero is not None else float(1 << (bits - 1))
-    values = (codes.float() - zero_point) * scale.float().unsqueeze(-1)
-    return grouping.ungroup(values, in_features).to(dtype)
-
-
-def _quantize_symmetric(grouped: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> AffineWeight:
-    qmax = (1 << (bits - 1)) - 1
-    scale = _stored_scale(grouped.abs().amax(dim=-1) / qmax, scale_dtype)
-    q = torch.round(grouped / scale.float().unsqueeze(-1)).clamp_(-qmax, qmax)
-    codes = (q + (1 << (bits - 1))).to(torch.uint8)
-    return AffineWeight(codes=codes, scale=scale, zero=None)
-
-
-def _quantize_asymmetric(grouped: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> AffineWeight:
-    qmax = (1 << bits) - 1
-    low = grouped.amin(dim=-1)
-    high = grouped.amax(dim=-1)
-    scale = _stored_scale((high - low) / qmax, scale_dtype)
-    zero = (-low / scale.float()).to(scale_dtype)
-    q = torch.round(grouped / scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1))
-    codes = q.clamp_(0, qmax).to(torch.uint8)
-    return AffineWeight(codes=codes, scale=scale, zero=zero)
-
-
-def _stored_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
-    """Cast to the storage dtype first, so codes are computed with the scale that is kept.
-
-    A group of zeros (or one whose scale underflows) gets scale 1: its codes are then exact.
-    """
-    stored = scale.to(scale_dtype)
-    return torch.where(stored == 0, torch.ones_like(stored), stored)
+AFFINE = register_codec(AffineCodec())

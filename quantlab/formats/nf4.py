@@ -8,13 +8,18 @@ rest is quantized in blocks of 256 with bitsandbytes' signed dynamic 8-bit map, 
 keeping one float32 scale. That costs 8/64 + 32/(64*256) bits per weight at blocksize 64.
 """
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from __future__ import annotations
+
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 
-from quantlab.formats import grouping
+from quantlab.formats import fast_path, grouping, packing
+from quantlab.formats.codec import Codec, GroupParams, TensorSpec, register_codec
+
+if TYPE_CHECKING:
+    from quantlab.formats.layout import StorageLayout
 
 NF4_LEVELS = (
     -1.0,
@@ -35,23 +40,7 @@ NF4_LEVELS = (
     1.0,
 )
 ABSMAX_BLOCKSIZE = 256
-Bucketize = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class NF4Weight:
-    """4-bit codes `[out, blocks, blocksize]` and the per-block absmax, plain or compressed."""
-
-    codes: torch.Tensor
-    absmax: torch.Tensor | None = None
-    absmax_codes: torch.Tensor | None = None
-    absmax_scale: torch.Tensor | None = None
-    absmax_offset: torch.Tensor | None = None
-
-
-def bucketize(values: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
-    """Bucket index (int32) of each value among sorted `boundaries`; ties go to the lower bucket."""
-    return torch.bucketize(values, boundaries, out_int32=True)
+BITS = 4
 
 
 def levels(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -84,49 +73,14 @@ def _build_dynamic_map() -> tuple[float, ...]:
     return tuple(sorted(values))
 
 
-def quantize(
-    weight: torch.Tensor,
-    blocksize: int,
-    double_quant: bool,
-    absmax_blocksize: int = ABSMAX_BLOCKSIZE,
-    bucketize: Bucketize = bucketize,
-) -> NF4Weight:
-    """NF4 codes of a `[out, in]` matrix in blocks of `blocksize` along each row.
-
-    The definition; `quantlab.kernels.quantize.nf4_quantize` runs a bit-identical native op
-    when one is registered for the weight's device (and passes its native `bucketize`).
-    """
-    blocks = grouping.group(weight.float(), blocksize)
-    absmax = blocks.abs().amax(dim=-1)
-    scaled = (blocks / absmax.clamp(min=1e-38).unsqueeze(-1)).clamp_(-1, 1)
-    codes = bucketize(scaled, midpoints(levels(weight.device))).to(torch.uint8)
-    return with_absmax(codes, absmax, double_quant, absmax_blocksize, bucketize)
-
-
-def with_absmax(
-    codes: torch.Tensor,
-    absmax: torch.Tensor,
-    double_quant: bool,
-    absmax_blocksize: int = ABSMAX_BLOCKSIZE,
-    bucketize: Bucketize = bucketize,
-) -> NF4Weight:
-    """The NF4 weight of `codes` chosen against `absmax`: the absmax as is, or in 8 bits (double quant)."""
-    if not double_quant:
-        return NF4Weight(codes=codes, absmax=absmax)
-    absmax_codes, absmax_scale, offset = quantize_absmax(absmax, absmax_blocksize, bucketize)
-    return NF4Weight(codes=codes, absmax_codes=absmax_codes, absmax_scale=absmax_scale, absmax_offset=offset)
-
-
-def quantize_absmax(
-    absmax: torch.Tensor, blocksize: int, bucketize: Bucketize = bucketize
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_absmax(absmax: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Second level: `absmax - mean` in blocks of `blocksize` with the dynamic 8-bit map."""
     offset = absmax.mean().reshape(1)
     centred = _blocks(absmax - offset, blocksize)
     scale = centred.abs().amax(dim=-1)
     scaled = (centred / scale.clamp(min=1e-38).unsqueeze(-1)).clamp_(-1, 1)
     code_map = torch.tensor(dynamic_map(), dtype=torch.float32, device=absmax.device)
-    codes = bucketize(scaled, midpoints(code_map)).to(torch.uint8)
+    codes = fast_path.bucketize(scaled, midpoints(code_map)).to(torch.uint8)
     return codes.reshape(-1)[: absmax.numel()].reshape(absmax.shape), scale, offset
 
 
@@ -134,12 +88,6 @@ def dequantize_absmax(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Te
     code_map = torch.tensor(dynamic_map(), dtype=torch.float32, device=codes.device)
     values = _blocks(code_map[codes.long()], blocksize) * scale.float().unsqueeze(-1)
     return values.reshape(-1)[: codes.numel()].reshape(codes.shape) + offset.float()
-
-
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """Float `[out, in]` matrix from NF4 codes and float absmax; the reference for kernels."""
-    values = levels(codes.device)[codes.long()] * absmax.float().unsqueeze(-1)
-    return grouping.ungroup(values, in_features).to(dtype)
 
 
 def midpoints(sorted_levels: torch.Tensor) -> torch.Tensor:
@@ -151,3 +99,117 @@ def _blocks(values: torch.Tensor, blocksize: int) -> torch.Tensor:
     flat = values.reshape(-1).float()
     padding = -flat.numel() % blocksize
     return torch.nn.functional.pad(flat, (0, padding)).reshape(-1, blocksize)
+
+
+class NF4Codec(Codec):
+    """NF4 codes packed two to the byte, and each block's absmax (plain float32, or in 8 bits under
+    `double_quant`). Round to nearest chooses the codes against the float absmax, as bitsandbytes
+    does; the solvers choose them against the absmax as stored (`fit`)."""
+
+    name = "nf4"
+    native_kind = 2  # QL_NF4
+    onnx_lowering = "level-table"
+
+    def validate(self, layout: StorageLayout) -> None:
+        if layout.bits != BITS:
+            raise ValueError(f"the nf4 codec stores 4-bit codes, got bits={layout.bits}")
+
+    def tensors(self, layout: StorageLayout) -> dict[str, TensorSpec]:
+        out, groups = layout.out_features, layout.groups
+        specs = {"weight": TensorSpec((out, groups, packing.packed_size(layout.group_length, BITS)), torch.uint8)}
+        if layout.double_quant:
+            absmax_blocks = -(-out * groups // ABSMAX_BLOCKSIZE)
+            specs["weight_absmax_codes"] = TensorSpec((out, groups), torch.uint8)
+            specs["weight_absmax_scale"] = TensorSpec((absmax_blocks,), torch.float32)
+            specs["weight_absmax_offset"] = TensorSpec((1,), torch.float32)
+        else:
+            specs["weight_absmax"] = TensorSpec((out, groups), torch.float32)
+        return specs
+
+    def descriptor(self, layout: StorageLayout) -> str:
+        text = super().descriptor(layout)
+        return f"{text} absmax_block={ABSMAX_BLOCKSIZE}" if layout.double_quant else text
+
+    def native_arguments(self, layout: StorageLayout) -> tuple[str | None, ...]:
+        if layout.double_quant:
+            return (None, None, "weight_absmax_codes", "weight_absmax_scale", "weight_absmax_offset")
+        return ("weight_absmax",)
+
+    def native_tables(self) -> dict[str, tuple[float, ...]]:
+        return {"levels": NF4_LEVELS, "absmax_map": dynamic_map()}
+
+    # -- round to nearest -----------------------------------------------------------------------
+
+    def quantize(self, layout: StorageLayout, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each block divided by its absmax, then the nearest NF4 level (the codes of
+        `bitsandbytes.functional.quantize_4bit(quant_type="nf4")`); a registered `nf4_quantize` op
+        computes the same bits in one pass."""
+        native = fast_path.run("nf4_quantize", weight, weight, layout.group_length, midpoints(levels()))
+        if native is not None:
+            codes, absmax = native
+        else:
+            grouped = grouping.group(weight.float(), layout.group_size)
+            absmax = grouped.abs().amax(dim=-1)
+            codes = self.encode(layout, grouped, absmax.clamp(min=1e-38).unsqueeze(-1), None)
+        return self.store(layout, codes, self.grid(layout, absmax))
+
+    # -- the grid -------------------------------------------------------------------------------
+
+    def levels(self, layout: StorageLayout, device: torch.device | str = "cpu") -> torch.Tensor:
+        return levels(device)
+
+    def fit(
+        self, layout: StorageLayout, grouped: torch.Tensor, clip: torch.Tensor | float = 1.0, signed: bool = False
+    ) -> GroupParams:
+        """Double quantization mixes all groups of a layer: fit them all at once."""
+        clip = torch.as_tensor(clip, dtype=torch.float32, device=grouped.device)
+        return self.grid(layout, grouped.float().abs().amax(dim=-1) * clip)
+
+    def grid(self, layout: StorageLayout, scale: torch.Tensor, zero: torch.Tensor | None = None) -> GroupParams:
+        """The absmax as stored; under double quantization all absmax of the layer are compressed
+        together, so pass them all."""
+        if not layout.double_quant:
+            return GroupParams(scale=scale.float())
+        codes, dq_scale, offset = quantize_absmax(scale.float(), ABSMAX_BLOCKSIZE)
+        stored = {"weight_absmax_codes": codes, "weight_absmax_scale": dq_scale, "weight_absmax_offset": offset}
+        absmax = dequantize_absmax(codes, dq_scale, offset, ABSMAX_BLOCKSIZE)
+        return GroupParams(scale=absmax, stored=stored)
+
+    def encode(
+        self, layout: StorageLayout, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    ) -> torch.Tensor:
+        target = values.float() / scale.float() + (zero.float() if zero is not None else 0.0)
+        return fast_path.bucketize(target.contiguous(), midpoints(levels(values.device))).to(torch.uint8)
+
+    def decode(
+        self, layout: StorageLayout, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    ) -> torch.Tensor:
+        values = levels(codes.device)[codes.long()]
+        return (values - (zero.float() if zero is not None else 0.0)) * scale.float()
+
+    # -- stored tensors -------------------------------------------------------------------------
+
+    def store(self, layout: StorageLayout, codes: torch.Tensor, params: GroupParams) -> dict[str, torch.Tensor]:
+        stored = {"weight": fast_path.pack(codes.to(torch.uint8), BITS)}
+        if layout.double_quant:
+            stored.update(params.stored)
+        else:
+            stored["weight_absmax"] = params.scale.float()
+        return stored
+
+    def codes(self, layout: StorageLayout, weight: torch.Tensor) -> torch.Tensor:
+        return packing.unpack(weight, BITS, layout.group_length)
+
+    def params(self, layout: StorageLayout, stored: dict[str, torch.Tensor]) -> GroupParams:
+        if not layout.double_quant:
+            return GroupParams(scale=stored["weight_absmax"].float())
+        absmax = dequantize_absmax(
+            stored["weight_absmax_codes"],
+            stored["weight_absmax_scale"],
+            stored["weight_absmax_offset"],
+            ABSMAX_BLOCKSIZE,
+        )
+        return GroupParams(scale=absmax)
+
+
+NF4 = register_codec(NF4Codec())

@@ -7,16 +7,17 @@ matmul), registered for the wildcard `("*", "*")`. A faster kernel registers for
 and is tested against the reference. Lookup order: `(format, device)`, `(format, "*")`,
 `("*", device)`, `("*", "*")`.
 
-Quantize ops (`affine_quantize`, `nf4_quantize`, `pack`, ...) are keyed by (name, device). Each
-computes exactly what the pure-torch definition in `quantlab.formats` computes, or returns None
-when it cannot (library unavailable, unsupported input); `quantlab.kernels.quantize` asks this
-table and falls back to the definition.
+Quantize ops (`affine_quantize`, `nf4_quantize`, `pack`, ...), the fast paths of the codecs'
+round-to-nearest, are keyed by (name, device) in `quantlab.formats.fast_path`; each computes
+exactly what the codec's definition computes, or returns None and the codec runs the definition.
 """
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+
+from quantlab.formats.fast_path import quantize_op, register_quantize_op
 
 if TYPE_CHECKING:
     from quantlab.nn import QuantizedLinear
@@ -50,28 +51,7 @@ def select_kernel(format: str, device_type: str) -> Kernel:
     raise LookupError(f"no kernel for format {format!r} on {device_type!r}")
 
 
-def registered_kernels() -> dict[tuple[str, str], Kernel]:
-    return dict(_KERNELS)
-
-
-QuantizeOp = Callable[..., Any]
-_QUANTIZE_OPS: dict[tuple[str, str], QuantizeOp] = {}
-
-
-def register_quantize_op(name: str, device_type: str) -> Callable[[QuantizeOp], QuantizeOp]:
-    """Decorator: make `op` the fast path of the quantize step `name` for tensors on `device_type`."""
-
-    def decorator(op: QuantizeOp) -> QuantizeOp:
-        _QUANTIZE_OPS[(name, device_type)] = op
-        return op
-
-    return decorator
-
-
-def quantize_op(name: str, device_type: str) -> QuantizeOp | None:
-    """The registered fast path of `name` on `device_type`, or None (then use `quantlab.formats`)."""
-    return _QUANTIZE_OPS.get((name, device_type))
-
+__all__ = ["ANY", "Kernel", "quantize_op", "register_kernel", "register_quantize_op", "select_kernel"]
 
 # The reference registers the wildcard kernel; cpu registers the native kernels for ("<codec>", "cpu")
 # and the native quantize ops for ("<op>", "cpu").

@@ -7,12 +7,10 @@ weight plus one scale (and one zero point when asymmetric) per group.
 
 import dataclasses
 
-import torch
-
 from quantlab.config import SCALE_DTYPES, QuantlabConfig, check_choice, check_group_size
 from quantlab.errors import ConfigError
+from quantlab.formats.affine import AFFINE
 from quantlab.formats.layout import StorageLayout
-from quantlab.kernels import quantize as rounding
 from quantlab.nn import QuantizedLinear
 
 MIN_BITS, MAX_BITS = 2, 8
@@ -54,12 +52,14 @@ class CustomBitsConfig(QuantlabConfig):
 
 
 class CustomBitsLinear(QuantizedLinear):
+    """Round to nearest by the affine codec (`QuantizedLinear.quantize_weight`)."""
+
     config_class = CustomBitsConfig
 
     @classmethod
     def layout_for(cls, in_features: int, out_features: int, config: CustomBitsConfig) -> StorageLayout:
         return StorageLayout(
-            "affine",
+            AFFINE.name,
             config.bits,
             config.group_size,
             in_features,
@@ -67,12 +67,3 @@ class CustomBitsLinear(QuantizedLinear):
             symmetric=config.symmetric,
             scale_dtype=SCALE_DTYPES[config.scale_dtype],
         )
-
-    @classmethod
-    def quantize_weight(cls, weight: torch.Tensor, config: CustomBitsConfig) -> dict[str, torch.Tensor]:
-        scale_dtype = SCALE_DTYPES[config.scale_dtype]
-        quantized = rounding.affine_quantize(weight, config.bits, config.group_size, config.symmetric, scale_dtype)
-        stored = {"weight": rounding.pack(quantized.codes, config.bits), "weight_scale": quantized.scale}
-        if quantized.zero is not None:
-            stored["weight_zero"] = quantized.zero
-        return stored

@@ -6,11 +6,9 @@ most `scale / 2`. Codes are stored as int8, one byte per weight.
 
 import dataclasses
 
-import torch
-
 from quantlab.config import SCALE_DTYPES, QuantlabConfig, check_choice, check_group_size
+from quantlab.formats.int8 import INT8
 from quantlab.formats.layout import StorageLayout
-from quantlab.kernels import quantize as rounding
 from quantlab.nn import QuantizedLinear
 
 
@@ -29,15 +27,12 @@ class Int8SymmetricConfig(QuantlabConfig):
 
 
 class Int8Linear(QuantizedLinear):
+    """Round to nearest by the int8 codec (`QuantizedLinear.quantize_weight`)."""
+
     config_class = Int8SymmetricConfig
 
     @classmethod
     def layout_for(cls, in_features: int, out_features: int, config: Int8SymmetricConfig) -> StorageLayout:
         return StorageLayout(
-            "int8", 8, config.group_size, in_features, out_features, scale_dtype=SCALE_DTYPES[config.scale_dtype]
+            INT8.name, 8, config.group_size, in_features, out_features, scale_dtype=SCALE_DTYPES[config.scale_dtype]
         )
-
-    @classmethod
-    def quantize_weight(cls, weight: torch.Tensor, config: Int8SymmetricConfig) -> dict[str, torch.Tensor]:
-        quantized = rounding.affine_quantize(weight, 8, config.group_size, True, SCALE_DTYPES[config.scale_dtype])
-        return {"weight": rounding.offset_to_signed(quantized.codes), "weight_scale": quantized.scale}

@@ -6,14 +6,11 @@ The 4-bit codes equal those of `bitsandbytes.functional.quantize_4bit(quant_type
 
 import dataclasses
 
-import torch
-
 from quantlab.config import QuantlabConfig, check_group_size
+from quantlab.formats import nf4
 from quantlab.formats.layout import StorageLayout
-from quantlab.kernels import quantize as rounding
+from quantlab.formats.nf4 import NF4
 from quantlab.nn import QuantizedLinear
-
-_BITS = 4
 
 
 @dataclasses.dataclass(repr=False)
@@ -30,22 +27,12 @@ class NF4Config(QuantlabConfig):
 
 
 class NF4Linear(QuantizedLinear):
+    """Round to nearest by the nf4 codec (`QuantizedLinear.quantize_weight`)."""
+
     config_class = NF4Config
 
     @classmethod
     def layout_for(cls, in_features: int, out_features: int, config: NF4Config) -> StorageLayout:
         return StorageLayout(
-            "nf4", _BITS, config.blocksize, in_features, out_features, double_quant=config.double_quant
+            NF4.name, nf4.BITS, config.blocksize, in_features, out_features, double_quant=config.double_quant
         )
-
-    @classmethod
-    def quantize_weight(cls, weight: torch.Tensor, config: NF4Config) -> dict[str, torch.Tensor]:
-        quantized = rounding.nf4_quantize(weight, config.blocksize, config.double_quant)
-        stored = {"weight": rounding.pack(quantized.codes, _BITS)}
-        if config.double_quant:
-            stored["weight_absmax_codes"] = quantized.absmax_codes
-            stored["weight_absmax_scale"] = quantized.absmax_scale
-            stored["weight_absmax_offset"] = quantized.absmax_offset
-        else:
-            stored["weight_absmax"] = quantized.absmax
-        return stored

@@ -4,8 +4,8 @@ A `[vocab, hidden]` table is stored like a Linear weight `[out, in]`, one output
 token (`StorageLayout` with `in_features = hidden`), so the kernel table computes logits from
 it and load verification reads its layout like any layer's. A lookup decodes only the rows
 it gathers. A head tied to the embeddings (`TiedOutputHead`) holds no tensor of its own: it
-multiplies by the embedding's stored codes, so a checkpoint holds the table once (SmolLM2:
-28 MB in 8 bits instead of 113 MB in float32). An untied head (`QuantizedOutputHead`) stores
+multiplies by the embedding's stored codes, so a checkpoint holds the table once (sizes in
+benchmarks/RESULTS.md). An untied head (`QuantizedOutputHead`) stores
 its own table in the same layout.
 
 These are deliberately not `QuantizedLinear`s: the bits per weight quantlab reports for the
@@ -21,9 +21,10 @@ from torch import nn
 
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
-from quantlab.formats import grouping
+from quantlab.formats import grouping, int8
+from quantlab.formats.affine import AFFINE
+from quantlab.formats.int8 import INT8
 from quantlab.formats.layout import StorageLayout
-from quantlab.kernels import quantize as rounding
 from quantlab.kernels import select_kernel
 from quantlab.nn.quantized_linear import StorageSpec
 from quantlab.nn.stored import StoredTensorsModule
@@ -32,14 +33,13 @@ SCALE_DTYPE = torch.float16
 
 
 def vocabulary_layout(rows: int, width: int, config: QuantlabConfig) -> StorageLayout:
-    """The layout of a `[rows, width]` table under `config.embedding_bits`: int8 at 8 bits,
-    symmetric integer codes below, one float16 scale per `embedding_group_size` weights of a row."""
+    """The layout of a `[rows, width]` table under `config.embedding_bits`: the int8 codec at 8 bits,
+    symmetric affine codes below, one float16 scale per `embedding_group_size` weights of a row."""
     bits, group_size = config.embedding_bits, config.embedding_group_size
     if bits is None:
         raise QuantizationError(f"{config.method}: embedding_bits is None, so the embedding table stays in float")
-    if bits == 8:
-        return StorageLayout("int8", 8, group_size, width, rows, scale_dtype=SCALE_DTYPE)
-    return StorageLayout("affine", bits, group_size, width, rows, symmetric=True, scale_dtype=SCALE_DTYPE)
+    codec = INT8 if bits == int8.BITS else AFFINE
+    return StorageLayout(codec.name, bits, group_size, width, rows, symmetric=True, scale_dtype=SCALE_DTYPE)
 
 
 def unpack_arithmetic(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
@@ -103,13 +103,8 @@ class QuantizedTable(StoredTensorsModule):
                 f"or keep it in float with embedding_bits=None"
             )
         layout = cls.layout_for(weight.shape[1], weight.shape[0], config)
-        quantized = rounding.affine_quantize(weight.detach(), layout.bits, layout.group_size, True, layout.scale_dtype)
-        if layout.codec == "int8":
-            codes = rounding.offset_to_signed(quantized.codes)
-        else:
-            codes = rounding.pack(quantized.codes, layout.bits)
-        stored = {"weight": codes, "weight_scale": quantized.scale}
-        if not torch.isfinite(quantized.scale).all():
+        stored = layout.quantize(weight.detach())
+        if not torch.isfinite(stored["weight_scale"]).all():
             raise QuantizationError(
                 f"{layer}: a scale overflows float16 (largest value {weight.abs().max().item():.3g}); "
                 f"keep the table in float with embedding_bits=None"

@@ -71,13 +71,8 @@ class QuantizedLinear(StoredTensorsModule):
 
     @classmethod
     def quantize_weight(cls, weight: torch.Tensor, config: QuantlabConfig) -> dict[str, torch.Tensor]:
-        """Float `[out, in]` weight → the stored tensors, by round-to-nearest on the layout's grid."""
-        layout = cls.layout_for(weight.shape[1], weight.shape[0], config)
-        from quantlab.formats import grouping
-
-        grouped = grouping.group(weight.float(), layout.group_size)
-        params = layout.fit(grouped)
-        return layout.store(layout.quantize_grouped(grouped, params), params)
+        """Float `[out, in]` weight → the stored tensors, by the codec's round-to-nearest."""
+        return cls.layout_for(weight.shape[1], weight.shape[0], config).quantize(weight)
 
     # -- derived from the layout ----------------------------------------------------------
 
@@ -111,7 +106,7 @@ class QuantizedLinear(StoredTensorsModule):
     ) -> dict[str, torch.Tensor]:
         """The stored tensors of `weight` by the config's solver, after checking the weight and the result.
 
-        Round-to-nearest is the method's own `quantize_weight` (native and fast on CPU); other
+        Round-to-nearest is the method's own `quantize_weight` (its codec's, native and fast on CPU); other
         solvers work on the layout's grid; `stats` are the layer's calibration inputs.
         """
         if weight.dim() != 2:
@@ -153,9 +148,7 @@ class QuantizedLinear(StoredTensorsModule):
                 f"quantlab.quantize(model, config, calibration=...) or from_pretrained(path, quantization_config=...)"
             )
         solution = solver.solve(weight, layout, stats, dict(config.solver_options or {}))
-        from quantlab.kernels.quantize import pack
-
-        return layout.store(solution.codes, solution.params, pack=pack)  # native packing where available
+        return layout.store(solution.codes, solution.params)
 
     @classmethod
     def from_linear(

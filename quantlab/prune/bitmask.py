@@ -2,14 +2,13 @@
 
 import torch
 
-from quantlab.formats import packing
-from quantlab.kernels import quantize as quantize_ops
+from quantlab.formats import fast_path, packing
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Any-shape bool mask → 1-D uint8 of `ceil(numel / 8)` bytes, in row-major order."""
     flat = mask.reshape(1, -1).to(torch.uint8)
-    return quantize_ops.pack(flat, 1).reshape(-1)
+    return fast_path.pack(flat, 1).reshape(-1)
 
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:

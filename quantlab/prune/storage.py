@@ -43,8 +43,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from quantlab.errors import QuantlabError
-from quantlab.formats import grouping, packing
-from quantlab.kernels import quantize as quantize_ops
+from quantlab.formats import fast_path, grouping, packing
 from quantlab.nn import QuantizedLinear
 from quantlab.prune.bitmask import pack_bits, unpack_bits
 from quantlab.prune.codes import CodeLayout, code_layout
@@ -162,7 +161,7 @@ def _encode_codes(stored: torch.Tensor, layer: QuantizedLinear) -> tuple[dict[st
     kept = codes[live]
     parts = {
         "sparse_bitmask": pack_bits(live),
-        "sparse_codes": quantize_ops.pack(kept.reshape(1, -1), layout.bits).reshape(-1),
+        "sparse_codes": fast_path.pack(kept.reshape(1, -1), layout.bits).reshape(-1),
         "sparse_fill": fill,
     }
     entry = {"encoding": "codes", "kind": "quantized", **_describe(stored), "live": int(kept.numel())}

@@ -1,14 +1,14 @@
-"""Native quantize ops against the torch implementations in quantlab.formats, bit for bit.
+"""Native quantize ops against the codecs' torch definitions in quantlab.formats, bit for bit.
 
-`quantlab.formats` is pure torch (the definition); `quantlab.kernels.quantize` runs the op the
-quantize-op table holds for the tensor's device and falls back to it.
+A codec's round to nearest (`StorageLayout.quantize`) runs the op the quantize-op table
+(`quantlab.formats.fast_path`) holds for the tensor's device and falls back to its definition.
 """
 
 import pytest
 import torch
 
-from quantlab.formats import affine, nf4, packing
-from quantlab.kernels import quantize as rounding
+from quantlab.formats import fast_path, grouping, nf4, packing
+from quantlab.formats.layout import StorageLayout
 from quantlab.kernels import quantize_op
 from quantlab.kernels.cpu import quantize as native_quantize
 
@@ -42,27 +42,30 @@ def assert_bits_equal(native: torch.Tensor, reference: torch.Tensor, zero_sign_m
     assert torch.equal(native.contiguous().view(torch.uint8), reference.contiguous().view(torch.uint8))
 
 
+def affine_layout(shape, bits, group_size, symmetric, scale_dtype) -> StorageLayout:
+    return StorageLayout("affine", bits, group_size, shape[1], shape[0], symmetric=symmetric, scale_dtype=scale_dtype)
+
+
 @pytest.mark.parametrize("bits", range(2, 9))
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_affine_quantize_matches_torch(monkeypatch, isa, bits, symmetric):
     for seed, (shape, group_size) in enumerate([((16, 256), 64), ((9, 200), 32), ((7, 577), None), ((8, 300), 256)]):
         w = weights(*shape, seed)
         for scale_dtype in SCALE_DTYPES:
-            expected = torch_path(monkeypatch, affine.quantize, w, bits, group_size, symmetric, scale_dtype)
+            layout = affine_layout(shape, bits, group_size, symmetric, scale_dtype)
+            expected = torch_path(monkeypatch, layout.quantize, w)
             codes, scale, zero = native_quantize.affine_quantize(w, bits, group_size, symmetric, scale_dtype)
-            assert_bits_equal(codes, expected.codes)
-            assert_bits_equal(scale, expected.scale)
-            assert (zero is None) == (expected.zero is None)
+            assert_bits_equal(layout.codes(expected["weight"]), codes)
+            assert_bits_equal(scale, expected["weight_scale"])
+            assert (zero is None) == ("weight_zero" not in expected)
             if zero is not None:
-                assert_bits_equal(zero, expected.zero, zero_sign_may_differ=True)
+                assert_bits_equal(zero, expected["weight_zero"], zero_sign_may_differ=True)
 
 
-def assert_same_nf4(expected, actual) -> None:
-    for name in ("codes", "absmax", "absmax_codes", "absmax_scale", "absmax_offset"):
-        if getattr(expected, name) is None:
-            assert getattr(actual, name) is None
-        else:
-            assert_bits_equal(getattr(actual, name), getattr(expected, name))
+def assert_same_stored(expected: dict, actual: dict) -> None:
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert_bits_equal(actual[name], expected[name])
 
 
 @pytest.mark.parametrize("blocksize", [16, 64, 128, 4096])
@@ -72,9 +75,13 @@ def test_nf4_codes_match_torch(monkeypatch, isa, blocksize):
         levels = nf4.levels()
         w[6, : len(levels) - 1] = (levels[:-1] + levels[1:]) / 2 * w[6].abs().max()  # exactly on midpoints
         for double_quant in (False, True):
-            expected = torch_path(monkeypatch, rounding.nf4_quantize, w, blocksize, double_quant)
-            assert_same_nf4(expected, nf4.quantize(w, blocksize, double_quant))
-            assert_same_nf4(expected, rounding.nf4_quantize(w, blocksize, double_quant))
+            layout = StorageLayout("nf4", 4, blocksize, shape[1], shape[0], double_quant=double_quant)
+            expected = torch_path(monkeypatch, layout.quantize, w)
+            assert_same_stored(expected, layout.quantize(w))
+            codes, absmax = native_quantize.nf4_quantize(w, blocksize, nf4.midpoints(levels))
+            assert_bits_equal(layout.codes(expected["weight"]), codes)
+            if not double_quant:
+                assert_bits_equal(absmax, expected["weight_absmax"])
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
@@ -82,17 +89,21 @@ def test_pack_matches_torch(monkeypatch, library, bits):
     for shape in [(3, 64), (2, 5, 24), (4, 13), (1, 1)]:
         codes = torch.randint(0, 1 << bits, shape, dtype=torch.uint8)
         assert_bits_equal(native_quantize.pack(codes, bits), torch_path(monkeypatch, packing.pack, codes, bits))
-        assert_bits_equal(rounding.pack(codes, bits), packing.pack(codes, bits))
+        assert_bits_equal(fast_path.pack(codes, bits), packing.pack(codes, bits))
 
 
-def test_formats_dispatch_to_native_and_fall_back(monkeypatch, library):
-    """With the library, the dispatching functions give the native result; without, the torch one."""
+@pytest.mark.parametrize("codec", ["affine", "int8"])
+def test_codecs_dispatch_to_native_and_fall_back(monkeypatch, library, codec):
+    """With the library, a codec's round to nearest gives the native result; without, the torch one; the
+    definition (fit, encode, store) gives the same bits."""
     w = weights(16, 256, 0)
-    native = rounding.affine_quantize(w, 4, 64, False, torch.float16)
-    reference = torch_path(monkeypatch, rounding.affine_quantize, w, 4, 64, False, torch.float16)
-    assert torch.equal(native.codes, reference.codes) and torch.equal(native.scale, reference.scale)
-    definition = affine.quantize(w, 4, 64, False, torch.float16)  # quantlab.formats never goes native
-    assert torch.equal(definition.codes, reference.codes) and torch.equal(definition.scale, reference.scale)
+    bits = 8 if codec == "int8" else 4
+    layout = StorageLayout(codec, bits, 64, 256, 16, symmetric=codec == "int8", scale_dtype=torch.float16)
+    native = layout.quantize(w)
+    assert_same_stored(torch_path(monkeypatch, layout.quantize, w), native)
+    grouped = grouping.group(w, 64)
+    params = layout.fit(grouped)
+    assert_same_stored(layout.store(layout.quantize_grouped(grouped, params), params), native)
 
 
 def test_native_ops_are_registered_for_cpu_only():
@@ -118,9 +129,8 @@ def test_formats_do_not_import_the_kernels():
 def test_dispatch_without_a_registered_op_runs_the_definition():
     """A device with no quantize ops (here: meta) takes the torch code, shapes and dtypes as native."""
     w = torch.randn(8, 64, device="meta")
-    quantized = rounding.affine_quantize(w, 3, 32, True, torch.float16)
-    assert quantized.codes.shape == (8, 2, 32) and quantized.scale.dtype == torch.float16
-    assert rounding.pack(quantized.codes, 3).shape == (8, 2, 12)
+    stored = StorageLayout("affine", 3, 32, 64, 8, scale_dtype=torch.float16).quantize(w)
+    assert stored["weight"].shape == (8, 2, 12) and stored["weight_scale"].dtype == torch.float16
 
 
 def test_count_nonfinite(library):
@@ -145,3 +155,6 @@ def test_offset_to_signed(library):
     offset = (q + 128).to(torch.uint8)
     assert torch.equal(native_quantize.offset_to_signed(offset.clone()), q.to(torch.int8))
     assert torch.equal(native_quantize.offset_to_signed(offset.clone()), (offset.to(torch.int16) - 128).to(torch.int8))
+    kept = offset.clone()
+    assert torch.equal(fast_path.offset_to_signed(kept), q.to(torch.int8))
+    assert torch.equal(kept, offset)  # the fast path converts its own copy

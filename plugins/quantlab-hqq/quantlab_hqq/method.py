@@ -10,12 +10,12 @@ import dataclasses
 
 import torch
 
-from quantlab.config import SCALE_DTYPES
 from quantlab.errors import ConfigError
 from quantlab.formats import grouping
-from quantlab.kernels import quantize as quantize_ops
+from quantlab.formats.codec import GroupParams
+from quantlab.formats.layout import StorageLayout
 from quantlab.methods.custom_bits import CustomBitsConfig, CustomBitsLinear
-from quantlab_hqq.optimize import AffineParams, optimize_affine_params, quantize_codes
+from quantlab_hqq.optimize import AffineParams, optimize_affine_params
 
 # Rows are optimised a slice at a time: the optimiser's temporaries (a few float32 copies of the
 # slice, 1 MiB each) stay in cache and memory stays flat whatever the layer size. Groups are
@@ -74,7 +74,7 @@ class HqqLinear(CustomBitsLinear):
 
     @classmethod
     def quantize_weight(cls, weight: torch.Tensor, config: HqqConfig) -> dict[str, torch.Tensor]:
-        scale_dtype = SCALE_DTYPES[config.scale_dtype]
+        layout = cls.layout_for(weight.shape[1], weight.shape[0], config)
         grouped = grouping.group(weight.float(), config.group_size)
         rows_per_chunk = max(1, MAX_WEIGHTS_PER_CHUNK // max(1, grouped[0].numel()))
         codes, scales, zeros = [], [], []
@@ -89,26 +89,20 @@ class HqqLinear(CustomBitsLinear):
                     kappa=config.kappa,
                     optimize_scale=config.optimize_scale,
                 )
-                stored = _storable(params, rows, scale_dtype)
                 # Codes are chosen with the scale and zero point as stored, not their float32 originals.
-                rounded = AffineParams(scale=stored.scale.float(), zero=stored.zero.float())
-                codes.append(quantize_codes(rows, rounded, config.bits).to(torch.uint8))
+                stored = _storable(layout, params, rows)
+                codes.append(layout.quantize_grouped(rows, stored))
                 scales.append(stored.scale)
                 zeros.append(stored.zero)
-        return {
-            "weight": quantize_ops.pack(torch.cat(codes), config.bits),
-            "weight_scale": torch.cat(scales),
-            "weight_zero": torch.cat(zeros),
-        }
+        return layout.store(torch.cat(codes), GroupParams(scale=torch.cat(scales), zero=torch.cat(zeros)))
 
 
-def _storable(params: AffineParams, rows: torch.Tensor, scale_dtype: torch.dtype) -> AffineParams:
-    """Cast to the storage dtype; a group whose scale underflows (or overflows) there gets scale 1
-    and zero `-min`, as in custom bits, which represents a (near-)constant group exactly."""
-    scale = params.scale.to(scale_dtype)
-    zero = params.zero.to(scale_dtype)
-    broken = (scale == 0) | ~torch.isfinite(scale) | ~torch.isfinite(zero)
-    if broken.any():
-        scale = torch.where(broken, torch.ones_like(scale), scale)
-        zero = torch.where(broken, -rows.amin(dim=-1).to(scale_dtype), zero)
-    return AffineParams(scale=scale, zero=zero)
+def _storable(layout: StorageLayout, params: AffineParams, rows: torch.Tensor) -> GroupParams:
+    """The optimiser's grid as stored (float32 values), by the affine codec's rule (`AffineCodec.grid`):
+    a scale that is zero in the scale dtype becomes 1 with zero point `-min`, which represents a
+    (near-)constant group exactly. A scale or zero point the optimiser leaves non-finite in the scale
+    dtype (an underflow or overflow there) counts as a zero scale."""
+    dtype = layout.scale_dtype
+    broken = ~torch.isfinite(params.scale.to(dtype)) | ~torch.isfinite(params.zero.to(dtype))
+    scale = torch.where(broken, torch.zeros_like(params.scale), params.scale)
+    return layout.codec_object.grid(layout, scale, params.zero, low=rows.amin(dim=-1))

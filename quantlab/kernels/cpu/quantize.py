@@ -1,16 +1,16 @@
-"""Native quantize ops for quantize-on-load: the work of `quantlab.formats` in one pass per row.
+"""Native quantize ops for quantize-on-load: the codecs' round-to-nearest in one pass per row.
 
-Each function returns exactly what the torch implementation in `quantlab.formats` returns
-(bit-identical codes and scales; see `csrc/quantize.c`), or None when the native library is
-unavailable or the input is not a CPU tensor, and the caller then runs the torch code
-(`quantlab.kernels.quantize`). They are registered in the quantize-op table for "cpu". The
-torch version costs 5-30 ns per weight and many small multi-threaded ops, each of which can
-stall on a busy machine; this costs about 1-2 ns per weight in one call per layer.
+Each function returns exactly what the torch definition in the codec returns (bit-identical
+codes and scales; see `csrc/quantize.c`), or None when the native library is unavailable or the
+input is not a CPU tensor, and the codec then runs the torch code. They are registered in the
+quantize-op table (`quantlab.formats.fast_path`) for "cpu". The torch version runs many small
+multi-threaded ops, each of which can stall on a busy machine; this is one call per layer
+(timings in benchmarks/RESULTS.md).
 """
 
 import torch
 
-from quantlab.kernels import register_quantize_op
+from quantlab.formats.fast_path import register_quantize_op
 from quantlab.kernels.cpu import native
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -27,7 +27,7 @@ def _rows(weight: torch.Tensor) -> torch.Tensor | None:
 def affine_quantize(
     weight: torch.Tensor, bits: int, group_size: int | None, symmetric: bool, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """(codes [out, groups, size] uint8, scale, zero or None), as `formats.affine.quantize`."""
+    """(codes [out, groups, size] uint8, scale, zero or None), as the affine codec's round to nearest."""
     lib = native.library()
     rows = _rows(weight)
     if lib is None or rows is None or scale_dtype not in _DTYPE_CODES:
@@ -50,7 +50,7 @@ def affine_quantize(
 def nf4_quantize(
     weight: torch.Tensor, blocksize: int, midpoints: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(codes [out, blocks, blocksize] uint8, absmax [out, blocks] float32), as `formats.nf4.quantize`."""
+    """(codes [out, blocks, blocksize] uint8, absmax [out, blocks] float32), as the nf4 codec's round to nearest."""
     lib = native.library()
     rows = _rows(weight)
     if lib is None or rows is None:

@@ -1,0 +1,234 @@
+"""The `Codec`: everything quantlab knows about one storage format, and the registry of codecs.
+
+A storage layout (`quantlab.formats.layout.StorageLayout`) names its codec and carries the
+numbers that vary between layers (bits, group size, shape, scale dtype, options); the codec
+answers every question whose answer depends on the format: which tensors are stored, how a
+float weight becomes codes (round to nearest) and how codes decode, how stored tensors are
+written and read back, what the native kernels and ONNX exporter need, and how `inspect`
+labels it. Code outside `quantlab.formats` asks the codec; it never branches on a codec name.
+
+A new format is one module: subclass `Codec`, implement `tensors`, `quantize` and `dequantize`
+(and the grid methods if solvers should work on it), and `register_codec` an instance. Every
+method takes the layer's layout, so one codec object serves every layer of its format.
+"""
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from quantlab.formats import grouping
+
+if TYPE_CHECKING:
+    from quantlab.formats.layout import Descriptor, StorageLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class GroupParams:
+    """Per-group grid parameters `[out, groups]` as stored (float32 values of the stored numbers).
+
+    `zero` is None when the codec's zero point is a constant. `stored` holds extra tensors a
+    codec derives from the parameters when they are fitted (NF4's 8-bit absmax), so `store`
+    writes exactly the numbers the codes were chosen against.
+    """
+
+    scale: torch.Tensor
+    zero: torch.Tensor | None = None
+    stored: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def group(self, index: int | slice) -> "GroupParams":
+        """The parameters of some groups only (`[out, k]`), for solvers that walk the columns."""
+        index = index if isinstance(index, slice) else slice(index, index + 1)
+        zero = None if self.zero is None else self.zero[:, index]
+        return GroupParams(self.scale[:, index], zero)
+
+
+class Codec:
+    """One storage format. Subclasses set `name` and implement at least `tensors`, `quantize`
+    and `dequantize`; the grid methods (`fit`, `grid`, `encode`, `decode`, `store`, `load`) serve
+    the solvers and are implemented by codecs whose codes index a per-group grid.
+
+    Class attributes:
+    - `native_kind`: the `ql_weight.kind` the native kernels decode this format as (the C enum
+      in `kernels/cpu/csrc/quantlab_cpu.h`), or None when only the reference kernel runs it.
+    - `onnx_lowering`: which lowering of `quantlab.export` computes it ("integer-grid",
+      "level-table"), or None for the exporter's fallback (the dequantized weight and a MatMul).
+    - `packed_codes`: whether `weight` holds codes packed `bits` to the byte
+      (`quantlab.formats.packing`); otherwise one signed byte per code.
+    """
+
+    name: ClassVar[str]
+    native_kind: ClassVar[int | None] = None
+    onnx_lowering: ClassVar[str | None] = None
+    packed_codes: ClassVar[bool] = True
+
+    # -- what a layout of this codec stores --------------------------------------------------
+
+    def validate(self, layout: "StorageLayout") -> None:
+        """Raise ValueError when `layout`'s options make no sense for this codec."""
+
+    def tensors(self, layout: "StorageLayout") -> dict[str, TensorSpec]:
+        """Name → shape and dtype of every stored tensor; `weight` holds the codes `[out, groups, bytes]`."""
+        raise NotImplementedError(f"codec {self.name!r} does not say which tensors it stores")
+
+    def descriptor(self, layout: "StorageLayout") -> str:
+        """The layout in one line, as the native operators take it (`parse_descriptor` reads it back)."""
+        return f"{self.name} bits={layout.bits} in_features={layout.in_features} group_size={layout.group_length}"
+
+    def native_arguments(self, layout: "StorageLayout") -> tuple[str | None, ...]:
+        """Names of the stored tensors the native operators take after the codes, in their order
+        (scale, zero, absmax_codes, absmax_scale, absmax_offset), None for one left out in the middle
+        and the trailing absent ones dropped. Empty for a codec the native kernels do not decode."""
+        return ()
+
+    def native_tables(self) -> dict[str, tuple[float, ...]]:
+        """Lookup tables the native kernels read with the codes (`ql_weight` field → values)."""
+        return {}
+
+    # -- round to nearest, and the reference decoding -------------------------------------------
+
+    def quantize(self, layout: "StorageLayout", weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Float `[out, in]` weight → the stored tensors, by round-to-nearest: the definition every
+        fast path must match bit for bit. The default fits the grid and stores the nearest codes."""
+        grouped = grouping.group(weight.float(), layout.group_size)
+        params = self.fit(layout, grouped)
+        return self.store(layout, self.encode_grouped(layout, grouped, params), params)
+
+    def dequantize(
+        self, layout: "StorageLayout", stored: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The float `[out, in]` weight the stored tensors represent: the reference every kernel matches."""
+        codes, params = self.load(layout, stored)
+        zero = None if params.zero is None else params.zero.unsqueeze(-1)
+        values = self.decode(layout, codes, params.scale.unsqueeze(-1), zero)
+        return grouping.ungroup(values, layout.in_features).to(dtype)
+
+    # -- the per-group grid (solvers) -----------------------------------------------------------
+
+    def has_zero(self, layout: "StorageLayout") -> bool:
+        """Whether a zero point is stored per group."""
+        return False
+
+    def constant_zero(self, layout: "StorageLayout") -> float:
+        """The zero point when none is stored."""
+        return 0.0
+
+    def levels(self, layout: "StorageLayout", device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """The sorted table of values a code indexes, or None for the integers 0 .. 2**bits - 1."""
+        return None
+
+    def signed_grids(self, layout: "StorageLayout") -> bool:
+        """Whether a grid's scale may be negative (see `StorageLayout.signed_grids`)."""
+        return False
+
+    def fit(
+        self, layout: "StorageLayout", grouped: torch.Tensor, clip: torch.Tensor | float = 1.0, signed: bool = False
+    ) -> GroupParams:
+        """Round-to-nearest grids of grouped weights, as stored (see `StorageLayout.fit`)."""
+        raise self._no_grid("fit")
+
+    def grid(self, layout: "StorageLayout", scale: torch.Tensor, zero: torch.Tensor | None = None) -> GroupParams:
+        """Grids `[out, groups]` from float scales (and zero points), rounded to what is stored."""
+        raise self._no_grid("grid")
+
+    def encode(
+        self, layout: "StorageLayout", values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Nearest code (uint8) of each value for grids broadcast against it."""
+        raise self._no_grid("encode")
+
+    def decode(
+        self, layout: "StorageLayout", codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`(level[q] - zero) * scale` in float32."""
+        raise self._no_grid("decode")
+
+    def encode_grouped(self, layout: "StorageLayout", grouped: torch.Tensor, params: GroupParams) -> torch.Tensor:
+        """Codes `[out, groups, length]` of grouped weights on the given grids."""
+        zero = None if params.zero is None else params.zero.unsqueeze(-1)
+        return self.encode(layout, grouped, params.scale.unsqueeze(-1), zero)
+
+    def store(self, layout: "StorageLayout", codes: torch.Tensor, params: GroupParams) -> dict[str, torch.Tensor]:
+        """Codes `[out, groups, length]` (uint8 indices) and their grids → the layer's tensors."""
+        raise self._no_grid("store")
+
+    def load(self, layout: "StorageLayout", stored: dict[str, torch.Tensor]) -> tuple[torch.Tensor, GroupParams]:
+        """The layer's tensors → codes `[out, groups, length]` (uint8 indices) and float32 grids."""
+        return self.codes(layout, stored["weight"]), self.params(layout, stored)
+
+    def codes(self, layout: "StorageLayout", weight: torch.Tensor) -> torch.Tensor:
+        """The `weight` buffer → unsigned codes `[out, groups, length]`."""
+        raise self._no_grid("codes")
+
+    def params(self, layout: "StorageLayout", stored: dict[str, torch.Tensor]) -> GroupParams:
+        """The layer's tensors → its float32 grids."""
+        raise self._no_grid("params")
+
+    # -- what other parts of quantlab ask ---------------------------------------------------------
+
+    def label(self, layout: "StorageLayout") -> str:
+        """How `quantlab inspect` names this format."""
+        return self.name
+
+    def int8_activations(self, descriptor: "Descriptor") -> bool:
+        """Whether the native int8-activation kernel (`ql_a8_eligible`) takes a layer of this layout."""
+        return False
+
+    def describe(self, layout: "StorageLayout") -> dict[str, Any]:
+        """The numbers an exporter needs, in plain Python: bits, group length, zero point kind
+        ("stored", "constant" or "none"), scale dtype, level table (None: integer codes)."""
+        levels = self.levels(layout)
+        if self.has_zero(layout):
+            zero: dict[str, Any] = {"zero_point": "stored"}
+        else:
+            zero = {"zero_point": "constant", "constant_zero": self.constant_zero(layout)}
+        return {
+            "codec": self.name,
+            "bits": layout.bits,
+            "group_length": layout.group_length,
+            **zero,
+            "scale_dtype": str(layout.scale_dtype).removeprefix("torch."),
+            "levels": None if levels is None else levels.tolist(),
+            "signed_grids": self.signed_grids(layout),
+        }
+
+    def _no_grid(self, what: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"codec {self.name!r} has no per-group grid ({what}): quantize it with its own round-to-nearest "
+            f"(solver='rtn')"
+        )
+
+
+_CODECS: dict[str, Codec] = {}
+
+
+def register_codec(codec: Codec) -> Codec:
+    """Make `codec` the one `StorageLayout`s naming `codec.name` use; returns it."""
+    if not getattr(codec, "name", None):
+        raise ValueError(f"{type(codec).__name__} has no name; set the class attribute `name`")
+    _CODECS[codec.name] = codec
+    return codec
+
+
+def get_codec(name: str) -> Codec:
+    """The registered codec called `name`; ValueError naming the known ones otherwise."""
+    codec = _CODECS.get(name)
+    if codec is None:
+        raise ValueError(f"codec {name!r} is not one of {codec_names()}; register it with register_codec")
+    return codec
+
+
+def codec_names() -> tuple[str, ...]:
+    """The registered codecs, in registration order."""
+    return tuple(_CODECS)
+
+
+def native_codecs() -> dict[str, int]:
+    """Codec name → native kernel kind, for every codec the native kernels decode."""
+    return {name: codec.native_kind for name, codec in _CODECS.items() if codec.native_kind is not None}

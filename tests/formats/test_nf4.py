@@ -1,0 +1,65 @@
+"""The nf4 codec: NormalFloat-4 codes with plain or double-quantized absmax."""
+
+import pytest
+import torch
+
+from quantlab.formats import grouping, nf4
+from quantlab.formats.layout import StorageLayout
+from tests.formats.conftest import assert_matches_specs, assert_same_bits, tricky_weights
+
+
+def test_codes_equal_bitsandbytes():
+    functional = pytest.importorskip("bitsandbytes.functional")
+    torch.manual_seed(0)
+    weight = torch.randn(96, 256) * 0.02
+    packed, _ = functional.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
+    flat = packed.reshape(-1)
+    theirs = torch.stack([flat >> 4, flat & 15], dim=-1).reshape(96, 256)
+    layout = StorageLayout("nf4", 4, 64, 256, 96, double_quant=True)
+    ours = layout.codes(layout.quantize(weight)["weight"]).reshape(96, 256)
+    assert torch.equal(ours, theirs)
+
+
+def test_double_quant_absmax_is_close_to_float_and_keeps_the_codes():
+    torch.manual_seed(0)
+    weight = torch.randn(300, 512)
+    plain_layout = StorageLayout("nf4", 4, 64, 512, 300)
+    double_layout = StorageLayout("nf4", 4, 64, 512, 300, double_quant=True)
+    plain, double = plain_layout.quantize(weight), double_layout.quantize(weight)
+    assert torch.equal(double["weight"], plain["weight"])
+    restored = double_layout.params(double).scale
+    assert ((restored - plain["weight_absmax"]).abs() / plain["weight_absmax"]).max() < 0.02
+
+
+def test_dynamic_map_matches_bitsandbytes():
+    functional = pytest.importorskip("bitsandbytes.functional")
+    assert torch.allclose(torch.tensor(nf4.dynamic_map()), functional.create_dynamic_map(signed=True))
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_store_then_load_gives_back_codes_and_grids(double_quant):
+    layout = StorageLayout("nf4", 4, 32, 100, 8, double_quant=double_quant)
+    grouped = grouping.group(tricky_weights(8, 100) + 0.01, 32)
+    params = layout.fit(grouped)
+    codes = layout.quantize_grouped(grouped, params)
+    stored = layout.store(codes, params)
+    assert_matches_specs(layout, stored)
+    loaded_codes, loaded = layout.load(stored)
+    assert torch.equal(loaded_codes, codes)
+    assert torch.equal(loaded.scale, params.scale)
+
+
+@pytest.mark.parametrize("blocksize", [16, 64, 4096])
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_round_to_nearest_is_bit_exact_with_the_native_fast_path(library, torch_quantize, blocksize, double_quant):
+    for seed, shape in enumerate([(16, 256), (9, 200)]):
+        layout = StorageLayout("nf4", 4, blocksize, shape[1], shape[0], double_quant=double_quant)
+        weight = tricky_weights(*shape, seed)
+        assert_same_bits(layout.quantize(weight), torch_quantize(layout, weight))
+
+
+def test_a_block_of_zeros_keeps_absmax_zero_and_decodes_to_zeros(torch_quantize):
+    layout = StorageLayout("nf4", 4, 32, 64, 2)
+    stored = torch_quantize(layout, torch.zeros(2, 64))
+    assert torch.equal(stored["weight_absmax"], torch.zeros(2, 2))
+    assert torch.equal(layout.dequantize(stored), torch.zeros(2, 64))
