@@ -148,7 +148,7 @@ def _vocabulary_rows(model: nn.Module) -> list[LayerRow]:
             layout = module.layout
             shape = [module.out_features, module.in_features]
             stored = module.stored_bytes()
-            method = layout.codec if layout.codec == "int8" else f"{layout.codec}-sym"
+            method = layout.codec_object.label(layout)
             rows.append(
                 LayerRow(name, method, layout.bits, layout.group_size, shape, stored, 8 * stored / _area(shape))
             )

@@ -2,20 +2,22 @@
 
 The exported graph holds a placeholder node per quantized layer (see `placeholder.py`); a
 lowering replaces it by onnxruntime operators fed with the layer's own codes and scales.
-A layer is lowered by the lowering of its storage layout's codec (`builtin_lowerings.py`), which
-reads bits, group size, zero points and levels from `layer.layout`: a plugin layer that declares
-a built-in codec's layout exports with nothing registered. A plugin may still override that for
-its classes with `register_onnx_lowering(MyLinear)` (looked up first, along the class's MRO); a
-layer with neither is refused, naming it.
+A layer is lowered by the lowering its codec names (`Codec.onnx_lowering`: "integer-grid",
+"level-table"; `builtin_lowerings.py`), which reads bits, group size, zero points and levels
+from `layer.layout`; a codec that names none gets the fallback `lower_dequantized` (its float
+weight and a MatMul), so a layer of any registered codec exports. A plugin may still override
+that for its classes with `register_onnx_lowering(MyLinear)` (looked up first, along the class's
+MRO); a layer that declares no storage layout and registers no lowering is refused, naming it.
 
 Three kinds of nodes are available to a lowering:
 
 - `matmul_nbits`: `com.microsoft::MatMulNBits`, onnxruntime's fused low-bit matmul.
 - `matmul_bnb4`: `com.microsoft::MatMulBnb4`, the NF4/FP4 matmul of bitsandbytes' format.
-- the fallback, `dequantize_matmul`: standard ONNX operators that unpack quantlab's packed
-  codes, compute `(q - zero) * scale` (or a table lookup) and multiply. The file then keeps
-  quantlab's packed bytes (3 bits per 3-bit weight); onnxruntime folds the subgraph into a
-  float weight when it loads the session, so it runs at float speed and float memory.
+- the fallback, `dequantize_matmul`: standard ONNX operators that compute a float weight and
+  multiply. The grid lowerings build it from quantlab's packed codes (unpack, `(q - zero) * scale`
+  or a table lookup), so the file keeps the packed bytes (3 bits per 3-bit weight); a codec with
+  no lowering stores its dequantized weight. onnxruntime folds the subgraph into a float weight
+  when it loads the session, so it runs at float speed and float memory.
 """
 
 from collections.abc import Callable
@@ -35,7 +37,7 @@ ZERO_CORRECTED_BITS = (4,)  # widths whose float zero points are moved out of Ma
 
 Lowering = Callable[["LayerLowering", QuantizedLinear], ir.Value]
 _LOWERINGS: dict[type, Lowering] = {}  # overrides by layer class
-_CODEC_LOWERINGS: dict[str, Lowering] = {}
+_GRID_LOWERINGS: dict[str, Lowering] = {}  # by `Codec.onnx_lowering`
 
 
 def register_onnx_lowering(module_class: type) -> Callable[[Lowering], Lowering]:
@@ -49,11 +51,11 @@ def register_onnx_lowering(module_class: type) -> Callable[[Lowering], Lowering]
     return decorator
 
 
-def register_codec_lowering(codec: str) -> Callable[[Lowering], Lowering]:
-    """Decorator: `fn(ctx, module) -> ir.Value` lowers every layer whose layout has this codec."""
+def register_grid_lowering(kind: str) -> Callable[[Lowering], Lowering]:
+    """Decorator: `fn(ctx, module) -> ir.Value` lowers every layer whose codec's `onnx_lowering` is `kind`."""
 
     def decorator(fn: Lowering) -> Lowering:
-        _CODEC_LOWERINGS[codec] = fn
+        _GRID_LOWERINGS[kind] = fn
         return fn
 
     return decorator
@@ -64,13 +66,20 @@ def lowering_for(name: str, module: QuantizedLinear) -> Lowering:
         if cls in _LOWERINGS:
             return _LOWERINGS[cls]
     layout = declared_layout(module)
-    if layout is not None and layout.codec in _CODEC_LOWERINGS:
-        return _CODEC_LOWERINGS[layout.codec]
+    if layout is not None:
+        return _GRID_LOWERINGS.get(layout.codec_object.onnx_lowering, lower_dequantized)
     raise ExportError(
-        f"{name}: no ONNX lowering for quantized layer type {type(module).__name__} (it declares no storage layout "
-        f"of a built-in codec); register one with quantlab.export.register_onnx_lowering({type(module).__name__}), "
+        f"{name}: no ONNX lowering for quantized layer type {type(module).__name__} (it declares no storage "
+        f"layout); register one with quantlab.export.register_onnx_lowering({type(module).__name__}), "
         f"or dequantize this layer before export"
     )
+
+
+def lower_dequantized(ctx: "LayerLowering", module: QuantizedLinear) -> ir.Value:
+    """The fallback of a codec with no lowering of its own: its dequantized weight (in the activation
+    dtype) as an initializer, and a MatMul."""
+    weight = ctx.initializer("weight", module.dequantize_weight(ctx.activation_dtype()))
+    return ctx.dequantize_matmul(weight, module)
 
 
 @dataclass
@@ -160,9 +169,9 @@ class LayerLowering:
     def zero_point_correction(self, weight: NBitsWeight) -> ir.Value:
         """`x @ W_shift.T` with `W_shift[n, k] = (zero - 2**(bits-1)) * scale` of k's block.
 
-        onnxruntime 1.31's CPU kernel has a fast path for 4-bit codes with the default or uint8
-        zero points only; with float zero points it dequantizes the whole weight on every call
-        (12 ms against 0.34 ms for a 576x1536 layer at one row, on this machine). Since
+        onnxruntime's CPU kernel has a fast path for 4-bit codes with the default or uint8 zero
+        points only; with float zero points it dequantizes the whole weight on every call (timings
+        in benchmarks/RESULTS.md). Since
         `(q - z) * s = (q - d) * s - (z - d) * s` for the default zero `d`, the layer runs on the
         fast path and subtracts the second term: the block sums of `x` (`x @ E`, E the 0/1
         block-membership matrix, shared by layers of equal K) times `(z - d) * s`, two matmuls

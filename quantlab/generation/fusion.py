@@ -11,8 +11,8 @@ features of all of them) and slices its output back for their users; every value
 With `activation_bits=8` (`compile_for_decoding(int8_activations=True)`) every 4-bit affine or int8
 layer of the step (groups of 64 or a multiple, an int8 output head included) runs on x rounded to int8
 per block of 64 inputs, with integer dot products (AVX2 or AVX512-VNNI), as llama.cpp's Q4_0 x Q8_0 and
-Q8_0 x Q8_0 do: about twice as fast at one row for 4-bit, at about 0.5 % relative error in each
-output; off by default.
+Q8_0 x Q8_0 do: faster at one row, at a small relative error in each output (both measured in
+benchmarks/RESULTS.md); off by default.
 
 Only the compiled graph changes: the modules, what is saved, ONNX export and PEFT adapters see the
 original layers, and the eager path stays unfused. The pass runs after autograd on inference graphs
@@ -83,11 +83,11 @@ FUSE_PROJECTIONS = FuseProjections()
 
 
 def int8_ready(node: torch.fx.Node) -> bool:
-    """Whether the int8-activation kernel takes this layer (`ql_a8_eligible`): 4-bit affine or int8 codes
-    in groups of 64 or a multiple, a per-channel group being the row (on a CPU without AVX2 the kernel
-    computes it in float instead)."""
-    layout = parse_descriptor(node.args[2])
-    return ((layout.codec == "affine" and layout.bits == 4) or layout.codec == "int8") and layout.group_size % 64 == 0
+    """Whether the int8-activation kernel takes this layer (`ql_a8_eligible`), as its codec says: 4-bit affine
+    or int8 codes in groups of 64 or a multiple, a per-channel group being the row (on a CPU without AVX2 the
+    kernel computes it in float instead)."""
+    descriptor = parse_descriptor(node.args[2])
+    return descriptor.codec_object.int8_activations(descriptor)
 
 
 def _groups(graph: torch.fx.Graph, fuse: bool, activation_bits: int) -> list[list[torch.fx.Node]]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from quantlab.formats import nf4
+from quantlab.formats.nf4 import NF4
 from quantlab.kernels import trusted
 from quantlab.kernels.cpu import native
 from quantlab.utils.environment import switched_on
@@ -98,8 +98,9 @@ def _bind(extension: ctypes.CDLL, kernels: ctypes.CDLL) -> ctypes.CDLL:
     floats = ctypes.POINTER(ctypes.c_float)
     bind.argtypes = [*[ctypes.c_void_p] * 5, floats, floats]
     bind.restype = ctypes.c_int
-    levels = (ctypes.c_float * 16)(*nf4.NF4_LEVELS)
-    absmax_map = (ctypes.c_float * 256)(*nf4.dynamic_map())
+    tables = NF4.native_tables()
+    levels = (ctypes.c_float * 16)(*tables["levels"])
+    absmax_map = (ctypes.c_float * 256)(*tables["absmax_map"])
     functions = ("ql_gemm", "ql_gemm_group", "ql_dequantize", "ql_dequantize_rows", "ql_attention")
     entries = (ctypes.cast(getattr(kernels, name), ctypes.c_void_p).value for name in functions)
     version = bind(*entries, levels, absmax_map)

@@ -13,8 +13,8 @@ The kernels run as torch operators (`ops.py`, `csrc/torch_ops.cpp`) when the ext
 else through ctypes. Either way gradients flow to the input through a backward pass that decodes
 the weight again (nothing weight-sized is saved between passes), as the reference kernel does;
 a weight over 4 MiB as float32 is decoded a tile of output features at a time, each tile multiplied
-into the gradient while it is in cache (at 512 rows on 2048x8192 the input gradient then costs what
-fp32's does, instead of 1.18x: a fresh 64 MiB buffer per call is mostly page faults).
+into the gradient while it is in cache (a fresh weight-sized buffer per call is mostly page faults;
+timings in benchmarks/RESULTS.md).
 When the native library cannot be built, every call goes to the reference kernel.
 """
 
@@ -23,9 +23,10 @@ from collections.abc import Iterator
 
 import torch
 
+from quantlab.formats.codec import native_codecs
 from quantlab.kernels import register_kernel
 from quantlab.kernels.cpu import native, ops, traced
-from quantlab.kernels.cpu.weights import NATIVE_CODECS, NativeWeight, describable, native_weight
+from quantlab.kernels.cpu.weights import NativeWeight, describable, native_weight
 from quantlab.kernels.reference import dequantize_matmul
 
 
@@ -160,5 +161,5 @@ def ctypes_linear(module, x: torch.Tensor) -> torch.Tensor | None:
     return _forward(weight, x, lib)
 
 
-for _codec in NATIVE_CODECS:
+for _codec in native_codecs():
     register_kernel(_codec, "cpu")(native_linear)

@@ -12,31 +12,20 @@ they get their fake (meta) implementations, so torch.compile and torch.export tr
 without running them. The autograd formula of `linear` with respect to `x` (QLoRA trains
 adapters on top of frozen quantized layers), `grad @ W` decoding the weight again in the
 backward pass, is registered in C++ for the Autograd key: a Python autograd registration
-(`torch.library.register_autograd`) costs about 6 us on every call, even without gradients.
+(`torch.library.register_autograd`) costs time on every call, even without gradients (see benchmarks/RESULTS.md).
 
 The weight arguments are the layout's `descriptor` (a string of the integers that decode it: one
-argument, where six numbers cost an eager call ~0.7 us to convert) and the layer's stored tensors as
+argument, where an eager call converts each number on its own) and the layer's stored tensors as
 they are (codes, scales, zero points, NF4's double-quantized absmax), absent trailing ones left out;
 the operator describes them to the C kernels on every call, so it is a pure function of its inputs.
 """
 
-from collections.abc import Callable
-
 import torch
 
-from quantlab.formats.layout import StorageLayout, parse_descriptor
+from quantlab.formats.layout import parse_descriptor
 from quantlab.kernels.cpu import extension, native
 
 WeightArguments = tuple
-_ARGUMENTS: dict[str, Callable[[torch.nn.Module, StorageLayout], WeightArguments]] = {}
-
-
-def _arguments_of(codec: str):
-    def decorator(function):
-        _ARGUMENTS[codec] = function
-        return function
-
-    return decorator
 
 
 def linear_arguments(module: torch.nn.Module) -> tuple:
@@ -46,38 +35,22 @@ def linear_arguments(module: torch.nn.Module) -> tuple:
 
 
 def weight_arguments(module: torch.nn.Module) -> WeightArguments:
-    """(descriptor, codes, *other stored tensors) of a layer with a built-in codec, in the operators'
-    order (scale, zero, absmax_codes, absmax_scale, absmax_offset), the trailing absent ones left out."""
+    """(descriptor, codes, *other stored tensors) of a layer whose codec the native kernels decode, in the
+    operators' order (scale, zero, absmax_codes, absmax_scale, absmax_offset), the trailing absent ones left
+    out: the codec names them (`StorageLayout.native_arguments`)."""
     layout = module.layout
-    return _ARGUMENTS[layout.codec](module, layout)
+    buffers = module._buffers
+    return (
+        layout.descriptor,
+        _stored(module, buffers, "weight"),
+        *[None if name is None else _stored(module, buffers, name) for name in layout.native_arguments],
+    )
 
 
-def _stored(module: torch.nn.Module, name: str) -> torch.Tensor:
-    """A stored tensor (a buffer: read from `_buffers`, four times faster than `getattr` per call)."""
-    tensor = module._buffers.get(name)
+def _stored(module: torch.nn.Module, buffers: dict, name: str) -> torch.Tensor:
+    """A stored tensor (a buffer: read from `_buffers`, faster than `getattr` on every call)."""
+    tensor = buffers.get(name)
     return tensor if tensor is not None else getattr(module, name)
-
-
-@_arguments_of("affine")
-def _affine(module: torch.nn.Module, layout: StorageLayout) -> WeightArguments:
-    codes, scale = _stored(module, "weight"), _stored(module, "weight_scale")
-    if layout.has_zero:
-        return (layout.descriptor, codes, scale, _stored(module, "weight_zero"))
-    return (layout.descriptor, codes, scale)
-
-
-@_arguments_of("int8")
-def _int8(module: torch.nn.Module, layout: StorageLayout) -> WeightArguments:
-    return (layout.descriptor, _stored(module, "weight"), _stored(module, "weight_scale"))
-
-
-@_arguments_of("nf4")
-def _nf4(module: torch.nn.Module, layout: StorageLayout) -> WeightArguments:
-    codes = _stored(module, "weight")
-    if layout.double_quant:
-        names = ("weight_absmax_codes", "weight_absmax_scale", "weight_absmax_offset")
-        return (layout.descriptor, codes, None, None, *(_stored(module, name) for name in names))
-    return (layout.descriptor, codes, _stored(module, "weight_absmax"))
 
 
 WEIGHT_TENSORS = 6  # codes, scale, zero, absmax_codes, absmax_scale, absmax_offset
@@ -119,7 +92,7 @@ attention_op: torch._ops.OpOverload | None = None
 
 def _register() -> None:
     """The operators' fake implementations (shapes only), and their overloads looked up once: calling the
-    overload costs about 1.5 us less per call than the `torch.ops.quantlab.linear` packet."""
+    overload skips the `torch.ops.quantlab.linear` packet's overload resolution on every call."""
     global linear_op, dequantize_op, linear_group_op, attention_op
     torch.library.register_fake("quantlab::linear")(_linear_shape)
     torch.library.register_fake("quantlab::linear_group")(_linear_group_shape)

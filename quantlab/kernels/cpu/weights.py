@@ -4,7 +4,8 @@ The kernels read the checkpoint layout as is (codes `[out, groups, bytes]` and p
 scales), so nothing is repacked: a description is a C struct of pointers into the layer's
 own buffers, filled from the arguments the torch operators take (`ops.weight_arguments`: the
 layout's descriptor and the stored tensors), so both paths describe a weight one way. Any layer
-that declares a built-in codec's layout is described the same way, whatever its class.
+whose codec has a native kernel kind (`Codec.native_kind`) is described the same way, whatever
+its class.
 A description is cached per layer in a weak dictionary (never on the module, so copying or
 pickling a model is unaffected) and rebuilt when any stored tensor is replaced, modified in
 place (its version counter moves), moved or cast.
@@ -15,13 +16,11 @@ import weakref
 
 import torch
 
-from quantlab.formats import nf4
+from quantlab.formats.codec import native_codecs
 from quantlab.formats.layout import StorageLayout, parse_descriptor
 from quantlab.kernels.cpu.native import QuantlabCpuWeight
 from quantlab.kernels.cpu.ops import weight_arguments
 
-AFFINE, INT8, NF4 = 0, 1, 2
-KINDS = {"affine": AFFINE, "int8": INT8, "nf4": NF4}  # codec -> ql_weight.kind
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -46,19 +45,18 @@ class NativeWeight:
         return True
 
 
-NATIVE_CODECS = ("affine", "int8", "nf4")  # the layouts the native kernels decode (ops.weight_arguments has each)
 _cache: "weakref.WeakKeyDictionary[torch.nn.Module, NativeWeight]" = weakref.WeakKeyDictionary()
 MIN_BITS = 2  # narrower codes (a 1-bit affine layout) run on the reference kernel
 
 
 def supported(format: str) -> bool:
-    """True when `format` (a layout codec) is one the native kernels are registered for."""
-    return format in NATIVE_CODECS
+    """True when `format` (a layout codec) is one the native kernels decode."""
+    return format in native_codecs()
 
 
 def describable(layout: StorageLayout) -> bool:
-    """True when the native kernels decode this layout (its codec, at 2 to 8 bits)."""
-    return layout.codec in NATIVE_CODECS and layout.bits >= MIN_BITS
+    """True when the native kernels decode this layout (its codec has a native kind; 2 to 8 bits)."""
+    return layout.codec_object.native_kind is not None and layout.bits >= MIN_BITS
 
 
 def native_weight(module: torch.nn.Module) -> NativeWeight:
@@ -102,7 +100,8 @@ def describe_arguments(
     """The description of a weight given as `ops.weight_arguments` gives it (what the C++ operators'
     `describe` builds); no module and no cache, so a traced call is a pure function of its tensors."""
     layout = parse_descriptor(descriptor)
-    kind, bits, in_features, group_size = KINDS[layout.codec], layout.bits, layout.in_features, layout.group_size
+    codec = layout.codec_object
+    kind, bits, in_features, group_size = codec.native_kind, layout.bits, layout.in_features, layout.group_size
     absmax_block, zero_const = layout.absmax_block, layout.zero
     codes = _readable(codes)
     struct = QuantlabCpuWeight()
@@ -113,13 +112,14 @@ def describe_arguments(
     keep = [codes]
     if scale is not None:
         _set_scale(struct, keep, scale, zero)
-    if kind == NF4:
-        struct.levels[:] = nf4.NF4_LEVELS
+    tables = codec.native_tables()
+    if "levels" in tables:
+        struct.levels[:] = tables["levels"]
     if absmax_codes is not None:
         absmax_codes, absmax_scale = _readable(absmax_codes), _readable(absmax_scale).float()
         struct.absmax_codes, struct.absmax_scale = absmax_codes.data_ptr(), absmax_scale.data_ptr()
         struct.absmax_offset = float(absmax_offset.float().item())
         struct.absmax_block = absmax_block
-        struct.absmax_map[:] = nf4.dynamic_map()
+        struct.absmax_map[:] = tables["absmax_map"]
         keep += [absmax_codes, absmax_scale]
     return NativeWeight(struct, keep)
