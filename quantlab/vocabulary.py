@@ -16,7 +16,7 @@ from torch import nn
 
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
-from quantlab.nn.quantized_embedding import QuantizedEmbedding, QuantizedOutputHead, QuantizedTable, TiedOutputHead
+from quantlab.nn.quantized_embedding import QuantizedEmbedding, QuantizedOutputHead, TiedOutputHead
 
 
 @dataclass(frozen=True)
@@ -130,11 +130,6 @@ def dequantize_vocabulary(model: nn.Module, dtype: torch.dtype | None = None) ->
             tied = getattr(model, "all_tied_weights_keys", None)
             if tied is not None and vocabulary.embedding is not None:
                 tied[f"{name}.weight"] = f"{vocabulary.embedding}.weight"
-
-
-def quantized_tables(model: nn.Module) -> dict[str, QuantizedTable]:
-    """Name -> module of every quantized vocabulary table (each stored once; a tied head stores none)."""
-    return {name: module for name, module in model.named_modules() if isinstance(module, QuantizedTable)}
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

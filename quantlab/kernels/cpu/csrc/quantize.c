@@ -3,10 +3,11 @@
 #include <stdatomic.h>
 
 /* ---- quantization (quantize-on-load) ------------------------------------------------------------
- * The same operations in the same order as quantlab/formats (affine.py, nf4.py, packing.py),
- * one row at a time, so codes and scales are bit-identical to the torch implementation (only
- * the sign of a zero point that is exactly 0 may differ: torch's amin returns +0 or -0
- * depending on where they sit in the group; neither codes nor dequantized values change).
+ * The same operations in the same order as the codecs' round to nearest in quantlab/formats
+ * (affine.py, nf4.py, packing.py), one row at a time, so codes and scales are bit-identical to the
+ * torch definitions (only the sign of a zero point that is exactly 0 may differ: torch's amin
+ * returns +0 or -0 depending on where they sit in the group; neither codes nor dequantized
+ * values change).
  */
 
 static inline uint32_t ql_bits_of(float value) {
@@ -265,7 +266,7 @@ static void ql_run_rows(ql_task task, ql_quantize_job *job, int threads) {
 }
 
 /* Round-to-nearest codes [n, groups, group_size] (uint8) with a scale (and zero point) per
- * group, as quantlab.formats.affine.quantize; w is [n, k] float32 with row stride w_stride. */
+ * group, as the affine codec's round to nearest (AffineCodec.quantize); w is [n, k] float32 with row stride w_stride. */
 QL_API int ql_quantize_affine(const float *w, int64_t n, int64_t k, int64_t w_stride, int64_t group_size, int bits,
                        int symmetric, int scale_dtype, uint8_t *codes, void *scale, void *zero, int threads) {
     if (bits < 2 || bits > 8 || n < 1 || k < 1 || group_size < 1 || (!symmetric && !zero)) return QL_BAD_FORMAT;
@@ -276,7 +277,7 @@ QL_API int ql_quantize_affine(const float *w, int64_t n, int64_t k, int64_t w_st
     return QL_OK;
 }
 
-/* NF4 codes [n, blocks, blocksize] and absmax [n, blocks], as quantlab.formats.nf4.quantize. */
+/* NF4 codes [n, blocks, blocksize] and absmax [n, blocks], as the nf4 codec's round to nearest (NF4Codec.quantize). */
 QL_API int ql_quantize_nf4(const float *w, int64_t n, int64_t k, int64_t w_stride, int64_t blocksize, const float *midpoints,
                     uint8_t *codes, float *absmax, int threads) {
     if (n < 1 || k < 1 || blocksize < 1) return QL_BAD_FORMAT;

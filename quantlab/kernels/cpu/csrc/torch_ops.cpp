@@ -56,9 +56,10 @@ float absmax_map[256];
 
 using Optional = const std::optional<at::Tensor> &;
 
-// A weight's layout integers, given to the operators as one string (`ops.layout_text`), e.g.
-// "affine bits=4 in_features=576 group_size=64 zero=8": an eager call converts each Python number
-// it is given on its own (~0.1 us each), one string costs about what one number does.
+// A weight's layout integers, given to the operators as one string (`StorageLayout.descriptor`, written by
+// the layout's codec), e.g. "affine bits=4 in_features=576 group_size=64 zero=8": an eager call converts
+// each Python number it is given on its own, and one string costs about what one number does. The codec
+// names and kinds are those of the Python codec registry (tests/kernels/test_native_codecs.py checks them).
 struct Layout {
     int64_t kind = -1, bits = 0, in_features = 0, group_size = 0, absmax_block = 0;
     double zero_const = 0.0;
@@ -92,7 +93,7 @@ Layout parse_layout(std::string_view text) {
     }
     TORCH_CHECK(complete && layout.kind >= 0 && layout.bits && layout.in_features > 0 && layout.group_size > 0,
                 "quantlab: bad layout \"", std::string(text), "\" (expected e.g. \"affine bits=4 in_features=576 "
-                "group_size=64 zero=8\", as quantlab.kernels.cpu.ops.layout_text writes it)");
+                "group_size=64 zero=8\", the descriptor of a quantlab.formats.layout.StorageLayout)");
     return layout;
 }
 
