@@ -1,11 +1,12 @@
 """A native decode step for Llama-family models: one C call a token behind transformers' `generate`.
 
-The compiled decode step (compiled.py) still runs a token as ~300 small kernels and ~120
-operator calls driven by one Python graph; on SmolLM2-135M that costs as much as reading the
-4-bit weights. Here one call to `ql_decode_step` (csrc/decode.c) runs every block of one token:
-norms, the quantized projections on the native kernels (q/k/v and gate/up grouped), the rotary
-embedding, attention over transformers' own static cache (written in place, its position count
-moved on), the MLP, the final norm, and the output head when it is stored in a native format.
+The compiled decode step (compiled.py) still runs a token as hundreds of small kernels and
+operator calls driven by one Python graph; on a small model that costs as much as reading the
+4-bit weights (see benchmarks/RESULTS.md). Here one call to `ql_decode_step` (csrc/decode.c)
+runs every block of one token: norms, the quantized projections on the native kernels (q/k/v and
+gate/up grouped), the rotary embedding, attention over transformers' own static cache (written in
+place, its position count moved on), the MLP, the final norm, and the output head when it is
+stored in a native format.
 Python around it only looks the token up, asks the model's rotary module for cos/sin (so every
 rope variant it implements works) and wraps the logits.
 
@@ -145,7 +146,7 @@ class NativeDecoder:
 
     def _unchanged(self) -> bool:
         """True while the model holds the modules and tensors described (in-place writes are seen anyway).
-        Dictionary lookups only: ~0.1 ms on SmolLM2, once a generation."""
+        Dictionary lookups only, once a generation."""
         if any(parent._modules.get(name) is not child for parent, name, child in self.edges.values()):
             return False
         for module, tensors in self.described:
@@ -364,7 +365,7 @@ class SkipMaskForNativeSteps:
     looks up on the model) that builds no mask for the steps the native step takes.
 
     With a static cache, generate turns the 2-D attention mask into a 4-D causal mask over the whole
-    cache before every step (~0.3 ms on SmolLM2, 6 % of a native step). For one unpadded sequence
+    cache before every step, a noticeable part of a native step. For one unpadded sequence
     that mask says nothing the native step does not assume, so it gets None; every other step (the
     prompt, several sequences, padding) gets the mask transformers would build."""
 

@@ -18,11 +18,11 @@ residual `r = w / s + z - Q(w)` (in grid steps), and alternates:
    (with `optimize_scale`, the least-squares line `w - e*s ≈ (Q(w) - z) * s` in both);
 3. `beta <- kappa * beta`.
 
-Choices made here, each measured (SmolLM2-135M perplexity, MiniLM embeddings):
+Choices made here, each measured (perplexity and embedding quality; figures in benchmarks/RESULTS.md):
 - The search starts from round-to-nearest's min-max scale with its zero point rounded to an
   integer (as the `hqq` package does at 4 bits, after AWQ), so a weight of 0 sits exactly on
   the grid. The iteration settles in the local optimum next to its start, and this start is
-  the better one: SmolLM2 3-bit g64 perplexity 112 instead of 334 from the min-max start.
+  the better one (at 3 bits by far, against the min-max start).
 - The residual is measured in grid steps, so `beta` is dimensionless and the result does not
   depend on the weights' magnitude. The `hqq` package measures it in weight units, where its
   `beta = 10` zeroes every residual below 0.17: on LLM weights its shrinkage never acts and

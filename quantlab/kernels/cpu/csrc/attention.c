@@ -10,10 +10,8 @@
  * zeros (transformers never asks for one).
  *
  * At one token the work is a few thousand multiply-adds per head: torch's CPU attention (flash SDPA)
- * and its batched matmuls spend more on dispatch and per-head setup than on them. SmolLM2-135M's shape,
- * 16 sequences (3 key/value heads of 3 query heads each, dim 64, a 96-position cache of which a bool
- * mask leaves 50), one layer, 2 threads, medians of 5: flash SDPA ~370 us, matmul + softmax + matmul
- * ~270 us (the two batched matmuls ~95 and ~90 us), `quantlab::attention` ~95 us (~130 us on all 96).
+ * and its batched matmuls spend more on dispatch and per-head setup than on them; this operator is
+ * several times faster than either on a small model's shapes (benchmarks/RESULTS.md).
  */
 #include "quantlab_cpu.h"
 
@@ -104,9 +102,8 @@ static void ql_axpy(int isa, float *y, float a, const float *x, int64_t n) {
 #ifdef QL_X86
 
 /* scores[t] = q . keys[t] * scale (+ bias[t]) for t < length, head_dim a multiple of 16: 4 positions at a
- * time (4 dot products summed together). SmolLM2's native decode step (9 heads of 64, 30 layers, 32-96
- * positions), 4-bit e8 with int8 activations, rope + attention a token: 0.25-0.26 ms with the scalar
- * version, 0.17-0.21 with this one (a whole token ~3.5 ms of C). */
+ * time (4 dot products summed together), faster than the scalar version in the native decode step
+ * (benchmarks/RESULTS.md). */
 QL_AVX512 static void ql_scores512(const float *q, const float *keys, const float *bias, int64_t length, int64_t dim,
                                    float scale, float *scores) {
     int64_t t = 0;
@@ -154,9 +151,8 @@ QL_AVX2 static void ql_scores256(const float *q, const float *keys, const float 
 
 /* out[i] = sum over t < length of weights[t] * values[t][i] (value rows of dim floats), dim a multiple of 8,
  * positions the bias masks skipped: 32 outputs at a time in 4 registers (8 at a time when dim is not a
- * multiple of 32), so out is written once, not once a position (the operator on SmolLM2's shape, 16
- * sequences, all 96 positions, one thread: 205-216 us with an axpy into memory per position, 167-172 us
- * with this). */
+ * multiple of 32), so out is written once, not once a position (faster than an axpy into memory per
+ * position; benchmarks/RESULTS.md). */
 QL_AVX2 static void ql_weighted_sum256(const float *weights, const float *values, const float *bias, int64_t length,
                                        int64_t dim, float *out) {
     const int64_t step = dim % 32 == 0 ? 32 : 8;

@@ -74,9 +74,8 @@ QL_AVX2 void ql_params256(const ql_weight *w, int64_t n, int count, float *scale
 
 /* At one row these kernels read 4 features' codes side by side: 4 short interleaved streams that
  * the hardware prefetcher follows late. Asking for group g of the next 4 features while this block
- * works on group g keeps the next block's codes on their way. SmolLM2 decoding (native step, float
- * activations, 2 threads, AVX2 EPYC, 10 rounds alternated in one process): 4-bit g64 e8 1.27x
- * [0.99-1.71], int8 e8 1.17x [1.03-1.66] the tokens/s without it. */
+ * works on group g keeps the next block's codes on their way: more decoded tokens/s for 4-bit and
+ * int8 (measured in benchmarks/RESULTS.md). */
 QL_INLINE void ql_prefetch_next4(const ql_weight *w, int64_t n0, int NR, int64_t g) {
     for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(w->codes + ((n0 + j + 4) * w->groups + g) * w->group_bytes), _MM_HINT_T0);
 }
@@ -213,11 +212,9 @@ QL_INLINE QL_AVX2 void ql_block256_nf4(const int NR, const int R, const ql_weigh
 /* The nibble block for affine codes: per group, the codes as they are times x are summed (one
  * conversion and one FMA per 8 codes), then scaled: y += s * sum(q * x) - s * z * sum(x), with sum(x)
  * of each group of a row taken once for the 4 features. Not the reference's order of rounding
- * ((q - z) * s per weight, then the dot product), but within float32 summation error of it. One
- * row through quantlab::linear, 4-bit g64, hot, one thread, AVX2 EPYC (Zen 3), best of 5 x 2000
- * calls: generic decoder -> nibble block (values per weight) -> this block: 576x192 50.3 -> 21.7 ->
- * 18.6 us, 576x1536 373 -> 154 -> 124 us, 2048x8192 7.31 -> 2.65 -> 2.57 ms (torch fp32: 19, 88 us,
- * 3.1-4.0 ms). */
+ * ((q - z) * s per weight, then the dot product), but within float32 summation error of it. It is
+ * faster at one row than the generic decoder and than a nibble block that computes each weight's
+ * value (timings in benchmarks/RESULTS.md). */
 QL_INLINE QL_AVX2 void ql_block256_affine4(const int NR, const int R, const ql_weight *w, const ql_layout *layout,
                                            const float *xp, int64_t row_length, int64_t n0, float *y, int64_t y_stride,
                                            float *params) {
@@ -281,8 +278,7 @@ QL_INLINE QL_AVX2 __m128i ql_group_tail(const ql_weight *w, const uint8_t *group
  * summed (one widening load, one conversion and one FMA per 8 codes), then scaled, y += s * sum(q * x)
  * - s * z * sum(x), as the affine nibble block does (within float32 summation error of the
  * reference's order). The generic decoder branched per 8 codes on the width and the group's end and
- * kept its accumulators on the stack: int8 576x576, one row, through the op, median of 3 x 3000 calls,
- * 1 thread 74 -> 27 us, 2 threads 103 -> 18 us (torch fp32: 47 us). */
+ * kept its accumulators on the stack, several times slower (benchmarks/RESULTS.md). */
 QL_INLINE QL_AVX2 __m256 ql_bytes8(const int is_signed, __m128i bytes) {
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 }
@@ -331,10 +327,10 @@ QL_INLINE QL_AVX2 void ql_block256_bytes(const int is_signed, const int NR, cons
 
 /* The block for affine codes of 2 to 7 bits outside the nibble layout (3-bit, 5-bit, ...): per group
  * the codes as they are times x, then scaled, as the blocks above; the codes unpacked as the generic
- * decoder unpacks them (ql_values8), whose per-weight centring and scaling this leaves out. 3-bit
- * g64 576x1536, one row through the op, 2 threads: 290-380 -> 102-160 us (torch fp32 89-135 us in the
- * same processes). It has the 8-bit block's shape; one function for both (the unpacking a
- * compile-time choice) made int8 576x576 at one row 24-28 -> 30-32 us, so they stay two. */
+ * decoder unpacks them (ql_values8), whose per-weight centring and scaling this leaves out; it is
+ * several times faster than the generic decoder at one row. It has the 8-bit block's shape; one
+ * function for both (the unpacking a compile-time choice) made int8 slower at one row, so they stay
+ * two (timings in benchmarks/RESULTS.md). */
 QL_INLINE QL_AVX2 void ql_block256_codes(const int NR, const int R, const ql_weight *w, const ql_bits256 *bits,
                                          const ql_layout *layout, const float *xp, int64_t row_length, int64_t n0,
                                          float *y, int64_t y_stride, float *params) {
@@ -414,10 +410,9 @@ QL_INLINE QL_AVX2 void ql_store_part(float *out, __m256 values, int64_t count) {
  * or NF4's level times absmax). The decoder is a compile-time constant, so the inner loops hold no
  * branch: 4-bit codes 32 a step (16 bytes split into low and high nibbles, interleaved back into
  * their order as bytes), 8-bit ones 8 a step by one widening load, 2-7-bit ones 8 a step by shuffle
- * and shift (a group's last bytes read by ql_group_tail: copied out, they stalled on store forwarding,
- * 3-bit at 0.85 ns a weight), codes past the last 8 of a row through the generic decoder. The generic
- * decoder for every code (a branch per 8 on the width and the group's end) ran at about 2 cycles a
- * weight: 576x576 4-bit g64, one thread, 236 us. */
+ * and shift (a group's last bytes read by ql_group_tail: copied out, they stalled on store forwarding),
+ * codes past the last 8 of a row through the generic decoder. The generic decoder for every code (a
+ * branch per 8 on the width and the group's end) is much slower (benchmarks/RESULTS.md). */
 QL_INLINE QL_AVX2 void ql_dequantize_group256(const int decoder, const ql_weight *w, const ql_bits256 *bits,
                                               const uint8_t *group, int64_t valid, const ql_group256 *constants,
                                               float *out) {
@@ -483,10 +478,8 @@ QL_INLINE QL_AVX2 void ql_decode4_256(const int decoder, const ql_weight *w, con
 
 /* From this many rows on the panels below; fewer rows take blocks of 4 decoded features times 3 rows
  * (ql_micro256), where decoding and transposing a panel is paid for by too few rows. Measured side by
- * side in one process (2 threads, AVX2 EPYC, 5 rounds alternated, SmolLM2's fused shapes 576x960,
- * 576x576, 576x3072, 1536x576 and the 576x49152 head): the 4-feature blocks were faster at 8 rows by
- * 1.1-1.45x (4-bit, 8-bit affine), at 16 by 1.05-1.2x (4-bit, 8-bit, 3-bit, NF4, int8), at 32 by
- * 1.0-1.1x; at 48 rows 0.87-1.02x and at 64 0.86-0.98x. */
+ * side on small-model shapes (benchmarks/RESULTS.md): the 4-feature blocks are faster up to 32 rows
+ * for every format, the panels from 48 rows on. */
 #define QL_AVX2_PANEL_ROWS 48
 #define QL_PANEL_INPUTS 256 /* inputs a pass (ql_gemm256_decoded): 16 KiB of a panel stay in L1 */
 
@@ -567,8 +560,8 @@ QL_INLINE QL_AVX2 void ql_panel256(const int R, const float *panel, int64_t k0, 
  * (ql_decode4_256, the plain layout of x), transposed input-major and multiplied by every row of x, 6
  * rows at a time (ql_panel256), a pass of QL_PANEL_INPUTS inputs at a time so that the panel's part
  * (16 KiB) stays in L1 while the rows go by. The 3 rows x 4 features dot-product kernel (ql_micro256)
- * ran at 0.76-0.91x the speed of torch's fp32 GEMM at 128 rows on SmolLM2's shapes (then with 12
- * horizontal sums per block, x read once per 4 features); below QL_AVX2_PANEL_ROWS rows, and for
+ * fell behind torch's fp32 GEMM at many rows (12 horizontal sums per block, x read once per 4
+ * features; benchmarks/RESULTS.md); below QL_AVX2_PANEL_ROWS rows, and for
  * features left over past the last panel, it takes blocks of 4 decoded features; the last features
  * one at a time (`block`: the decoder of the plain layout). */
 QL_INLINE QL_AVX2 void ql_gemm256_decoded(const int decoder, const int block, const ql_weight *w,

@@ -51,9 +51,8 @@ QL_AVX2 void ql_quantize_x_a8_256(const float *xp, int64_t m, int64_t row_length
 /* NR features from n, one row, 4-bit codes: acc_j += scale * d * float(q . xq) per block, then the
  * zero point's share, sum over groups of scale * zero * xz[g] (ql_zero_terms), taken off. A block's
  * 32 code bytes are one load: low nibbles meet its first 32 int8 inputs, high nibbles the next 32.
- * The next 4 features' codes are prefetched as they go (ql_prefetch_next4, avx2.c): SmolLM2 4-bit
- * g64 e8 native step, 2 threads, 10 rounds alternated in one process: 1.13x [0.91-1.40] tokens/s;
- * one thread 1.10x [0.96-1.65]. */
+ * The next 4 features' codes are prefetched as they go (ql_prefetch_next4, avx2.c): more tokens/s in
+ * the native step, on one and two threads (benchmarks/RESULTS.md). */
 QL_INLINE QL_AVX2 void ql_block256_a8(const int NR, const ql_weight *w, const int8_t *xq, const float *xd,
                                       const float *xz, int64_t n, float *y, const float *params) {
     const int64_t G = w->groups, per_group = w->group_codes / 64, blocks = G * per_group;

@@ -32,7 +32,7 @@ QL_AVX512 void ql_params512(const ql_weight *w, int64_t n, float *scale, float *
     int64_t first = n * w->groups;
     if (w->kind == QL_NF4 && w->absmax_codes) {
         /* Double-quantized absmax: scalar lookups. Two 16-lane gathers per 16 groups were slower
-         * (one row of 576x576 NF4: 19.8 -> 14.8 us; 2048x8192: 0.43 -> 0.35 ms, as fast as 4-bit). */
+         * (benchmarks/RESULTS.md); with scalar lookups NF4 runs as fast as 4-bit. */
         for (int64_t g = 0; g < w->groups; g++) {
             scale[g] = ql_group_at(w, first + g).scale;
             zero[g] = 0.0f;
@@ -52,10 +52,8 @@ QL_AVX512 void ql_params512(const ql_weight *w, int64_t n, float *scale, float *
 
 /* Scales of features n..n+3 side by side, then their zeros (feature j's at params + jG and params + (4 + j)G),
  * converted 16 at a time across rows: on short rows four ql_params512 calls cost about as much as the
- * int8-activation arithmetic. One row, hot, one thread, best of 5: 4-bit g64 with int8 activations
- * 576x1536 20.1 -> 17.9 us, 576x576 8.8 -> 7.7, 1536x576 13.0 -> 12.0; the float kernel 4-bit g64
- * 576x1536 26.5 -> 24.9-25.7, 1536x576 23.0-23.4 -> 21.3-22.2, int8 2-4 % faster, NF4 unchanged (double
- * quantization converts row by row as before). */
+ * int8-activation arithmetic. Faster at one row for 4-bit (int8 and float activations) and int8; NF4
+ * unchanged (double quantization converts row by row as before); timings in benchmarks/RESULTS.md. */
 QL_AVX512 void ql_params4_512(const ql_weight *w, int64_t n, float *params) {
     const int64_t G = w->groups, count = 4 * G, first = n * G;
     if (w->kind == QL_NF4 && w->absmax_codes) {
@@ -98,8 +96,8 @@ QL_INLINE QL_AVX512 ql_group512 ql_group512_make(const ql_weight *w, float scale
 /* Codes [c, c + 16) of a group as 16 int32, for the byte and generic modes. A load reads 16
  * bytes, past the chunk: those bytes never reach a code that meets a nonzero input. Only near
  * the end of the codes buffer (`end`, NULL when the caller knows it is far) the load is masked;
- * deciding that per block rather than per load keeps a branch out of the inner loop (measured:
- * 2.7x faster at 3 bits). */
+ * deciding that per block rather than per load keeps a branch out of the inner loop (measured much
+ * faster at 3 bits: benchmarks/RESULTS.md). */
 QL_INLINE QL_AVX512 __m512i ql_codes16(const int mode, const int B, const ql_weight *w, const ql_bits512 *bits,
                                        const uint8_t *group, int64_t c, const uint8_t *end) {
     const int64_t width = B ? B : w->bits;
@@ -161,9 +159,8 @@ QL_INLINE QL_AVX512 void ql_block512(const int mode, const int use_table, const 
             }
         }
     }
-    /* The 4 features' sums reduced together (ql_store_sums), not one horizontal sum each: one row
-     * through quantlab::linear, 4-bit g64, three processes alternated: 576x192 5.64 -> 5.39 us,
-     * 576x1536 15.2 -> 14.2, 1536x576 13.7 -> 12.4. */
+    /* The 4 features' sums reduced together (ql_store_sums), not one horizontal sum each: faster at one
+     * row on every shape measured (benchmarks/RESULTS.md). */
     for (int r = 0; r < R; r++) {
         __m512 sums[4];
         for (int j = 0; j < NR; j++) sums[j] = A == 2 ? _mm512_add_ps(acc[j][r][0], acc[j][r][1]) : acc[j][r][0];
@@ -173,9 +170,9 @@ QL_INLINE QL_AVX512 void ql_block512(const int mode, const int use_table, const 
 
 /* Many rows of an odd width: the 4 features of a block are decoded once into `decoded` (the
  * layout of x), then every block of 4 rows is a plain float dot product, so the decoding is
- * paid once per feature instead of once per block of rows. Measured on 2048x8192 at 128 rows:
- * 3-bit 11 % faster; 4-bit and 8-bit, whose decoding is cheap, 10-20 % slower (the buffer
- * and 4 rows of x no longer fit in L1), so they decode in registers. */
+ * paid once per feature instead of once per block of rows. Measured at many rows: 3-bit faster;
+ * 4-bit and 8-bit, whose decoding is cheap, slower (the buffer and 4 rows of x no longer fit in
+ * L1), so they decode in registers (benchmarks/RESULTS.md). */
 QL_INLINE QL_AVX512 void ql_decode4_512(const int mode, const int use_table, const int B, const ql_weight *w,
                                         const ql_bits512 *bits, const ql_layout *layout, int64_t n0,
                                         const float *params, float *decoded, int64_t row_length) {

@@ -8,11 +8,9 @@
 
 #ifdef QL_X86
 #define QL_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")))
-#define QL_PREFETCH_BLOCKS 4 /* blocks of 4 features ahead into L1 (measured 2-16 on SmolLM2's layers: 4 best) */
-/* 4-bit codes also go to L2 twice as far ahead: SmolLM2 decode step, 2 threads, alternated in one process,
- * 12 rounds, one contiguous run a thread: 1.04x [0.95-1.09] over the L1 prefetch alone (1.05-1.07x in two
- * more runs; distances 6-10 alike); the int8 kernel, which reads each feature start to end, ran 0.97x
- * [0.94-1.11] with it, so it does without. */
+#define QL_PREFETCH_BLOCKS 4 /* blocks of 4 features ahead into L1 (the best of the distances measured) */
+/* 4-bit codes also go to L2 twice as far ahead, a small gain in the decode step; the int8 kernel, which
+ * reads each feature start to end, gained nothing from it, so it does without (benchmarks/RESULTS.md). */
 #define QL_PREFETCH_L2_BLOCKS 8
 
 static inline void ql_prefetch(const uint8_t *from, int64_t bytes, const uint8_t *end) {
@@ -122,10 +120,9 @@ QL_INLINE QL_VNNI void ql_block_a8(const int NR, const ql_weight *w, const int8_
 
 /* ql_block_a8 for 4 features of at most 32 groups: each feature's scales (and zeros) stay in two
  * registers, converted once, and a pair's two scales are picked out of them by one permute instead of
- * going through memory (ql_params4_512). One row, 4-bit g64, hot, one thread, best of 5: 576x1536
- * 17.9 -> 13.3 us, 576x576 7.7 -> 6.1, 1536x576 12.0 -> 10.1, 2048x2048 (32 groups) 48 -> 41. One
- * function for both (windows of 32 groups, any row count) ran the short rows 1.1-1.2x slower (576x1536
- * 12.9 -> 16.0 us) and longer rows no faster, so the near-copy of ql_block_a8 stays. */
+ * going through memory (ql_params4_512), faster at one row on every shape measured. One function for
+ * both (windows of 32 groups, any row count) ran the short rows slower and longer rows no faster, so
+ * the near-copy of ql_block_a8 stays (timings in benchmarks/RESULTS.md). */
 QL_INLINE QL_VNNI void ql_block_a8_short(const ql_weight *w, const int8_t *xq, const float *xd, const float *xz,
                                          int64_t n, float *y) {
     const int64_t G = w->groups, per_group = w->group_codes / 64, blocks = G * per_group;
@@ -180,10 +177,9 @@ QL_INLINE QL_VNNI void ql_block_a8_short(const ql_weight *w, const int8_t *xq, c
 /* NR features from n, one row, int8 codes: scale * d * float((q + 128) . xq - 128 * sum xq) per block,
  * the offset's share taken off exactly in int32 (in lane 0 of the vector vpdpbusd starts from). Each
  * feature's codes are read start to end before the next one's: 4 features are one contiguous run of
- * memory, read in order, which streams a table from DRAM about twice as fast as interleaving the 4
- * blocks by block as the 4-bit kernel does (SmolLM2's head, 49152 x 576 in groups of 64, one thread,
- * busy machine: 1.0-1.1 ms vs 2.4-2.8 ms; the float kernel 2.1-2.5 ms); on a weight that stays in L3
- * it is 15-30 % slower than interleaved (8192 x 576: 130-145 vs 110-115 us; float 175-190 us). */
+ * memory, read in order, which streams a large table (an output head) from DRAM much faster than
+ * interleaving the 4 blocks by block as the 4-bit kernel does; on a weight that stays in L3 it is
+ * somewhat slower than interleaved (timings in benchmarks/RESULTS.md). */
 QL_INLINE QL_VNNI void ql_block_a8_int8(const int NR, const ql_weight *w, const int8_t *xq, const float *xd,
                                         const int32_t *xs, int64_t n, float *y, const float *params) {
     const int64_t G = w->groups, per_group = w->group_codes / 64;

@@ -7,8 +7,8 @@
  *     int8:         y[n] = sum_b scale[g(b)] * d[b] * sum_k q[k] * xq[k]
  *
  * That reads a 64-weight block with a fraction of the instructions of decoding it to floats, which is
- * what one row (decoding) is bound by. It is not bit-exact: x is rounded to 8 bits (relative error
- * of a dot product about 0.5 %), so it is an option, never the default.
+ * what one row (decoding) is bound by. It is not bit-exact: x is rounded to 8 bits (the relative error
+ * of a dot product is in benchmarks/RESULTS.md), so it is an option, never the default.
  * Two kernels: avx512_vnni.c (vpdpbusd) and avx2_int8.c (vpmaddubsw + vpmaddwd, llama.cpp's AVX2
  * scheme); this file chooses between them and holds what they share. */
 #include "quantlab_cpu.h"

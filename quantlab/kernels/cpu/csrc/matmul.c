@@ -50,13 +50,11 @@ QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
 
 /* From how many rows of x on the product is faster as the weight decoded (ql_dequantize) and
  * multiplied by a BLAS GEMM (torch's) than through the fused kernels here, on this CPU; 0: never.
- * AVX-512's fused kernel stays ahead at every row count measured (Zen 5: about twice as fast as
- * dequantize + GEMM at 128 rows), and so does AVX2's (from QL_AVX2_DECODE_ROWS rows on: features decoded
- * 4 at a time, then 3 rows x 4 features a step, or from 48 rows on panels of 16 features, 6 rows x 16
- * features a step, avx2.c): SmolLM2's shapes and 2048x8192, 4-bit,
- * 3-bit g64, NF4 and int8, 2 threads, AVX2 EPYC (Zen 3), median of 3 rounds: at 128 rows 0.98-1.73x
- * the speed of torch's fp32 GEMM against dequantize + GEMM's 0.79-1.51x, at 512 rows 0.90-1.49x
- * against 0.88-1.23x. The portable C kernel decodes each weight once per 4 rows: behind from a few rows. */
+ * AVX-512's fused kernel stays ahead at every row count measured, and so does AVX2's (from
+ * QL_AVX2_DECODE_ROWS rows on: features decoded 4 at a time, then 3 rows x 4 features a step, or from 48
+ * rows on panels of 16 features, 6 rows x 16 features a step, avx2.c), for 4-bit, 3-bit, NF4 and int8
+ * (timings in benchmarks/RESULTS.md). The portable C kernel decodes each weight once per 4 rows: behind
+ * from a few rows. */
 #define QL_AVX2_DECODE_ROWS 8 /* from this many rows on, AVX2 decodes the weights once a call (avx2.c) */
 
 /* Whether a product on m rows takes AVX2's many-row kernel (float x; int8 activations keep the layout
@@ -105,10 +103,9 @@ static ql_layout ql_layout_for(const ql_weight *w, int isa, int64_t m, int a8) {
 
 /* Chunks per thread of a product on m rows. Below QL_DECODE_ROWS rows a call is a pass over its
  * weights from memory: one contiguous run per thread, so each thread's stream (hardware and
- * software prefetch) never restarts mid-call. SmolLM2 decode step, 2 threads, per-token time
- * alternated in one process over 12 rounds: 4-bit e8 with int8 activations 1.16x [1.08-1.21]
- * faster than 4 chunks a thread, float activations 1.13x [1.08-1.18], int8 e8 1.11x [1.02-1.21].
- * From QL_DECODE_ROWS rows on, the arithmetic dominates and ~4 a thread balance the threads. */
+ * software prefetch) never restarts mid-call: faster decode steps than 4 chunks a thread, for every
+ * format (benchmarks/RESULTS.md). From QL_DECODE_ROWS rows on, the arithmetic dominates and ~4 a thread
+ * balance the threads. */
 static int ql_stream_chunks(int64_t m) { return m < QL_DECODE_ROWS ? 1 : 4; }
 
 static int64_t ql_scratch_params(const ql_weight *w) { return ql_round_up(8 * w->groups, 16); }
@@ -170,9 +167,8 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
 #endif
     /* Rows in tiles whose x stays in L2 while every block of 4 features of the chunk streams past
      * it; untiled, 512 rows of 2048 inputs (4 MiB) are read again from L3 for each block. Tiles are
-     * whole blocks of 4 rows, so every output is computed exactly as without tiles. Measured on
-     * 2048x8192 at 512 rows: 1.1-1.2x faster (every format, 1 and 2 threads); at 128 rows and on
-     * SmolLM2's shapes, where x fits, unchanged. */
+     * whole blocks of 4 rows, so every output is computed exactly as without tiles. Faster on large
+     * layers at many rows (every format); unchanged where x fits (benchmarks/RESULTS.md). */
     int64_t tile = QL_ROW_TILE_BYTES / (row_length * (int64_t)sizeof(float)) / 4 * 4;
     if (tile < QL_MIN_ROW_TILE) tile = QL_MIN_ROW_TILE;
     for (int64_t r0 = 0, rows; r0 < job->m; r0 += rows) {
@@ -222,10 +218,10 @@ static int64_t ql_chunk_for(int64_t features, int threads, int isa, int64_t m, i
 }
 
 /* x as the kernels read it, with its row stride in *stride: x itself where AVX2's many-row kernel reads
- * the plain layout and that is x's (every group whole and a multiple of 8 inputs: every SmolLM2 layer in
+ * the plain layout and that is x's (every group whole and a multiple of 8 inputs: the usual layers in
  * groups of 32-128), else a 64-byte aligned copy in the kernels' layout (ql_prepare_x), returned in
- * *copy for the caller to free. NULL if out of memory. The copy ran on one thread before the others
- * started: 576x576 at 128 rows, 8% of a thread's time. */
+ * *copy for the caller to free. NULL if out of memory. The copy runs on one thread before the others
+ * start, a noticeable share of a thread's time at many rows. */
 static const float *ql_kernel_x(const ql_weight *w, const ql_layout *layout, int isa, int64_t m, int a8,
                                 const float *x, int64_t x_stride, int64_t *stride, float **copy) {
     const int64_t row_length = w->groups * layout->padded_group;
@@ -306,7 +302,7 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
     int64_t *first_chunk = malloc((size_t)(count + 1) * sizeof(int64_t));
     int isa = ql_isa();
     /* AVX2's int8-activation kernel is a one-row kernel; from QL_AVX2_DECODE_ROWS rows on the float panels
-     * are faster (576x576 at 512 rows: 0.59x against 0.97x torch fp32) and exact. */
+     * are faster (benchmarks/RESULTS.md) and exact. */
     const int a8_kernel = activation_bits == 8 && ql_a8_eligible(&weights[0]) ? ql_a8_kernel() : QL_A8_NONE;
     const int a8 = a8_kernel == QL_A8_AVX2 && m >= QL_AVX2_DECODE_ROWS ? QL_A8_NONE : a8_kernel;
     ql_layout layout = ql_layout_for(&weights[0], isa, m, a8);

@@ -11,20 +11,17 @@
  * `ql_run`, for every call when torch runs on OpenMP (libgomp): `ql_use_openmp` hands over
  * libgomp's GOMP_parallel and the job runs on torch's own OpenMP team. Around our calls torch
  * runs ops of its own (norms, attention, the compiled step's kernels) on that team, whose
- * threads spin between ops; a second pool of ours would fight them for the same cores. Bulk
- * work showed it first (2 cores, a 1024-row NF4 forward between two torch ops: 13.1 ms on our
- * pool, 8.7 on torch's team); decoding too: SmolLM2 4-bit, one-row calls on our pool vs on
- * torch's team, quiet machine, 2 threads, processes alternated: compiled decode step 59 vs 86
- * tokens/s, eager 55-57 vs 66-70.
+ * threads spin between ops; a second pool of ours would fight them for the same cores: on a quiet
+ * machine both bulk work and decoding run faster on torch's team (benchmarks/RESULTS.md).
  *
  * `ql_run_own`, when torch's team is unknown, after a fork (libgomp's threads do not survive
  * one), or with QUANTLAB_THREAD_POOL=own: a pool of our own. A job is cut into chunks that
  * threads claim from one atomic ticket (generation << 32 | next chunk). The calling thread
  * works too and afterwards waits only for chunks a worker has claimed, never for a worker to
  * wake up: on a loaded machine a late worker finds nothing left, and the call runs at one
- * thread's speed instead of stalling for a scheduler time slice, as an OpenMP join does (one
- * row of 576x1536 NF4 beside a busy process: 0.08 ms on this pool, 0.41 ms mean on torch's
- * team, with 8 ms stalls): the choice for a machine shared with other busy processes. Idle
+ * thread's speed instead of stalling for a scheduler time slice, as an OpenMP join does (beside a
+ * busy process this pool is several times faster at one row, and never stalls; benchmarks/RESULTS.md):
+ * the choice for a machine shared with other busy processes. Idle
  * workers spin for a short while, so the next layer's call finds them awake, then sleep on a
  * condition variable.
  *
@@ -32,10 +29,10 @@
  * QL_STALLS_TO_LEAVE calls in a row waited longer than they worked, by `ql_stall_ns` or more (a
  * team thread was not running, so the join waited for a scheduler time slice; an uneven split
  * waits less than the caller works), the next calls take our pool for `ql_own_ns`, then try the
- * team again. Beside another process running torch on both cores (2 vCPUs, one row of 576x1536
- * 4-bit through the op, 1000 calls): 8.0 ms a call on the team, 128-130 us with this (fp32 96 us).
- * A single stall is common on a lightly loaded machine and sent a third of an eager decode's calls
- * to our pool (10% fewer tokens/s) before three in a row were required; none do now.
+ * team again. Beside another process running torch on both cores, a call then costs little more
+ * than fp32's instead of a scheduler time slice (benchmarks/RESULTS.md). A single stall is common on
+ * a lightly loaded machine and would send many of an eager decode's calls to our pool, costing
+ * tokens/s, hence several stalls in a row.
  */
 
 #define QL_MAX_WORKERS 63
@@ -266,9 +263,8 @@ int64_t ql_chunk_features(int64_t n, int threads, int per_thread) {
 }
 
 int ql_threads(int requested, int64_t work) {
-    /* Below ~32 KiB of codes a second thread costs more than it saves. 576x192 4-bit g64 at one row
-     * (55 KiB) through the op, 2 threads, AVX2 EPYC, process pairs: 12.4-12.5 us on one thread
-     * (the bound was 64 KiB), 10.7-10.9 us on two (torch fp32 ~20 us). */
+    /* Below 32 KiB of codes a second thread costs more than it saves (a bound of 64 KiB left a small
+     * layer one thread slower than two: benchmarks/RESULTS.md). */
     if (requested < 1 || work < (1 << 15)) return 1;
     return requested;
 }

@@ -193,12 +193,11 @@ Described describe(const Layout &layout, const at::Tensor &codes, Optional scale
     return d;
 }
 
-// A weight up to this many float32 bytes is decoded whole (every SmolLM2 layer), a larger one a tile of
-// output features of about kDecodedTileBytes at a time, each tile multiplied as soon as it is decoded:
-// the decoded copy stays in cache and the allocator reuses it, instead of a fresh weight-sized buffer
-// per call (2048x8192: 64 MiB, mostly page faults). Measured for the backward pass at 512 rows,
-// 2048x8192 and 8192x2048, one thread: the input gradient at 0.98-1.00x the speed of fp32's `grad @ W`,
-// 0.85x decoded whole.
+// A weight up to this many float32 bytes is decoded whole (every layer of a small model), a larger one a
+// tile of output features of about kDecodedTileBytes at a time, each tile multiplied as soon as it is
+// decoded: the decoded copy stays in cache and the allocator reuses it, instead of a fresh weight-sized
+// buffer per call (mostly page faults). Measured for the backward pass: the input gradient then costs
+// about what fp32's `grad @ W` does, less than decoded whole (benchmarks/RESULTS.md).
 constexpr int64_t kDecodedWholeBytes = 4 << 20;
 constexpr int64_t kDecodedTileBytes = 2 << 20;
 
@@ -235,7 +234,7 @@ at::Tensor linear(const at::Tensor &x, Optional bias, c10::string_view layout_te
                 " features, the weight ", in_features);
     Described d = describe(layout, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset);
     // x as float32 rows with unit stride: as given when it is (a decoding step's [1, k] or [b, 1, k]),
-    // so a one-row call allocates its output and nothing else (each tensor op is ~0.2-0.4 us there).
+    // so a one-row call allocates its output and nothing else (each tensor op costs time there).
     at::Tensor flat = x.dim() == 2 ? x : x.reshape({-1, in_features});
     if (flat.scalar_type() != at::kFloat || flat.stride(1) != 1) flat = flat.to(at::kFloat).contiguous();
     const int64_t rows = flat.size(0), n = d.weight.n;
