@@ -1,4 +1,8 @@
-"""Helpers for the codec tests: a codec's round to nearest with and without its native fast path."""
+"""Fixtures for the codec tests: a codec's round to nearest without its native fast path, the native
+library, and helpers handed out as a fixture (`helpers`): with `--import-mode=importlib` test modules
+cannot import them."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -49,3 +53,10 @@ def tricky_weights(out_features: int, in_features: int, seed: int = 0) -> torch.
     w[2] *= 1e-6
     w[3] = torch.arange(in_features) % 16 * 0.125
     return w
+
+
+@pytest.fixture
+def helpers() -> SimpleNamespace:
+    return SimpleNamespace(
+        assert_same_bits=assert_same_bits, assert_matches_specs=assert_matches_specs, tricky_weights=tricky_weights
+    )

@@ -5,7 +5,6 @@ import torch
 
 from quantlab.formats import grouping
 from quantlab.formats.layout import StorageLayout
-from tests.formats.conftest import assert_matches_specs, assert_same_bits, tricky_weights
 
 SCALE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -30,13 +29,13 @@ def test_error_is_at_most_half_a_step(bits, symmetric):
 
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
-def test_store_then_load_gives_back_codes_and_grids(symmetric, scale_dtype):
+def test_store_then_load_gives_back_codes_and_grids(symmetric, scale_dtype, helpers):
     layout = layout_of(3, symmetric, 32, scale_dtype, shape=(8, 100))
-    grouped = grouping.group(tricky_weights(8, 100), 32)
+    grouped = grouping.group(helpers.tricky_weights(8, 100), 32)
     params = layout.fit(grouped)
     codes = layout.quantize_grouped(grouped, params)
     stored = layout.store(codes, params)
-    assert_matches_specs(layout, stored)
+    helpers.assert_matches_specs(layout, stored)
     loaded_codes, loaded = layout.load(stored)
     assert torch.equal(loaded_codes, codes)
     assert torch.equal(loaded.scale, params.scale)
@@ -48,11 +47,13 @@ def test_store_then_load_gives_back_codes_and_grids(symmetric, scale_dtype):
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
-def test_round_to_nearest_is_bit_exact_with_the_native_fast_path(library, torch_quantize, bits, symmetric, scale_dtype):
+def test_round_to_nearest_is_bit_exact_with_the_native_fast_path(
+    library, torch_quantize, bits, symmetric, scale_dtype, helpers
+):
     for seed, (shape, group_size) in enumerate([((16, 256), 64), ((9, 200), 32), ((7, 577), None)]):
         layout = layout_of(bits, symmetric, group_size, scale_dtype, shape)
-        weight = tricky_weights(*shape, seed)
-        assert_same_bits(layout.quantize(weight), torch_quantize(layout, weight))
+        weight = helpers.tricky_weights(*shape, seed)
+        helpers.assert_same_bits(layout.quantize(weight), torch_quantize(layout, weight))
 
 
 @pytest.mark.parametrize("symmetric", [False, True])

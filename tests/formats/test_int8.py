@@ -5,16 +5,15 @@ import torch
 
 from quantlab.formats import grouping
 from quantlab.formats.layout import StorageLayout
-from tests.formats.conftest import assert_matches_specs, assert_same_bits, tricky_weights
 
 
 @pytest.mark.parametrize("group_size", [None, 64])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
-def test_codes_are_signed_bytes_q_and_round_trip(group_size, scale_dtype):
+def test_codes_are_signed_bytes_q_and_round_trip(group_size, scale_dtype, helpers):
     layout = StorageLayout("int8", 8, group_size, 128, 8, scale_dtype=scale_dtype)
-    weight = tricky_weights(8, 128)
+    weight = helpers.tricky_weights(8, 128)
     stored = layout.quantize(weight)
-    assert_matches_specs(layout, stored)
+    helpers.assert_matches_specs(layout, stored)
     scale = grouping.ungroup(stored["weight_scale"].float().unsqueeze(-1).expand(-1, -1, layout.group_length), 128)
     assert torch.equal(stored["weight"].reshape(8, -1).float() * scale, layout.dequantize(stored))
     assert int(stored["weight"].abs().max()) <= 127
@@ -22,11 +21,11 @@ def test_codes_are_signed_bytes_q_and_round_trip(group_size, scale_dtype):
     assert torch.equal(layout.store(codes, params)["weight"], stored["weight"])
 
 
-def test_round_to_nearest_is_bit_exact_with_the_native_fast_path(library, torch_quantize):
+def test_round_to_nearest_is_bit_exact_with_the_native_fast_path(library, torch_quantize, helpers):
     for seed, group_size in enumerate([None, 64, 32]):
         layout = StorageLayout("int8", 8, group_size, 256, 16, scale_dtype=torch.float16)
-        weight = tricky_weights(16, 256, seed)
-        assert_same_bits(layout.quantize(weight), torch_quantize(layout, weight))
+        weight = helpers.tricky_weights(16, 256, seed)
+        helpers.assert_same_bits(layout.quantize(weight), torch_quantize(layout, weight))
 
 
 def test_a_group_of_zeros_gets_scale_one_and_decodes_to_zeros(torch_quantize):

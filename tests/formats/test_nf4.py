@@ -5,7 +5,6 @@ import torch
 
 from quantlab.formats import grouping, nf4
 from quantlab.formats.layout import StorageLayout
-from tests.formats.conftest import assert_matches_specs, assert_same_bits, tricky_weights
 
 
 def test_codes_equal_bitsandbytes():
@@ -37,13 +36,13 @@ def test_dynamic_map_matches_bitsandbytes():
 
 
 @pytest.mark.parametrize("double_quant", [False, True])
-def test_store_then_load_gives_back_codes_and_grids(double_quant):
+def test_store_then_load_gives_back_codes_and_grids(double_quant, helpers):
     layout = StorageLayout("nf4", 4, 32, 100, 8, double_quant=double_quant)
-    grouped = grouping.group(tricky_weights(8, 100) + 0.01, 32)
+    grouped = grouping.group(helpers.tricky_weights(8, 100) + 0.01, 32)
     params = layout.fit(grouped)
     codes = layout.quantize_grouped(grouped, params)
     stored = layout.store(codes, params)
-    assert_matches_specs(layout, stored)
+    helpers.assert_matches_specs(layout, stored)
     loaded_codes, loaded = layout.load(stored)
     assert torch.equal(loaded_codes, codes)
     assert torch.equal(loaded.scale, params.scale)
@@ -51,11 +50,13 @@ def test_store_then_load_gives_back_codes_and_grids(double_quant):
 
 @pytest.mark.parametrize("blocksize", [16, 64, 4096])
 @pytest.mark.parametrize("double_quant", [False, True])
-def test_round_to_nearest_is_bit_exact_with_the_native_fast_path(library, torch_quantize, blocksize, double_quant):
+def test_round_to_nearest_is_bit_exact_with_the_native_fast_path(
+    library, torch_quantize, blocksize, double_quant, helpers
+):
     for seed, shape in enumerate([(16, 256), (9, 200)]):
         layout = StorageLayout("nf4", 4, blocksize, shape[1], shape[0], double_quant=double_quant)
-        weight = tricky_weights(*shape, seed)
-        assert_same_bits(layout.quantize(weight), torch_quantize(layout, weight))
+        weight = helpers.tricky_weights(*shape, seed)
+        helpers.assert_same_bits(layout.quantize(weight), torch_quantize(layout, weight))
 
 
 def test_a_block_of_zeros_keeps_absmax_zero_and_decodes_to_zeros(torch_quantize):

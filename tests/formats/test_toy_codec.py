@@ -201,4 +201,3 @@ def test_a_pruned_then_quantized_model_is_stored_sparse_and_reloads_bit_identica
         assert torch.equal(again[name], tensor), name
     weight = reloaded.model.layers[0].mlp.up_proj.dequantize_weight()
     assert float((weight == 0).float().mean()) >= 0.5
-
