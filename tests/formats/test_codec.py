@@ -76,8 +76,8 @@ def test_native_arguments_follow_the_operators_order(layout, names):
 
 
 def test_describe_gives_an_exporter_the_grid_in_plain_numbers():
-    described = StorageLayout("affine", 3, 32, 64, 8, symmetric=False, scale_dtype=torch.float16).codec_object
-    facts = described.describe(StorageLayout("affine", 3, 32, 64, 8, symmetric=False, scale_dtype=torch.float16))
+    layout = StorageLayout("affine", 3, 32, 64, 8, symmetric=False, scale_dtype=torch.float16)
+    facts = layout.codec_object.describe(layout)
     assert facts == {
         "codec": "affine",
         "bits": 3,
