@@ -6,14 +6,18 @@ with the signal-to-quantization-noise floor each must reach on Gaussian weights:
     class TestMyMethod(MethodContract):
         cases = [(MyConfig(bits=4), 18.0), (MyConfig(bits=2), 5.0)]
 
-pytest then runs every check below once per case.
+pytest then runs every check below once per case. The transformers checks share one tiny Llama
+checkpoint per case (quantized while loading, then saved, once per test class), and one fresh
+process per class reloads every case's checkpoint, so a method's cost grows by a save and a load
+per case, not by a model build and an interpreter start per check.
 """
 
 import dataclasses
 import json
 import subprocess
 import sys
-import textwrap
+from collections.abc import Callable
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -32,6 +36,38 @@ from quantlab.testing.similarity import sqnr
 
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+# The child of `fresh_process_reloads`: it never imports quantlab (transformers' import triggers the
+# autoload hook), reloads each case's checkpoint, and reports per case whether its logits are the
+# ones the test process computed.
+_RELOAD_CHILD = """
+import json, sys, traceback
+import torch
+from transformers import AutoModelForCausalLM
+
+results = {}
+for case in json.loads(sys.argv[1]):
+    try:
+        expected = torch.load(case["expected"], weights_only=True)
+        model = AutoModelForCausalLM.from_pretrained(case["checkpoint"])
+        with torch.no_grad():
+            same = torch.equal(model(expected["tokens"]).logits, expected["logits"])
+        results[case["id"]] = "same logits" if same else "different logits"
+    except Exception:
+        results[case["id"]] = traceback.format_exc()[-2000:]
+print(json.dumps(results))
+"""
+
+
+@dataclasses.dataclass
+class SavedCase:
+    """One case's tiny Llama: the float model and folder it was loaded from, the model quantized while
+    loading, and the folder that model was saved to. Shared by the checks of a class: read, never modify."""
+
+    float_model: nn.Module
+    float_dir: Path
+    model: nn.Module
+    quantized_dir: Path
+
 
 def _case_id(case: tuple[QuantlabConfig, float]) -> str:
     config = case[0]
@@ -49,6 +85,51 @@ class MethodContract:
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "case" in metafunc.fixturenames:
             metafunc.parametrize("case", self.cases, ids=[_case_id(case) for case in self.cases])
+
+    # -- shared checkpoints -----------------------------------------------------------------
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def saved(cls, tmp_path_factory: pytest.TempPathFactory) -> Callable[[tuple], SavedCase]:
+        """`saved(case)`: the case's checkpoint, quantized on load and saved on first use."""
+        root = tmp_path_factory.mktemp(cls.__name__)
+        float_model = tiny_llama()
+        float_dir = root / "float"
+        float_model.save_pretrained(float_dir)
+        built: dict[str, SavedCase] = {}
+
+        def get(case: tuple) -> SavedCase:
+            key = _case_id(case)
+            if key not in built:
+                model = AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=case[0])
+                quantized_dir = root / f"quantized-{len(built)}"
+                model.save_pretrained(quantized_dir)
+                built[key] = SavedCase(float_model, float_dir, model, quantized_dir)
+            return built[key]
+
+        yield get
+        built.clear()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def fresh_process_reloads(cls, saved, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+        """Every case's checkpoint reloaded in one process that never imports quantlab (the autoload
+        hook registers the methods): case id -> "same logits", "different logits" or the traceback."""
+        folder = tmp_path_factory.mktemp(f"{cls.__name__}-fresh")
+        tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+        cases = []
+        for index, case in enumerate(cls.cases):
+            checkpoint = saved(case)
+            with torch.no_grad():
+                logits = checkpoint.model(tokens).logits
+            expected = folder / f"expected-{index}.pt"
+            torch.save({"tokens": tokens, "logits": logits}, expected)
+            cases.append({"id": _case_id(case), "checkpoint": str(checkpoint.quantized_dir), "expected": str(expected)})
+        result = subprocess.run(
+            [sys.executable, "-c", _RELOAD_CHILD, json.dumps(cases)], capture_output=True, text=True, cwd=folder
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
 
     # -- registry ---------------------------------------------------------------------------
 
@@ -156,18 +237,16 @@ class MethodContract:
 
     # -- transformers -----------------------------------------------------------------------
 
-    def test_from_pretrained_tiny_llama(self, case, tmp_path):
+    def test_from_pretrained_tiny_llama(self, case, saved):
         config, floor_db = case
-        float_model = tiny_llama()
-        float_model.save_pretrained(tmp_path / "float")
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
-        layers = quantized_layers(model)
+        checkpoint = saved(case)
+        layers = quantized_layers(checkpoint.model)
         assert sorted({name.rsplit(".", 1)[1] for name in layers}) == sorted(LLAMA_LINEARS)
         assert len(layers) == 2 * len(LLAMA_LINEARS)
-        assert type(model.lm_head) is nn.Linear, "the output head stays in float by default"
+        assert type(checkpoint.model.lm_head) is nn.Linear, "the output head stays in float by default"
         tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            expected, logits = float_model(tokens).logits, model(tokens).logits
+            expected, logits = checkpoint.float_model(tokens).logits, checkpoint.model(tokens).logits
             converted = quantize(tiny_llama(), config)(tokens).logits
         assert torch.equal(logits, converted), "quantize-on-load and quantlab.quantize must agree"
         assert sqnr(expected, logits) >= 0.5 * floor_db - 3
@@ -185,53 +264,34 @@ class MethodContract:
             hidden = model(tokens).last_hidden_state
         assert sqnr(expected, hidden) >= 0.5 * floor_db - 3
 
-    def test_save_and_reload_is_bit_identical(self, case, tmp_path):
+    def test_save_and_reload_is_bit_identical(self, case, saved):
         config, _ = case
-        tiny_llama().save_pretrained(tmp_path / "float")
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
-        model.save_pretrained(tmp_path / "quantized")
-        saved = json.loads((tmp_path / "quantized" / "config.json").read_text())["quantization_config"]
-        assert saved["quant_method"] == config.quant_method and saved["format_version"] >= 1
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "quantized")
+        checkpoint = saved(case)
+        stored = json.loads((checkpoint.quantized_dir / "config.json").read_text())["quantization_config"]
+        assert stored["quant_method"] == config.quant_method and stored["format_version"] >= 1
+        reloaded = AutoModelForCausalLM.from_pretrained(checkpoint.quantized_dir)
         tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
         with torch.no_grad():
-            assert torch.equal(reloaded(tokens).logits, model(tokens).logits)
+            assert torch.equal(reloaded(tokens).logits, checkpoint.model(tokens).logits)
 
     @pytest.mark.subprocess
-    def test_reload_in_fresh_process_without_import(self, case, tmp_path):
+    def test_reload_in_fresh_process_without_import(self, case, fresh_process_reloads):
         """A process that never imports quantlab loads the checkpoint correctly (autoload hook)."""
-        config, _ = case
-        tiny_llama().save_pretrained(tmp_path / "float")
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
-        model.save_pretrained(tmp_path / "quantized")
-        tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
-        expected_file = str(tmp_path / "expected.pt")
-        with torch.no_grad():
-            torch.save({"tokens": tokens, "logits": model(tokens).logits}, expected_file)
-        script = textwrap.dedent(
-            f"""
-            import sys, torch
-            from transformers import AutoModelForCausalLM
-            expected = torch.load({expected_file!r}, weights_only=True)
-            model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "quantized")!r})
-            with torch.no_grad():
-                same = torch.equal(model(expected["tokens"]).logits, expected["logits"])
-            sys.exit(0 if same else 3)
-            """
-        )
-        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-2000:]
+        outcome = fresh_process_reloads[_case_id(case)]
+        assert outcome == "same logits", outcome
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-    def test_activation_dtypes(self, case, dtype, tmp_path):
+    def test_activation_dtypes(self, case, dtype, saved):
         config, floor_db = case
-        float_model = tiny_llama()
-        float_model.save_pretrained(tmp_path / "float")
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config, dtype=dtype)
+        checkpoint = saved(case)
+        if dtype == torch.float32:  # the shared checkpoint's model is this load
+            model = checkpoint.model
+        else:
+            model = AutoModelForCausalLM.from_pretrained(checkpoint.float_dir, quantization_config=config, dtype=dtype)
         tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
         with torch.no_grad():
             logits = model(tokens).logits
-            expected = float_model(tokens).logits
+            expected = checkpoint.float_model(tokens).logits
         assert logits.dtype == dtype
         assert torch.isfinite(logits).all()
         assert sqnr(expected, logits.float()) >= min(0.5 * floor_db - 3, 20.0)
@@ -252,4 +312,4 @@ def assert_method_available(name: str) -> None:
         raise AssertionError(f"method {name!r} is not registered; is its package installed (pip install -e ...)?")
 
 
-__all__ = ["MethodContract", "assert_method_available"]
+__all__ = ["MethodContract", "SavedCase", "assert_method_available"]
