@@ -8,6 +8,7 @@ payload must never run. An intact copy resumes bit-identically.
 """
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,11 +49,14 @@ def test_an_intact_copy_resumes_bit_identically(run_copy):
 # -- pickle payloads --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [*STATE_FILES, "trainer_state.json", "manifest.json"])
-@pytest.mark.parametrize("checksum", ["kept", "forged"])
+PAYLOAD_CASES = [
+    *[("kept", name) for name in [*STATE_FILES, "trainer_state.json", "manifest.json"]],
+    *[("forged", name) for name in [*STATE_FILES, "trainer_state.json"]],  # the manifest holds the checksums
+]
+
+
+@pytest.mark.parametrize(("checksum", "name"), PAYLOAD_CASES, ids=[f"{c}-{n}" for c, n in PAYLOAD_CASES])
 def test_a_pickle_payload_in_place_of_a_state_file_never_runs(name, checksum, run_copy, pickle_bomb, forge):
-    if checksum == "forged" and name == "manifest.json":
-        pytest.skip("the manifest holds the checksums")
     target = run_copy.checkpoint / name
     target.write_bytes(pickle_bomb.torch_file)
     if checksum == "forged":
@@ -234,3 +238,68 @@ def test_a_damaged_or_edited_state_file_is_refused(edit, forged, message, run_co
 def test_resume_refuses_another_lora_alpha_or_dropout(options, difference, run_copy):
     with pytest.raises(ResumeError, match=f"belongs to another run: adapter.default.{difference}"):
         run_copy.resume(model_options=options)
+
+
+# -- the commands' resume ---------------------------------------------------------------------
+
+
+def test_a_pickle_in_a_resumed_finetune_never_runs(
+    llama_dir, train_text, finetune_run, finetune_args, pickle_bomb, forge, tmp_path, capsys
+):
+    """One payload, its checksum forged: `finetune --resume-from-checkpoint` exits 2 with one line."""
+    from quantlab.cli.main import main
+
+    run = tmp_path / "run"
+    shutil.copytree(finetune_run, run)
+    checkpoint = run / "checkpoint-4"
+    (checkpoint / "random_states_0.json").write_bytes(pickle_bomb.torch_file)
+    forge(checkpoint, "random_states_0.json")
+    capsys.readouterr()
+    assert main(finetune_args(llama_dir, train_text, run, "--resume-from-checkpoint", "latest")) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"quantlab: error: cannot read {checkpoint / 'random_states_0.json'}: "), lines
+    assert lines[0].endswith("resume from another checkpoint or start a new run"), lines
+    assert not pickle_bomb.ran()
+
+
+def test_a_pickle_in_a_resumed_finetune_prune_and_distill_run_never_runs(
+    llama_dir, train_text, finetune_run, pickle_bomb, forge, tmp_path, capsys
+):
+    """Payloads in the files each command's resume reads, checksums forged to match: exit 2, one line."""
+    from quantlab.cli.main import main
+
+    run = tmp_path / "finetune"
+    shutil.copytree(finetune_run, run)
+    checkpoint = run / "checkpoint-4"
+    (checkpoint / "optimizer.safetensors").write_bytes(pickle_bomb.torch_file)
+    forge(checkpoint, "optimizer.safetensors")
+    finetune = ["finetune", llama_dir, "--max-steps", "4", "-o", run, "--data", train_text, "--lora-r", "4"]
+    finetune += ["--max-seq-length", "32", "--eval-windows", "0", "--learning-rate", "1e-2", "--save-steps", "2"]
+    finetune += ["--resume-from-checkpoint", "latest"]
+
+    long_text = tmp_path / "long.txt"  # prune and distill hold out 16 windows of 512 tokens
+    long_text.write_text(train_text.read_text() * 4)
+    training = ["--max-seq-length", "16", "--batch-size", "2", "--data", long_text, "--save-steps", "1"]
+    commands = {"finetune": [*map(str, finetune)]}
+    for command in ("prune", "distill"):
+        run_dir = tmp_path / f"{command}-run"
+        if command == "prune":
+            argv = ["prune", llama_dir, "--pattern", "unstructured", "--sparsity", "0.5", "--max-steps", "2"]
+        else:
+            argv = ["distill", "--teacher", llama_dir, "--student", llama_dir, "--max-steps", "2"]
+        argv = [*map(str, argv), *map(str, training), "-o", str(run_dir), "--quiet"]
+        assert main(argv) == 0
+        checkpoint = run_dir / "checkpoint-2"
+        (checkpoint / "callbacks.json").write_bytes(pickle_bomb.torch_file)
+        forge(checkpoint, "callbacks.json")
+        commands[command] = [*argv, "--resume-from-checkpoint"]
+
+    for command, argv in commands.items():
+        capsys.readouterr()
+        assert main(argv) == 2, command
+        errors = capsys.readouterr().err
+        lines = [line for line in errors.splitlines() if line.strip()]
+        assert lines[-1].startswith("quantlab: error: cannot read"), (command, lines)
+        assert "Traceback" not in errors
+        assert not pickle_bomb.ran(), command
