@@ -94,10 +94,10 @@ def test_sigkill_leaves_a_staging_folder_that_the_next_run_removes(llama_dir, tm
     assert (output / "config.json").is_file()
 
 
-@pytest.mark.slow  # three training runs in fresh processes
 def test_sigterm_during_a_training_checkpoint_then_resume_is_bit_identical(
     llama_dir, train_text, finetune_args, pickle_bomb, tmp_path, capsys
 ):
+    """Three tiny training runs in fresh processes: uninterrupted, stopped at step 4's checkpoint, resumed."""
     straight = _run("", *finetune_args(llama_dir, train_text, tmp_path / "straight"))
     assert straight.returncode == 0, straight.stderr[-2000:]
 
