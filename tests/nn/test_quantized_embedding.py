@@ -1,8 +1,8 @@
 """Quantized embedding tables and output heads (`embedding_bits`): tied and untied, on every path."""
 
+import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -79,30 +79,51 @@ def test_untied_head_stores_its_own_table_outside_the_linear_layers(tmp_path):
     assert {"lm_head.weight", "lm_head.weight_scale", "model.embed_tokens.weight"} <= set(names)
 
 
+EMBEDDING_CONFIG = quantlab.CustomBitsConfig(bits=4, group_size=64, symmetric=True, embedding_bits=6)
+
+# Reloads each saved checkpoint (argv: JSON {name: folder}) in a process that never imports quantlab.
+RELOAD_CHILD = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+folders, ids, output = json.loads(sys.argv[1]), torch.load(sys.argv[2]), sys.argv[3]
+results = {}
+for name, folder in folders.items():
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    embedding = type(model.model.embed_tokens).__name__
+    with torch.no_grad():
+        results[name] = (embedding, type(model.lm_head).__name__, model(ids).logits)
+torch.save(results, output)
+"""
+
+
+@pytest.fixture(scope="module")
+def saved_with_tables(tmp_path_factory) -> dict[str, tuple[nn.Module, nn.Module, dict]]:
+    """Tied and untied tiny Llamas with 6-bit tables, quantized on load and saved, then reloaded together
+    in one fresh process: name -> (quantized on load, quantized by `quantize`, the fresh process's results)."""
+    root = tmp_path_factory.mktemp("tables")
+    models, folders = {}, {}
+    for name, tied in (("tied", True), ("untied", False)):
+        tiny_llama(tie_word_embeddings=tied).save_pretrained(root / f"{name}-float")
+        loaded = AutoModelForCausalLM.from_pretrained(root / f"{name}-float", quantization_config=EMBEDDING_CONFIG)
+        loaded.save_pretrained(root / name)
+        models[name] = (loaded, quantlab.quantize(tiny_llama(tie_word_embeddings=tied), EMBEDDING_CONFIG))
+        folders[name] = str(root / name)
+    torch.save(IDS, root / "ids.pt")
+    command = [sys.executable, "-c", RELOAD_CHILD, json.dumps(folders), str(root / "ids.pt"), str(root / "out.pt")]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reloaded = torch.load(root / "out.pt")
+    return {name: (*models[name], reloaded[name]) for name in models}
+
+
+@pytest.mark.subprocess
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_quantize_and_quantize_on_load_agree_and_reload_bit_identically_in_a_fresh_process(tied, tmp_path):
-    config = quantlab.CustomBitsConfig(bits=4, group_size=64, symmetric=True, embedding_bits=6)
-    tiny_llama(tie_word_embeddings=tied).save_pretrained(tmp_path / "float")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
-    converted = quantlab.quantize(tiny_llama(tie_word_embeddings=tied), config)
+def test_quantize_and_quantize_on_load_agree_and_reload_bit_identically_in_a_fresh_process(tied, saved_with_tables):
+    loaded, converted, (embedding, head, logits) = saved_with_tables["tied" if tied else "untied"]
     expected = _logits(loaded)
     assert torch.equal(_logits(converted), expected)
-    loaded.save_pretrained(tmp_path / "quantized")
-    torch.save(IDS, tmp_path / "ids.pt")
-    script = textwrap.dedent(
-        f"""
-        import torch
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "quantized")!r})
-        head = type(model.lm_head).__name__
-        assert type(model.model.embed_tokens).__name__ == "QuantizedEmbedding", type(model.model.embed_tokens)
-        with torch.no_grad():
-            torch.save((head, model(torch.load({str(tmp_path / "ids.pt")!r})).logits), {str(tmp_path / "out.pt")!r})
-        """
-    )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    head, logits = torch.load(tmp_path / "out.pt")
+    assert embedding == "QuantizedEmbedding"
     assert head == ("TiedOutputHead" if tied else "QuantizedOutputHead")
     assert torch.equal(logits, expected)
 
