@@ -56,7 +56,7 @@ def test_distillation_lowers_the_kl_to_the_teacher_on_held_out_text(tmp_path):
     )  # fmt: skip
     trainer.train()
     after = _heldout_kl(teacher, student)
-    assert after < 0.85 * before  # measured: 0.87 -> 0.64
+    assert after < 0.85 * before  # a clear drop, with room for run-to-run noise
     log = read_log(tmp_path)
     assert {"kl", "ce", "loss"} <= set(log[-2])  # the last step's record (the run's summary follows)
     assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())

@@ -24,7 +24,7 @@ def test_half_sparse_smollm2_stores_its_linear_weights_in_at_most_0_6x(tmp_path,
     prune(model, pattern, sparsity)
     save_sparse(model, tmp_path / "sparse")
     storage = sparse_storage(tmp_path / "sparse")
-    assert storage.ratio() <= 0.6  # measured 0.531
+    assert storage.ratio() <= 0.6  # half the values plus a record of where they sit
     assert storage.file_bytes < 0.7 * storage.dense_bytes  # the tied embeddings stay dense
     reloaded = load_sparse(tmp_path / "sparse")
     layer, again = model.model.layers[7].mlp.down_proj, reloaded.model.layers[7].mlp.down_proj
