@@ -36,56 +36,57 @@ def test_registered_with_its_source():
     assert "hqq" in quantlab.list_methods()
 
 
-@pytest.mark.subprocess
-def test_listed_in_a_fresh_process_without_importing_the_plugin(tmp_path):
-    found = run_fresh(
-        """
-        import json
-        import quantlab
+@pytest.fixture(scope="module")
+def quantized_in_a_fresh_process(tmp_path_factory) -> dict:
+    """A process that imports quantlab but not the plugin lists the methods, then quantizes the tiny
+    Llama on load with a config built from the registry (as the CLI does) and saves it."""
+    folder = tmp_path_factory.mktemp("fresh")
+    tiny_llama().save_pretrained(folder / "float")
+    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    torch.save(tokens, folder / "tokens.pt")
+    report = run_fresh(
+        f"""
+        import json, torch, quantlab
+        from transformers import AutoModelForCausalLM
         method = quantlab.get_method("hqq")
-        print(json.dumps({"methods": quantlab.list_methods(), "source": method.source,
-                          "config": method.config_class.__name__}))
+        listed = {{"methods": quantlab.list_methods(), "source": method.source, "config": method.config_class.__name__}}
+        config = method.config_class.from_options({{"bits": 3, "group_size": 32}})
+        model = AutoModelForCausalLM.from_pretrained({str(folder / "float")!r}, quantization_config=config)
+        model.save_pretrained({str(folder / "hqq")!r})
+        with torch.no_grad():
+            logits = model(torch.load({str(folder / "tokens.pt")!r}, weights_only=True)).logits
+        torch.save(logits, {str(folder / "logits.pt")!r})
+        print(json.dumps({{**listed, "layer": type(model.model.layers[0].mlp.down_proj).__name__}}))
         """,
-        tmp_path,
+        folder,
     )
+    return {**report, "folder": folder}
+
+
+@pytest.mark.subprocess
+def test_listed_in_a_fresh_process_without_importing_the_plugin(quantized_in_a_fresh_process):
+    found = quantized_in_a_fresh_process
     assert "hqq" in found["methods"]
     assert found["source"] == "quantlab-hqq" and found["config"] == "HqqConfig"
 
 
 @pytest.mark.subprocess
-def test_from_pretrained_by_method_name_in_a_fresh_process(tmp_path):
-    """A config built from the registry (as the CLI does) quantizes on load; the saved folder
-    then reloads in another process that imports neither quantlab nor the plugin."""
-    tiny_llama().save_pretrained(tmp_path / "float")
-    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
-    tokens_file, logits_file = str(tmp_path / "tokens.pt"), str(tmp_path / "logits.pt")
-    torch.save(tokens, tokens_file)
-    quantized = run_fresh(
-        f"""
-        import json, torch, quantlab
-        from transformers import AutoModelForCausalLM
-        config = quantlab.get_method("hqq").config_class.from_options({{"bits": 3, "group_size": 32}})
-        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "float")!r}, quantization_config=config)
-        model.save_pretrained({str(tmp_path / "hqq")!r})
-        with torch.no_grad():
-            logits = model(torch.load({tokens_file!r}, weights_only=True)).logits
-        torch.save(logits, {logits_file!r})
-        print(json.dumps({{"layer": type(model.model.layers[0].mlp.down_proj).__name__}}))
-        """,
-        tmp_path,
-    )
-    assert quantized["layer"] == "HqqLinear"
+def test_from_pretrained_by_method_name_in_a_fresh_process(quantized_in_a_fresh_process):
+    """A config built from the registry quantizes on load; the saved folder then reloads in another
+    process that imports neither quantlab nor the plugin."""
+    assert quantized_in_a_fresh_process["layer"] == "HqqLinear"
+    folder = quantized_in_a_fresh_process["folder"]
     reloaded = run_fresh(
         f"""
         import json, sys, torch
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "hqq")!r})
+        model = AutoModelForCausalLM.from_pretrained({str(folder / "hqq")!r})
         with torch.no_grad():
-            logits = model(torch.load({tokens_file!r}, weights_only=True)).logits
-        same = torch.equal(logits, torch.load({logits_file!r}, weights_only=True))
+            logits = model(torch.load({str(folder / "tokens.pt")!r}, weights_only=True)).logits
+        same = torch.equal(logits, torch.load({str(folder / "logits.pt")!r}, weights_only=True))
         print(json.dumps({{"same": same, "layer": type(model.model.layers[0].mlp.down_proj).__name__}}))
         """,
-        tmp_path,
+        folder,
     )
     assert reloaded == {"same": True, "layer": "HqqLinear"}
 
