@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 import quantlab
 import quantlab.nn.verify as verify
-from quantlab.eval.models import smollm2_dir
+from quantlab.assets.models import smollm2_dir
 
 
 @contextmanager

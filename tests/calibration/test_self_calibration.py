@@ -6,11 +6,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quantlab
+from quantlab.assets import text as bundled_text_module
 from quantlab.calibration import data as calibration_data
 from quantlab.calibration.data import CalibrationDataError
 from quantlab.calibration.self_generated import self_generated_windows
 from quantlab.errors import ConfigError, QuantizationError
-from quantlab.eval import data as eval_data
 from quantlab.testing.models import tiny_bert, tiny_llama, tiny_model_dir
 
 UNSEEN = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(1))
@@ -39,7 +39,7 @@ def test_self_calibration_reads_no_text(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("self-calibration read text")
 
-    for module in (calibration_data, eval_data):
+    for module in (calibration_data, bundled_text_module):
         monkeypatch.setattr(module, "bundled_text", refuse)
         monkeypatch.setattr(module, "read_text", refuse)
     model = tiny_llama()
