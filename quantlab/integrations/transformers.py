@@ -166,7 +166,7 @@ class QuantlabHfQuantizer(HfQuantizer):
         if self.errors:
             raise self.errors[0]
         if self.pre_quantized:
-            from quantlab.nn.verify import verify_loaded_layer
+            from quantlab.verification import verify_loaded_layer
 
             for name, layer in _quantized_layers(model).items():
                 verify_loaded_layer(name, layer)
@@ -176,10 +176,10 @@ class QuantlabHfQuantizer(HfQuantizer):
         return model
 
     def _verify_files(self, model: torch.nn.Module) -> None:
-        """A damaged or edited checkpoint stops before loading, with one line naming the tensor (nn/verify.py)."""
+        """A damaged or edited checkpoint stops before loading, with one line naming the tensor."""
         from pathlib import Path
 
-        from quantlab.nn.verify import verify_checkpoint_files
+        from quantlab.verification import verify_checkpoint_files
 
         directory = Path(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
         if str(directory) and directory.is_dir():

@@ -18,7 +18,7 @@ from torch import nn
 
 from quantlab.convert import quantize, quantized_layers
 from quantlab.errors import RequantizationWarning
-from quantlab.integrations.peft_lora import QuantizedLoraLinear
+from quantlab.integrations.peft.lora import QuantizedLoraLinear
 from quantlab.nn import QuantizedLinear
 from quantlab.registry import get_method, list_methods
 from quantlab.testing import tiny_llama

@@ -10,7 +10,7 @@ from peft import LoraConfig, PeftModel
 from quantlab.config import QuantlabConfig
 from quantlab.convert import quantize, quantized_layers
 from quantlab.errors import QuantlabError
-from quantlab.integrations.peft_lora import QuantizedLoraLinear
+from quantlab.integrations.peft.lora import QuantizedLoraLinear
 from quantlab.nn import QuantizedLinear
 from quantlab.registry import get_method, list_methods
 from quantlab.testing import tiny_llama
