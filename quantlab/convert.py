@@ -228,7 +228,7 @@ def _check_targets(model: nn.Module, modules: list[str]) -> None:
 def _attach_hf_quantizer(model: nn.Module, config: QuantlabConfig, quantizer_class: type) -> None:
     """Make a converted transformers model look like one loaded with `quantization_config`
     (its quantizer attached, and the chunked causal-LM loss that loading installs)."""
-    from quantlab.integrations.transformers import use_chunked_loss
+    from quantlab.integrations.chunked_loss import use_chunked_loss
 
     if not hasattr(model, "config") or not hasattr(model, "save_pretrained"):
         return

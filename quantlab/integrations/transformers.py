@@ -7,8 +7,8 @@ A checkpoint saved from such a model reloads through the same quantizer on its p
 path, the stored tensors landing straight in the layers' buffers.
 
 A causal LM loaded this way also gets quantlab's chunked cross-entropy as its `loss_function`
-(`quantlab.nn.losses`: same loss and gradients, one logits-sized tensor fewer at the peak of a
-training step); `QUANTLAB_CHUNKED_LOSS=0` keeps transformers' own.
+(`quantlab.integrations.chunked_loss`: same loss and gradients, one logits-sized tensor fewer at
+the peak of a training step); `QUANTLAB_CHUNKED_LOSS=0` keeps transformers' own.
 """
 
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -27,9 +27,9 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from quantlab.config import QuantlabConfig, transformers_name
 from quantlab.errors import QuantlabError, UnknownMethodError
+from quantlab.integrations.chunked_loss import use_chunked_loss
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
-from quantlab.utils.environment import switched_on
 from quantlab.utils.pages import release_mapped_tensor
 
 if TYPE_CHECKING:
@@ -257,30 +257,6 @@ class QuantizeOnLoad(ConversionOps):
             spec = module.storage_spec(module.in_features, module.out_features, module.config)
             stored = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
         return {f"{layer_name}.{name}": tensor for name, tensor in stored.items()}
-
-
-def use_chunked_loss(model: torch.nn.Module) -> bool:
-    """Give `model` quantlab's chunked causal-LM cross-entropy if its loss is transformers' `ForCausalLMLoss`.
-
-    Exact (the same loss and gradients to float rounding), so it is on for every quantlab model;
-    `QUANTLAB_CHUNKED_LOSS=0` turns it off, as does `model.loss_function = ForCausalLMLoss` later.
-    A model whose class or user chose another loss keeps it. Returns whether it was installed.
-    """
-    from transformers import PreTrainedModel
-    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-
-    from quantlab.nn.losses import causal_lm_loss
-
-    if not switched_on("QUANTLAB_CHUNKED_LOSS"):
-        return False
-    if not isinstance(model, PreTrainedModel) or "_loss_function" in vars(model):
-        return False
-    if type(model).loss_function is not PreTrainedModel.loss_function:  # a model class with a loss of its own
-        return False
-    if LOSS_MAPPING.get(getattr(model, "loss_type", None)) is not ForCausalLMLoss:
-        return False
-    model.loss_function = causal_lm_loss
-    return True
 
 
 def _tokenizer_of(model: torch.nn.Module) -> Any:
