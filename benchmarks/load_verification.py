@@ -72,7 +72,7 @@ def _unverified(directory: str) -> float:
 
 def direct_cost(directory: str, rounds: int) -> list[float]:
     """Seconds the checks themselves take on the loaded model (both checks, every layer), per round."""
-    from quantlab.convert import quantized_layers
+    from quantlab.replacement import quantized_layers
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     layers = quantized_layers(model)

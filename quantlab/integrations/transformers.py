@@ -11,7 +11,8 @@ A causal LM loaded this way also gets quantlab's chunked cross-entropy as its `l
 the peak of a training step); `QUANTLAB_CHUNKED_LOSS=0` keeps transformers' own.
 """
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from transformers.core_model_loading import ConversionOps
@@ -22,19 +23,21 @@ from transformers.quantizers.auto import (
     register_quantization_config,
     register_quantizer,
 )
-from transformers.quantizers.quantizers_utils import get_module_from_name
+from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from quantlab import registry
+from quantlab.calibration.model import calibrate, data_free_config
 from quantlab.config import QuantlabConfig, transformers_name
 from quantlab.errors import QuantlabError, UnknownMethodError
 from quantlab.integrations.chunked_loss import use_chunked_loss
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
+from quantlab.registry import Method
+from quantlab.replacement import dequantize_layers, raise_nothing_to_quantize, replace_linear_layers, without_vocabulary
 from quantlab.utils.pages import release_mapped_tensor
-
-if TYPE_CHECKING:
-    from quantlab.registry import Method
-
+from quantlab.verification import verify_checkpoint_files, verify_loaded_layer
+from quantlab.vocabulary import replace_vocabulary
 
 _QUANTIZERS: dict[str, type[HfQuantizer]] = {}
 
@@ -42,27 +45,23 @@ _QUANTIZERS: dict[str, type[HfQuantizer]] = {}
 def install() -> None:
     """Subscribe to the method registry (every method, built-in or plugin, gets its config and
     quantizer registered with transformers) and hold the names of plugins not loaded yet."""
-    from quantlab import registry
-
     registry.subscribe(register_method)
     reserve_plugin_methods()
 
 
 def reserve_plugin_methods() -> None:
     """Let transformers read checkpoints of installed plugins before the plugins are imported."""
-    from quantlab import registry
-
     reserve_plugin_names(registry.pending_plugin_methods())
 
 
-def register_method(method: "Method") -> None:
+def register_method(method: Method) -> None:
     """The registry's subscriber: `method`'s config and `HfQuantizer` (its own, or one made for its module)."""
     quantizer_class = method.quantizer_class or make_quantizer_class(method.module_class)
     _QUANTIZERS[method.name] = quantizer_class
     register_with_transformers(method.config_class, quantizer_class)
 
 
-def quantizer_class_of(method: "Method") -> type[HfQuantizer]:
+def quantizer_class_of(method: Method) -> type[HfQuantizer]:
     """The `HfQuantizer` registered with transformers for `method`."""
     if method.name not in _QUANTIZERS:
         register_method(method)
@@ -90,9 +89,7 @@ class PendingPluginConfig(QuantizationConfigMixin):
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any) -> Any:
-        from quantlab.registry import discover_plugins
-
-        discover_plugins()
+        registry.discover_plugins()
         name = config_dict.get("quant_method")
         target = AUTO_QUANTIZATION_CONFIG_MAPPING.get(name)
         if target is None or target is cls:
@@ -139,14 +136,6 @@ class QuantlabHfQuantizer(HfQuantizer):
         return not self.pre_quantized and self.quantization_config.needs_calibration
 
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> None:
-        from quantlab.convert import (
-            raise_nothing_to_quantize,
-            replace_linear_layers,
-            should_convert_module,
-            without_vocabulary,
-        )
-        from quantlab.vocabulary import replace_vocabulary
-
         config = self.quantization_config
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
@@ -166,8 +155,6 @@ class QuantlabHfQuantizer(HfQuantizer):
         if self.errors:
             raise self.errors[0]
         if self.pre_quantized:
-            from quantlab.verification import verify_loaded_layer
-
             for name, layer in _quantized_layers(model).items():
                 verify_loaded_layer(name, layer)
         if self.calibrates_after_loading:
@@ -177,25 +164,11 @@ class QuantlabHfQuantizer(HfQuantizer):
 
     def _verify_files(self, model: torch.nn.Module) -> None:
         """A damaged or edited checkpoint stops before loading, with one line naming the tensor."""
-        from pathlib import Path
-
-        from quantlab.verification import verify_checkpoint_files
-
         directory = Path(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
         if str(directory) and directory.is_dir():
             verify_checkpoint_files(directory, _quantized_layers(model))
 
     def _calibrate(self, model: torch.nn.Module) -> None:
-        from quantlab.convert import (
-            calibrate,
-            data_free_config,
-            raise_nothing_to_quantize,
-            replace_linear_layers,
-            should_convert_module,
-            without_vocabulary,
-        )
-        from quantlab.vocabulary import replace_vocabulary
-
         config = self.quantization_config
         skip = self.modules_to_not_convert
         selected = without_vocabulary(model, config, lambda name: should_convert_module(name, skip))
@@ -207,8 +180,6 @@ class QuantlabHfQuantizer(HfQuantizer):
         replace_vocabulary(model, config, quantize=True)
 
     def _dequantize(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
-        from quantlab.convert import dequantize_layers
-
         return dequantize_layers(model, dtype)
 
     def get_quantize_ops(self) -> ConversionOps:

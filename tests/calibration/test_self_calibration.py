@@ -44,7 +44,7 @@ def test_self_calibration_reads_no_text(monkeypatch):
         monkeypatch.setattr(module, "read_text", refuse)
     model = tiny_llama()
     quantlab.quantize(model, _self_calibrated(), progress=False)  # no tokenizer, no calibration argument
-    assert len(quantlab.convert.quantized_layers(model)) == 2 * 7
+    assert len(quantlab.replacement.quantized_layers(model)) == 2 * 7
 
 
 def test_gptq_on_self_generated_text_beats_round_to_nearest_on_unseen_tokens():
@@ -98,5 +98,5 @@ def test_mixed_precision_with_a_data_free_solver_self_calibrates_its_allocation(
     )
     model = tiny_llama()
     quantlab.quantize(model, config, progress=False)
-    widths = {layer.layout.bits for layer in quantlab.convert.quantized_layers(model).values()}
+    widths = {layer.layout.bits for layer in quantlab.replacement.quantized_layers(model).values()}
     assert len(widths) > 1  # the allocation measured the layers on the sampled windows and mixed widths
