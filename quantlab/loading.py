@@ -241,8 +241,6 @@ def _check_quantization_method(config: Any, folder: Path) -> None:
     """A `quant_method` neither transformers nor a quantlab method knows would load as garbage: refuse it."""
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 
-    import quantlab  # noqa: F401  (registers quantlab's methods with transformers)
-
     method = quantization_method_of(config)
     if method is not None and method not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         known = ", ".join(sorted(AUTO_QUANTIZATION_CONFIG_MAPPING))
