@@ -4,7 +4,7 @@ Evaluation windows come first and are never trained on: the first `eval_windows 
 eval_seq_len` tokens of the text are cut into the windows the perplexity harness
 (`quantlab.eval.perplexity`) scores, and training uses only the text after them. With the
 bundled WikiText-2 slice those windows are exactly the harness's, so the loop's held-out
-perplexity is comparable with every figure in the baselines.
+perplexity is comparable with every perplexity in benchmarks/RESULTS.md.
 
 Batches are padded to their longest example (dynamic padding); padded positions get label
 -100 and attention mask 0. Order, sharding across processes and the data position of a resumed
