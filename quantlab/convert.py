@@ -7,7 +7,6 @@ from torch import nn
 from transformers.quantizers.base import get_keys_to_not_convert
 from transformers.quantizers.quantizers_utils import should_convert_module
 
-from quantlab.calibration.model import calibrate, data_free_config
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.integrations.chunked_loss import use_chunked_loss
@@ -51,10 +50,14 @@ def quantize(
         skip = _default_skips(model, config)
         selected = lambda name: should_convert_module(name, skip)  # noqa: E731
     selected = without_vocabulary(model, config, selected)
-    converted = []
+    converted, data_free = [], config
     if config.needs_calibration:
+        # calibration's modules load when a config needs them, not with `import quantlab`
+        from quantlab.calibration.model import calibrate, data_free_config
+
         converted = calibrate(model, config, method.module_class, selected, calibration, tokenizer, progress)
-    converted += replace_linear_layers(model, data_free_config(config), method.module_class, selected, quantize=True)
+        data_free = data_free_config(config)
+    converted += replace_linear_layers(model, data_free, method.module_class, selected, quantize=True)
     if not converted:
         raise_nothing_to_quantize(model, config)
     replace_vocabulary(model, config, quantize=True)  # the float embedding served calibration; now its turn

@@ -27,7 +27,6 @@ from transformers.quantizers.quantizers_utils import get_module_from_name, shoul
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from quantlab import registry
-from quantlab.calibration.model import calibrate, data_free_config
 from quantlab.config import QuantlabConfig, transformers_name
 from quantlab.errors import QuantlabError, UnknownMethodError
 from quantlab.integrations.chunked_loss import use_chunked_loss
@@ -169,6 +168,9 @@ class QuantlabHfQuantizer(HfQuantizer):
             verify_checkpoint_files(directory, _quantized_layers(model))
 
     def _calibrate(self, model: torch.nn.Module) -> None:
+        # calibration's modules load when a config needs them, not with `import quantlab`
+        from quantlab.calibration.model import calibrate, data_free_config
+
         config = self.quantization_config
         skip = self.modules_to_not_convert
         selected = without_vocabulary(model, config, lambda name: should_convert_module(name, skip))
