@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from quantlab.eval.data import bundled_text_path
+from quantlab.assets.text import bundled_text_path
 from quantlab.utils.atomic import atomic_file
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quantlab.eval.models import cache_dir, smollm2_gguf
+from quantlab.assets.models import cache_dir, smollm2_gguf
 from quantlab.utils.atomic import atomic_file
 
 PEER_TYPES = ("Q8_0", "Q4_0", "Q4_K_M")

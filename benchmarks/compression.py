@@ -43,10 +43,10 @@ import torch
 from _common import default_text_path, environment, format_table, number, write_json
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from quantlab.assets.models import smollm2_dir
+from quantlab.assets.text import read_text
 from quantlab.distill import DistillationConfig, DistillationTrainer
 from quantlab.eval import perplexity
-from quantlab.eval.data import read_text
-from quantlab.eval.models import smollm2_dir
 from quantlab.prune import prune, prune_structured, save_sparse, sparse_storage
 from quantlab.training import CausalLMCollator, bundled_data, read_log, training_arguments
 

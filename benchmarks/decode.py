@@ -59,8 +59,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
-from quantlab.eval.data import bundled_text
-from quantlab.eval.models import smollm2_dir
+from quantlab.assets.models import smollm2_dir
+from quantlab.assets.text import bundled_text
 from quantlab.generation import count_compilations, fast_decoding_config
 from quantlab.kernels.cpu import native
 

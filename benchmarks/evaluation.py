@@ -19,8 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
-from quantlab.eval.data import bundled_text
-from quantlab.eval.models import smollm2_dir
+from quantlab.assets.models import smollm2_dir
+from quantlab.assets.text import bundled_text
 from quantlab.eval.perplexity import perplexity
 
 sys.path.insert(0, str(Path(__file__).parent))

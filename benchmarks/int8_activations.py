@@ -19,8 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantlab import CustomBitsConfig, Int8SymmetricConfig
-from quantlab.eval.data import bundled_text
-from quantlab.eval.models import smollm2_dir
+from quantlab.assets.models import smollm2_dir
+from quantlab.assets.text import bundled_text
 from quantlab.eval.perplexity import token_ids
 from quantlab.generation.fusion import FuseProjections
 from quantlab.kernels.cpu import native

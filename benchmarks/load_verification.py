@@ -3,7 +3,7 @@
 Quantizes SmolLM2-135M once (NF4 + double quant, or `--method`), saves it, then loads the
 saved folder again and again in one process, alternating rounds with quantlab's load checks
 (safetensors headers against every layer's layout, then loaded tensors and finite scales:
-`quantlab/nn/verify.py`) on and off. Prints each side's min / median / max seconds, the ratio
+`quantlab/verification.py`) on and off. Prints each side's min / median / max seconds, the ratio
 of medians and of minimums, and the load average.
 
     python benchmarks/load_verification.py --rounds 10
@@ -25,8 +25,8 @@ from _common import environment, stopwatch
 from transformers import AutoModelForCausalLM
 
 import quantlab
-import quantlab.nn.verify as verify
-from quantlab.eval.models import smollm2_dir
+import quantlab.verification as verify
+from quantlab.assets.models import smollm2_dir
 
 
 @contextmanager
@@ -72,7 +72,7 @@ def _unverified(directory: str) -> float:
 
 def direct_cost(directory: str, rounds: int) -> list[float]:
     """Seconds the checks themselves take on the loaded model (both checks, every layer), per round."""
-    from quantlab.convert import quantized_layers
+    from quantlab.replacement import quantized_layers
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     layers = quantized_layers(model)

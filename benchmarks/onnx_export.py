@@ -37,9 +37,9 @@ from _common import default_text_path, environment, format_table, number, write_
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantlab
+from quantlab.assets.models import smollm2_dir
+from quantlab.assets.text import read_text
 from quantlab.eval import perplexity
-from quantlab.eval.data import read_text
-from quantlab.eval.models import smollm2_dir
 from quantlab.eval.perplexity import token_ids
 from quantlab.export import OnnxCausalLM, to_onnx
 from quantlab.export.ort_quantize import quantize_dynamic_int8

@@ -45,9 +45,9 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 import quantlab
+from quantlab.assets.models import minilm_dir, smollm2_dir
+from quantlab.assets.text import read_text
 from quantlab.eval import perplexity
-from quantlab.eval.data import read_text
-from quantlab.eval.models import minilm_dir, smollm2_dir
 from quantlab.eval.perplexity import token_ids, window_losses
 from quantlab.eval.size import checkpoint_storage
 

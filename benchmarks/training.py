@@ -123,7 +123,7 @@ def child_recipe(name: str, steps: int) -> dict[str, Any]:
     tokenizer = _tokenizer()
     model = recipe_model(name)
     after_load = peak_memory_bytes()
-    from quantlab.eval.data import bundled_text
+    from quantlab.assets.text import bundled_text
 
     ids = torch.tensor(tokenizer(bundled_text(), verbose=False)["input_ids"])[16 * 512 :]
     train = [{"input_ids": chunk} for chunk in ids.split(SEQ_LEN) if len(chunk) >= 2]
@@ -233,7 +233,7 @@ def load_base(name: str) -> torch.nn.Module:
     """SmolLM2 in fp32, or quantized while it loads."""
     from transformers import AutoModelForCausalLM
 
-    from quantlab.eval.models import smollm2_dir
+    from quantlab.assets.models import smollm2_dir
 
     options: dict[str, Any] = {"dtype": torch.float32}
     if name != "fp32-lora":
@@ -410,7 +410,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def _tokenizer():
     from transformers import AutoTokenizer
 
-    from quantlab.eval.models import smollm2_dir
+    from quantlab.assets.models import smollm2_dir
 
     return AutoTokenizer.from_pretrained(smollm2_dir())
 
@@ -479,8 +479,8 @@ def run_memory(repeats: int, steps: int, allocator: str) -> dict[str, list[dict[
 
 
 def run_speed(steps: int, warmup: int) -> dict[str, Any]:
+    from quantlab.assets.text import bundled_text
     from quantlab.eval import perplexity
-    from quantlab.eval.data import bundled_text
 
     torch.set_num_threads(2)
     load_before = os.getloadavg()[0]

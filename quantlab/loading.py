@@ -158,7 +158,7 @@ def open_model(
 def resolve_model(argument: "str | os.PathLike | None") -> ModelSource:
     """The model a path names (checked, nothing loaded), or the embedded default when there is none."""
     if argument is None:
-        from quantlab.eval.models import smollm2_dir
+        from quantlab.assets.models import smollm2_dir
 
         return ModelSource(smollm2_dir(), name=DEFAULT_MODEL_NAME)
     path = Path(argument).expanduser()
@@ -197,7 +197,7 @@ def float_checkpoint(source: ModelSource, scratch: Path | None = None, progress:
     if source.gguf_file is None:
         yield source.folder
         return
-    from quantlab.eval.models import convert_gguf
+    from quantlab.assets.models import convert_gguf
     from quantlab.utils.atomic import scratch_directory
 
     with scratch_directory(scratch if scratch is not None else Path(tempfile.gettempdir()), "quantlab-gguf") as folder:
@@ -240,8 +240,6 @@ def read_config(folder: Path) -> Any:
 def _check_quantization_method(config: Any, folder: Path) -> None:
     """A `quant_method` neither transformers nor a quantlab method knows would load as garbage: refuse it."""
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
-
-    import quantlab  # noqa: F401  (registers quantlab's methods with transformers)
 
     method = quantization_method_of(config)
     if method is not None and method not in AUTO_QUANTIZATION_CONFIG_MAPPING:

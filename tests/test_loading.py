@@ -11,7 +11,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import quantlab
-from quantlab.convert import quantized_layers
+from quantlab.replacement import quantized_layers
 from quantlab.testing import tiny_llama
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from quantlab.assets.text import bundled_text, read_documents, read_text
 from quantlab.errors import QuantlabError
-from quantlab.eval.data import bundled_text, read_text
 
 EVAL_WINDOWS, EVAL_SEQ_LEN = 16, 512
 EVAL_TOKENS = EVAL_WINDOWS * EVAL_SEQ_LEN
@@ -59,8 +59,6 @@ def _token_stream(tokenizer: Any, source: str | Path | None) -> list[int]:
     if not path.is_file():
         raise CalibrationDataError(f"calibration text {path} does not exist; pass a text or JSONL file")
     if path.suffix == ".jsonl":
-        from quantlab.training.data import read_documents
-
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         stream: list[int] = []
         for document in read_documents(path):

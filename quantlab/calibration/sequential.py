@@ -22,8 +22,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quantlab.calibration.awq import scale_block
 from quantlab.calibration.blocks import BlockInputs, find_blocks, first_block_inputs, run_block
 from quantlab.config import QuantlabConfig
+from quantlab.formats import grouping
 from quantlab.nn import QuantizedLinear
 from quantlab.solvers import InputStats
 
@@ -50,8 +52,6 @@ def quantize_blocks(
             batches = [BlockInputs(run_block(block, batch), batch.kwargs) for batch in batches]
             continue
         if config.awq:
-            from quantlab.calibration.awq import scale_block
-
             scale_block(block, batches, names, _fake_quantizer(config, module_class))
         stats = collect_input_stats(block, names, batches)
         quantized = {}
@@ -63,7 +63,7 @@ def quantize_blocks(
             linear.weight.copy_(quantized[relative].dequantize_weight(linear.weight.dtype))
         batches = [BlockInputs(run_block(block, batch), batch.kwargs) for batch in batches]
         for relative, layer in quantized.items():
-            _set_submodule(block, relative, layer)
+            block.set_submodule(relative, layer)
         converted += names.values()
     return converted
 
@@ -118,8 +118,6 @@ def _fake_quantizer(
 
     def fake_quantize(weight: torch.Tensor) -> torch.Tensor:
         layout = module_class.layout_for(weight.shape[1], weight.shape[0], config)
-        from quantlab.formats import grouping
-
         grouped = grouping.group(weight.float(), layout.group_size)
         params = layout.fit(grouped)
         codes = layout.quantize_grouped(grouped, params)
@@ -128,9 +126,3 @@ def _fake_quantizer(
         return grouping.ungroup(values, weight.shape[1]).to(weight.dtype)
 
     return fake_quantize
-
-
-def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, module)

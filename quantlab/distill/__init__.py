@@ -16,6 +16,7 @@ from quantlab.distill.compat import VocabularyMismatchError, check_vocabularies,
 from quantlab.distill.config import DistillationConfig
 from quantlab.distill.hidden import HiddenStateProjection, hidden_state_error
 from quantlab.distill.loss import DistillationLoss, token_kl
+from quantlab.distill.recovery import recover
 from quantlab.distill.student import check_student, distill, finished_student, freeze_embeddings, trainable_student
 from quantlab.distill.trainer import DistillationModel, DistillationTrainer, distillation_trainer
 
@@ -33,6 +34,7 @@ __all__ = [
     "finished_student",
     "freeze_embeddings",
     "hidden_state_error",
+    "recover",
     "token_kl",
     "trainable_student",
     "vocabulary_size",

@@ -9,6 +9,14 @@ from typing import Any
 
 from torch import nn
 
+from quantlab.distill.trainer import DistillationTrainer
+from quantlab.errors import QuantlabError
+from quantlab.loading import quantization_method_of
+from quantlab.prune.masking import attach_mask, mask_of, masked_layers
+from quantlab.training.data import CausalLMCollator
+from quantlab.training.lora import add_lora
+from quantlab.training.merge import merge_to_float, merge_to_quantized
+
 
 def freeze_embeddings(model: nn.Module) -> None:
     """Train the decoder layers only: the (often tied) embeddings and output head stay as they are."""
@@ -19,9 +27,7 @@ def freeze_embeddings(model: nn.Module) -> None:
 
 def trainable_student(student: nn.Module, lora_r: int | None = None, quantized: bool = False) -> nn.Module:
     """`student` in train mode with its embeddings frozen, or wrapped in LoRA adapters of rank `lora_r`."""
-    from peft import prepare_model_for_kbit_training
-
-    from quantlab.training import add_lora
+    from peft import prepare_model_for_kbit_training  # PEFT is imported when it is used, not with quantlab.distill
 
     student.train()
     if lora_r is None:
@@ -34,9 +40,6 @@ def trainable_student(student: nn.Module, lora_r: int | None = None, quantized: 
 
 def finished_student(trained: Any, quantized: bool = False) -> nn.Module:
     """The plain student in eval mode: LoRA merged (re-quantized if the base is), pruning masks re-applied."""
-    from quantlab.prune import attach_mask, mask_of, masked_layers
-    from quantlab.training import merge_to_float, merge_to_quantized
-
     if not hasattr(trained, "merge_and_unload"):  # no adapters
         return trained.eval()
     masks = {name: mask_of(layer) for name, layer in masked_layers(trained).items()}
@@ -49,9 +52,6 @@ def finished_student(trained: Any, quantized: bool = False) -> nn.Module:
 
 def check_student(config: Any, lora_r: int | None) -> bool:
     """Whether the student (`config`) is quantized; a quantized one must train LoRA adapters (`lora_r`)."""
-    from quantlab.errors import QuantlabError
-    from quantlab.loading import quantization_method_of
-
     quantized = quantization_method_of(config) is not None
     if quantized and lora_r is None:
         raise QuantlabError(
@@ -76,9 +76,6 @@ def distill(
 ) -> tuple[nn.Module, list[float]]:
     """Distill `teacher` into `student` for `args.max_steps` (its weights, or LoRA adapters of rank `lora_r`, which a
     quantized student needs, merged at the end); returns the finished student and the logged losses."""
-    from quantlab.distill.trainer import DistillationTrainer
-    from quantlab.training import CausalLMCollator
-
     quantized = check_student(getattr(student, "config", None), lora_r)
     trainable = trainable_student(student, lora_r, quantized)
     trainer = DistillationTrainer(

@@ -1,4 +1,4 @@
-"""Evaluation: the shared perplexity harness, the real models and text, stored size."""
+"""Evaluation: the shared perplexity harness and stored size."""
 
 from quantlab.eval.perplexity import perplexity
 

@@ -1,10 +1,10 @@
-"""Perplexity with the shared harness (`notes/baselines.md`), so figures compare across tools.
+"""Perplexity with the shared harness, so figures compare across tools (benchmarks/RESULTS.md).
 
 Tokenize the whole text with the model's tokenizer (special tokens as the tokenizer adds them,
 no extra BOS), cut the ids into consecutive non-overlapping windows of `seq_len`, score the
 first `windows` of them with `model(x, labels=x)`, and report
 `exp(sum(loss_i * (seq_len - 1)) / (windows * (seq_len - 1)))`: each window's mean loss covers
-its `seq_len - 1` predicted tokens. The fp32 reference of SmolLM2-135M on WikiText-2 is 36.077.
+its `seq_len - 1` predicted tokens. The fp32 reference of SmolLM2-135M is in benchmarks/RESULTS.md.
 """
 
 import math

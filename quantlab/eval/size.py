@@ -21,6 +21,9 @@ import torch
 from torch import nn
 
 from quantlab.errors import QuantlabError
+from quantlab.nn.quantized_embedding import QuantizedTable, TiedOutputHead
+from quantlab.replacement import quantized_layers
+from quantlab.vocabulary import find_vocabulary
 
 # Bytes per element of the safetensors dtype names.
 _DTYPE_BYTES = {
@@ -45,8 +48,6 @@ _FLOAT_DTYPES = {"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"}
 
 def stored_bits_per_weight(model: nn.Module) -> float:
     """Bits stored per weight of `model`'s quantlab quantized layers (codes + scales + zeros)."""
-    from quantlab.convert import quantized_layers
-
     layers = quantized_layers(model)
     if not layers:
         raise QuantlabError(f"{type(model).__name__} has no quantized layer; quantize it first (quantlab.quantize)")
@@ -144,8 +145,6 @@ def _tensor_sizes(files: list[Path]) -> dict[str, tuple[int, str]]:
 def _linear_shapes(model: nn.Module, skip: set[str] = frozenset()) -> dict[str, tuple[int, int]]:
     """Layer name -> (out, in) of every module with `in_features` and `out_features`, less the
     vocabulary tables (`embedding_bits`), which are not quantized Linear layers."""
-    from quantlab.nn.quantized_embedding import QuantizedTable, TiedOutputHead
-
     shapes = {}
     for name, module in model.named_modules():
         if name in skip or isinstance(module, (QuantizedTable, TiedOutputHead)):
@@ -162,8 +161,6 @@ def _vocabulary_head(model: nn.Module, directory: Path) -> set[str]:
     quantization = json.loads((directory / "config.json").read_text()).get("quantization_config") or {}
     if quantization.get("embedding_bits") is None:
         return set()
-    from quantlab.vocabulary import find_vocabulary
-
     head = find_vocabulary(model).head
     return {head} if head is not None else set()
 

@@ -6,7 +6,7 @@ fed with the layers' own codes and scales (see `builtin_lowerings.py` for the ta
 graph has dynamic batch and sequence axes, and optionally past key values.
 
 Why the dynamo exporter: the TorchScript one (`dynamo=False`) also exports transformers 5.23
-Llama with a DynamicCache, about 10x faster, but it bakes Python branches on sizes into the
+Llama with a DynamicCache, and faster, but it bakes Python branches on sizes into the
 graph (its tracer warns on `q_length == 1` and `padding_length > 0` in the mask code) and is
 deprecated; torch.export keeps those shapes symbolic.
 """
@@ -84,7 +84,7 @@ def to_onnx(
     `accuracy_level`: MatMulNBits' attribute. 0 (default) computes with float activations, so
     onnxruntime matches PyTorch; 4 quantizes activations to int8 per block, which onnxruntime
     1.31 needs for a fast CPU kernel at 2 and 8 bits (at 0 it dequantizes those weights on every
-    call, ~20x slower than fp32 on this machine; 4-bit is fast either way).
+    call, far slower than fp32, benchmarks/RESULTS.md; 4-bit is fast either way).
     The file is written atomically; weights above ~1.8 GB go to `<path>.data`.
     """
     check_output(path, overwrite)
@@ -124,7 +124,7 @@ def _write(model: ir.Model, path: Path, ort_dynamic_int8: bool) -> Counter:
     if not ort_dynamic_int8:
         save_model(model, path)
         return operator_counts(model)
-    from quantlab.export.ort_quantize import quantize_dynamic_int8
+    from quantlab.export.ort_quantize import quantize_dynamic_int8  # imports onnxruntime.quantization: only here
 
     float_path = path.parent / ("float-" + path.name)
     save_model(model, float_path)
@@ -214,8 +214,8 @@ def _traced(root: nn.Module, prefix: str, fn, *args, **kwargs):
 
 
 def _drop_trace_metadata(model: ir.Model) -> None:
-    """The exporter annotates every node with its Python stack and module path: about 3.7 MB on
-    SmolLM2, 2 % of a 4-bit export, useful only to debug the exporter."""
+    """The exporter annotates every node with its Python stack and module path: megabytes on a
+    small model, useful only to debug the exporter."""
     for node in model.graph:
         node.metadata_props.clear()
 

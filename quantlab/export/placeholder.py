@@ -78,14 +78,8 @@ def placeholders(model: nn.Module, prefix: str = "") -> Iterator[dict[str, Quant
     layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     try:
         for name, module in layers.items():
-            _set_submodule(model, name, QuantizedLinearPlaceholder(name, module.out_features))
+            model.set_submodule(name, QuantizedLinearPlaceholder(name, module.out_features))
         yield layers
     finally:
         for name, module in layers.items():
-            _set_submodule(model, name, module)
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
+            model.set_submodule(name, module)

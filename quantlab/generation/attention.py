@@ -2,16 +2,15 @@
 key/value heads as they are.
 
 transformers' SDPA attention repeats every key/value head for the query heads that share it
-(`repeat_kv`) whenever the step is being compiled (its copy-free packing is skipped under dynamo),
-and with a static cache that copies the whole cache, used positions or not, at every step of every
-layer: SmolLM2-135M (3 key/value heads for 9 query heads), 16 sequences, a 128-position cache: ~0.7 ms
-a layer, ~21 ms of an 83 ms step. A one-token query of head group g can instead be laid out as
-`groups` query rows of key/value head g (query [batch, heads, 1, dim] -> [batch, kv_heads, groups,
-dim]): the same attention, the cache read in place. The step's mask ([batch, 1, 1, length]) is the
-same for every head and row, so it broadcasts unchanged. Where quantlab's native kernels are built, that
-attention runs in C (`quantlab::attention`, csrc/attention.c), which skips the cache's unused positions:
-torch's CPU attention spends more on per-head setup than on the arithmetic of one-token queries (the
-same 16 sequences, a layer: flash SDPA ~370 us, the C operator ~100 us).
+(`repeat_kv`) whenever the step is being compiled (its copy-free packing is skipped under dynamo), and
+with a static cache that copies the whole cache, used positions or not, at every step of every layer, a
+sizeable share of a decode step (benchmarks/RESULTS.md). A one-token query of head group g can instead
+be laid out as `groups` query rows of key/value head g (query [batch, heads, 1, dim] -> [batch,
+kv_heads, groups, dim]): the same attention, the cache read in place. The step's mask ([batch, 1, 1,
+length]) is the same for every head and row, so it broadcasts unchanged. Where quantlab's native kernels
+are built, that attention runs in C (`quantlab::attention`, csrc/attention.c), which skips the cache's
+unused positions: torch's CPU attention spends more on per-head setup than on the arithmetic of
+one-token queries.
 
 Only attention modules `use_grouped_query_sdpa` marked (`compile_for_decoding` marks a model whose
 attention is "sdpa"; `disable_compiled_decoding` unmarks it) take that route, and only for one-token

@@ -73,7 +73,7 @@ def compile_for_decoding(
     stopping, streamers) work as in plain `generate`; a new batch size compiles once more.
 
     `module_guards=False` (the default) skips dynamo's checks of the model's modules before every
-    step: on SmolLM2 they cost about 2 ms a step, a sixth of a 4-bit step. The compiled step then
+    step, a noticeable share of a small model's step (benchmarks/RESULTS.md). The compiled step then
     does not notice modules replaced or added after it was compiled, and runs the graph traced from
     the old ones on whatever tensors the new ones hold (values written into the existing tensors are
     fine): after wrapping the model (PEFT adapters, swapped layers) call `disable_compiled_decoding`
@@ -90,8 +90,8 @@ def compile_for_decoding(
     or one group per row of such a length; the int8 output head of `embedding_bits=8` too) on
     activations rounded to int8 per block of 64 inputs, with integer dot products on CPUs with AVX2
     or AVX512-VNNI (llama.cpp's Q4_0 x Q8_0 and Q8_0 x Q8_0 schemes): faster at one row, not bit-exact
-    (about 0.5 % relative error in each layer's output, so greedy tokens can differ from the eager
-    path's); other formats, and CPUs without AVX2, compute in float as before. Off by default.
+    (each layer's output carries a small relative error, benchmarks/RESULTS.md, so greedy tokens can
+    differ from the eager path's); other formats, and CPUs without AVX2, compute in float as before. Off by default.
 
     `native_step=True` runs each one-token step of one sequence as a single call into quantlab's C
     library for the whole model (quantlab.generation.native: Llama and Qwen2 blocks whose projections

@@ -1,12 +1,13 @@
 """A lean decoding loop for the native step, behind `model.generate`.
 
-With the native step a SmolLM2 token costs ~4.3 ms in C, and transformers' `_sample` loop around it
-another ~0.6 ms: preparing the step's inputs, updating its keyword arguments and masks, building
-an output object, a dozen small tensor ops. For one sequence on the native step most of that does
-nothing, so `native_sample` runs the same loop without it: the same prefill (`_prefill`), the same
-logits processors and stopping criteria built by `generate`, the same token choice (argmax, or
-softmax and `torch.multinomial`), the same outputs (`return_dict_in_generate`, `output_scores`,
-`output_logits`, the cache): the tokens and scores equal `_sample`'s bit for bit (tested).
+With the native step a token's work is one call into C, and transformers' `_sample` loop around it
+adds a sizeable share on top (benchmarks/RESULTS.md): preparing the step's inputs, updating its
+keyword arguments and masks, building an output object, a dozen small tensor ops. For one sequence
+on the native step most of that does nothing, so `native_sample` runs the same loop without it: the
+same prefill (`_prefill`), the same logits processors and stopping criteria built by `generate`, the
+same token choice (argmax, or softmax and `torch.multinomial`), the same outputs
+(`return_dict_in_generate`, `output_scores`, `output_logits`, the cache): the tokens and scores
+equal `_sample`'s bit for bit (tested).
 
 `NativeGenerate` is the model's `generate` while the native step is installed: transformers'
 `generate`, given `custom_generate=native_sample` (transformers' own hook for a decoding loop) when

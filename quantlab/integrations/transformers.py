@@ -7,11 +7,12 @@ A checkpoint saved from such a model reloads through the same quantizer on its p
 path, the stored tensors landing straight in the layers' buffers.
 
 A causal LM loaded this way also gets quantlab's chunked cross-entropy as its `loss_function`
-(`quantlab.nn.losses`: same loss and gradients, one logits-sized tensor fewer at the peak of a
-training step); `QUANTLAB_CHUNKED_LOSS=0` keeps transformers' own.
+(`quantlab.integrations.chunked_loss`: same loss and gradients, one logits-sized tensor fewer at
+the peak of a training step); `QUANTLAB_CHUNKED_LOSS=0` keeps transformers' own.
 """
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from transformers.core_model_loading import ConversionOps
@@ -22,19 +23,20 @@ from transformers.quantizers.auto import (
     register_quantization_config,
     register_quantizer,
 )
-from transformers.quantizers.quantizers_utils import get_module_from_name
+from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from quantlab import registry
 from quantlab.config import QuantlabConfig, transformers_name
 from quantlab.errors import QuantlabError, UnknownMethodError
+from quantlab.integrations.chunked_loss import use_chunked_loss
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
-from quantlab.utils.environment import switched_on
+from quantlab.registry import Method
+from quantlab.replacement import dequantize_layers, raise_nothing_to_quantize, replace_linear_layers, without_vocabulary
 from quantlab.utils.pages import release_mapped_tensor
-
-if TYPE_CHECKING:
-    from quantlab.registry import Method
-
+from quantlab.verification import verify_checkpoint_files, verify_loaded_layer
+from quantlab.vocabulary import replace_vocabulary
 
 _QUANTIZERS: dict[str, type[HfQuantizer]] = {}
 
@@ -42,27 +44,23 @@ _QUANTIZERS: dict[str, type[HfQuantizer]] = {}
 def install() -> None:
     """Subscribe to the method registry (every method, built-in or plugin, gets its config and
     quantizer registered with transformers) and hold the names of plugins not loaded yet."""
-    from quantlab import registry
-
     registry.subscribe(register_method)
     reserve_plugin_methods()
 
 
 def reserve_plugin_methods() -> None:
     """Let transformers read checkpoints of installed plugins before the plugins are imported."""
-    from quantlab import registry
-
     reserve_plugin_names(registry.pending_plugin_methods())
 
 
-def register_method(method: "Method") -> None:
+def register_method(method: Method) -> None:
     """The registry's subscriber: `method`'s config and `HfQuantizer` (its own, or one made for its module)."""
     quantizer_class = method.quantizer_class or make_quantizer_class(method.module_class)
     _QUANTIZERS[method.name] = quantizer_class
     register_with_transformers(method.config_class, quantizer_class)
 
 
-def quantizer_class_of(method: "Method") -> type[HfQuantizer]:
+def quantizer_class_of(method: Method) -> type[HfQuantizer]:
     """The `HfQuantizer` registered with transformers for `method`."""
     if method.name not in _QUANTIZERS:
         register_method(method)
@@ -90,9 +88,7 @@ class PendingPluginConfig(QuantizationConfigMixin):
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any) -> Any:
-        from quantlab.registry import discover_plugins
-
-        discover_plugins()
+        registry.discover_plugins()
         name = config_dict.get("quant_method")
         target = AUTO_QUANTIZATION_CONFIG_MAPPING.get(name)
         if target is None or target is cls:
@@ -139,14 +135,6 @@ class QuantlabHfQuantizer(HfQuantizer):
         return not self.pre_quantized and self.quantization_config.needs_calibration
 
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> None:
-        from quantlab.convert import (
-            raise_nothing_to_quantize,
-            replace_linear_layers,
-            should_convert_module,
-            without_vocabulary,
-        )
-        from quantlab.vocabulary import replace_vocabulary
-
         config = self.quantization_config
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
@@ -166,8 +154,6 @@ class QuantlabHfQuantizer(HfQuantizer):
         if self.errors:
             raise self.errors[0]
         if self.pre_quantized:
-            from quantlab.nn.verify import verify_loaded_layer
-
             for name, layer in _quantized_layers(model).items():
                 verify_loaded_layer(name, layer)
         if self.calibrates_after_loading:
@@ -176,25 +162,14 @@ class QuantlabHfQuantizer(HfQuantizer):
         return model
 
     def _verify_files(self, model: torch.nn.Module) -> None:
-        """A damaged or edited checkpoint stops before loading, with one line naming the tensor (nn/verify.py)."""
-        from pathlib import Path
-
-        from quantlab.nn.verify import verify_checkpoint_files
-
+        """A damaged or edited checkpoint stops before loading, with one line naming the tensor."""
         directory = Path(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
         if str(directory) and directory.is_dir():
             verify_checkpoint_files(directory, _quantized_layers(model))
 
     def _calibrate(self, model: torch.nn.Module) -> None:
-        from quantlab.convert import (
-            calibrate,
-            data_free_config,
-            raise_nothing_to_quantize,
-            replace_linear_layers,
-            should_convert_module,
-            without_vocabulary,
-        )
-        from quantlab.vocabulary import replace_vocabulary
+        # calibration's modules load when a config needs them, not with `import quantlab`
+        from quantlab.calibration.model import calibrate, data_free_config
 
         config = self.quantization_config
         skip = self.modules_to_not_convert
@@ -207,8 +182,6 @@ class QuantlabHfQuantizer(HfQuantizer):
         replace_vocabulary(model, config, quantize=True)
 
     def _dequantize(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
-        from quantlab.convert import dequantize_layers
-
         return dequantize_layers(model, dtype)
 
     def get_quantize_ops(self) -> ConversionOps:
@@ -257,30 +230,6 @@ class QuantizeOnLoad(ConversionOps):
             spec = module.storage_spec(module.in_features, module.out_features, module.config)
             stored = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
         return {f"{layer_name}.{name}": tensor for name, tensor in stored.items()}
-
-
-def use_chunked_loss(model: torch.nn.Module) -> bool:
-    """Give `model` quantlab's chunked causal-LM cross-entropy if its loss is transformers' `ForCausalLMLoss`.
-
-    Exact (the same loss and gradients to float rounding), so it is on for every quantlab model;
-    `QUANTLAB_CHUNKED_LOSS=0` turns it off, as does `model.loss_function = ForCausalLMLoss` later.
-    A model whose class or user chose another loss keeps it. Returns whether it was installed.
-    """
-    from transformers import PreTrainedModel
-    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-
-    from quantlab.nn.losses import causal_lm_loss
-
-    if not switched_on("QUANTLAB_CHUNKED_LOSS"):
-        return False
-    if not isinstance(model, PreTrainedModel) or "_loss_function" in vars(model):
-        return False
-    if type(model).loss_function is not PreTrainedModel.loss_function:  # a model class with a loss of its own
-        return False
-    if LOSS_MAPPING.get(getattr(model, "loss_type", None)) is not ForCausalLMLoss:
-        return False
-    model.loss_function = causal_lm_loss
-    return True
 
 
 def _tokenizer_of(model: torch.nn.Module) -> Any:

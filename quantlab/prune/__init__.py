@@ -5,7 +5,7 @@ from quantlab.prune import prune, prune_structured, GradualPruning, KeepMasks, s
 
 prune(model, "2:4")                                 # one-shot; masks attached to the layers
 Trainer(model, config, data, callbacks=[KeepMasks()]).train()   # fine-tune, masks held
-save_sparse(model, "out/")                          # bitmask + values: ~0.53x the dense Linear weights
+save_sparse(model, "out/")                          # bitmask + kept values (sizes: benchmarks/RESULTS.md)
 model = load_sparse("out/")                         # dense in memory again, masks restored
 
 Trainer(model, config, data, callbacks=[GradualPruning(0.8, end_step=1000)]).train()   # cubic schedule

@@ -1,9 +1,8 @@
-"""Pruning by pattern name, then recovery training: what `quantlab prune` runs, as library calls.
+"""Pruning by pattern name: what `quantlab prune` runs before recovery training, as library calls.
 
 `prune_by_pattern` checks the options against the pattern before anything changes and
 dispatches to magnitude pruning (unstructured, N:M: masks attached) or structured pruning
-(smaller matrices). `recover` trains the pruned model on transformers' Trainer with its masks
-held, or distills it from a teacher, which recovers more than plain fine-tuning.
+(smaller matrices). Recovery training afterwards is `quantlab.distill.recover`.
 """
 
 import dataclasses
@@ -14,6 +13,8 @@ from torch import nn
 
 from quantlab.errors import ConfigError
 from quantlab.prune.patterns import SparsityPattern, check_sparsity, parse_pattern, resolve_sparsity
+from quantlab.prune.structured import prune_structured
+from quantlab.prune.unstructured import prune
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +52,6 @@ def prune_by_pattern(
 ) -> PruningOutcome:
     """Prune `model` in place: magnitude masks (unstructured, N:M) or smaller layers (structured, scored on
     `calibration` batches when given, by weight norms otherwise)."""
-    from quantlab.prune.structured import prune_structured
-    from quantlab.prune.unstructured import prune
-
     pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
     fraction = pattern_sparsity(pattern, sparsity, head_sparsity)
     if pattern.kind != "structured":
@@ -66,38 +64,3 @@ def prune_by_pattern(
 def first_examples(train: Any, count: int) -> list[dict[str, torch.Tensor]]:
     """The first `count` training examples as batches of one: structured pruning's calibration."""
     return [{"input_ids": train[i]["input_ids"].unsqueeze(0)} for i in range(min(count, len(train)))]
-
-
-def recover(
-    model: nn.Module,
-    args: Any,
-    train: Any,
-    tokenizer: Any,
-    *,
-    eval_windows: torch.Tensor | None = None,
-    teacher: nn.Module | None = None,
-    teacher_tokenizer: Any = None,
-    distillation: Any = None,
-    resume_from_checkpoint: str | None = None,
-) -> list[float]:
-    """Train the pruned `model` in place (embeddings frozen, masks held) for `args.max_steps`, from `teacher` when
-    given (`DistillationConfig` `distillation`); returns the logged losses. `args` are `TrainingArguments`."""
-    from quantlab.distill import DistillationTrainer, freeze_embeddings
-    from quantlab.prune.masking import masked_layers
-    from quantlab.prune.schedule import KeepMasks
-    from quantlab.training import CausalLMCollator, Trainer
-
-    model.train()
-    freeze_embeddings(model)
-    options = {"eval_windows": eval_windows, "data_collator": CausalLMCollator.for_tokenizer(tokenizer)}
-    if teacher is None:
-        callbacks = [KeepMasks()] if masked_layers(model) else []
-        trainer = Trainer(model, args, train, callbacks=callbacks, save_final=False, **options)
-    else:
-        trainer = DistillationTrainer(
-            model, teacher, args, train, distillation=distillation, teacher_tokenizer=teacher_tokenizer,
-            student_tokenizer=tokenizer, save_final=False, **options,
-        )  # fmt: skip
-    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
-    model.eval()
-    return [record["loss"] for record in trainer.state.log_history if "loss" in record]

@@ -43,7 +43,7 @@ def _discover() -> None:
     if _discovered:
         return
     _discovered = True
-    from quantlab.solvers import gptq, mse, rtn
+    from quantlab.solvers import gptq, mse, rtn  # the built-ins register on first use, as plugins do
 
     for module in (rtn, mse, gptq):
         register_solver(module.SOLVER)

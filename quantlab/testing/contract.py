@@ -27,9 +27,10 @@ from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM
 
 from quantlab.config import QuantlabConfig
-from quantlab.convert import quantize, quantized_layers
+from quantlab.convert import quantize
 from quantlab.errors import ConfigError, QuantizationError
 from quantlab.registry import get_method, list_methods
+from quantlab.replacement import quantized_layers
 from quantlab.solvers import InputStats, get_solver, list_solvers
 from quantlab.testing.models import tiny_bert, tiny_llama
 from quantlab.testing.similarity import sqnr

@@ -10,6 +10,7 @@ Trainer(model, args, data.train, eval_windows=data.eval_windows,
         data_collator=CausalLMCollator.for_tokenizer(tokenizer)).train()
 """
 
+from quantlab.assets.text import read_documents
 from quantlab.training.arguments import read_training_arguments_file, training_arguments
 from quantlab.training.checkpoints import ResumeError, latest_checkpoint, list_checkpoints, trainable_parameters
 from quantlab.training.data import (
@@ -18,7 +19,6 @@ from quantlab.training.data import (
     TokenSequences,
     bundled_data,
     causal_lm_data,
-    read_documents,
 )
 from quantlab.training.evaluation import heldout_perplexity
 from quantlab.training.lora import add_lora

@@ -4,7 +4,7 @@ Evaluation windows come first and are never trained on: the first `eval_windows 
 eval_seq_len` tokens of the text are cut into the windows the perplexity harness
 (`quantlab.eval.perplexity`) scores, and training uses only the text after them. With the
 bundled WikiText-2 slice those windows are exactly the harness's, so the loop's held-out
-perplexity is comparable with every figure in the baselines.
+perplexity is comparable with every perplexity in benchmarks/RESULTS.md.
 
 Batches are padded to their longest example (dynamic padding); padded positions get label
 -100 and attention mask 0. Order, sharding across processes and the data position of a resumed
@@ -13,14 +13,12 @@ run are transformers' Trainer's (a seeded sampler, `skip_first_batches`).
 
 import dataclasses
 import hashlib
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
+from quantlab.assets.text import bundled_text
 from quantlab.errors import QuantlabError
 
 IGNORE_INDEX = -100
@@ -83,30 +81,6 @@ class CausalLMCollator:
         return cls(pad_token_id=pad if pad is not None else 0, pad_to_multiple_of=pad_to_multiple_of)
 
 
-def read_documents(path: str | os.PathLike, text_field: str = "text") -> list[str]:
-    """A `.jsonl` file gives one document per line (its `text_field`); any other file is one document."""
-    path = Path(path)
-    if not path.is_file():
-        raise QuantlabError(f"training data {path} does not exist; pass a .txt or .jsonl file")
-    if path.suffix != ".jsonl":
-        return [path.read_text(encoding="utf-8")]
-    documents = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise QuantlabError(f"{path}:{number}: not valid JSON ({error.msg})") from error
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise QuantlabError(f"{path}:{number}: no string field {text_field!r}; pass text_field= its name")
-            documents.append(record[text_field])
-    if not documents:
-        raise QuantlabError(f"{path} holds no documents")
-    return documents
-
-
 def causal_lm_data(
     tokenizer: Any,
     documents: list[str] | None = None,
@@ -126,8 +100,6 @@ def causal_lm_data(
     if seq_len < 2:
         raise QuantlabError(f"seq_len={seq_len} must be at least 2")
     if documents is None:
-        from quantlab.eval.data import bundled_text
-
         documents = [bundled_text()]
     held_out = eval_windows * eval_seq_len
     if len(documents) == 1:

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from quantlab.errors import QuantlabError
+from quantlab.eval.perplexity import perplexity, token_ids
+from quantlab.replacement import dequantize_layers
 
 MODES = ("quantized", "float")
 
@@ -36,8 +38,6 @@ def merge_adapter(
     The report: the mode, the adapter model's and the merged model's perplexity on the same
     windows, their relative change (`merged / adapter - 1`) and the largest logit gap.
     """
-    from quantlab.eval.perplexity import perplexity, token_ids
-
     if mode not in MODES:
         raise QuantlabError(f"merge mode {mode!r} is not valid; choose one of {', '.join(MODES)}")
     probe = torch.tensor(token_ids(tokenizer, text)[:seq_len]).unsqueeze(0)
@@ -63,9 +63,7 @@ def merge_to_quantized(peft_model: nn.Module) -> nn.Module:
 
 def merge_to_float(peft_model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Dequantize every quantized layer, add the adapters to the float bases; returns the unwrapped model."""
-    from peft.tuners.lora import LoraLayer
-
-    from quantlab.convert import dequantize_layers
+    from peft.tuners.lora import LoraLayer  # PEFT is imported when it is used, not with quantlab.training
 
     _check_lora(peft_model)
     model = peft_model.get_base_model()

@@ -194,7 +194,7 @@ def _train(
 
 def _merge(model: Any, tokenizer: Any, run: TrainingRun, mode: str, note: Notify) -> dict[str, Any]:
     """Merge the adapter, measure the perplexity it costs on the held-out windows, save the merged model."""
-    from quantlab.eval.data import bundled_text
+    from quantlab.assets.text import bundled_text
     from quantlab.saving import save_model
     from quantlab.training import merge_adapter
 

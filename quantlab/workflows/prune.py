@@ -156,7 +156,7 @@ def _recover(
     note: Notify,
 ) -> None:
     """Train the pruned model (masks held) for `run.max_steps`, or distill it from `teacher`."""
-    from quantlab.prune.pipeline import recover
+    from quantlab.distill import recover
 
     started, data = time.perf_counter(), run.training_data(tokenizer)
     windows = data.eval_windows if run.eval_steps and run.eval_windows else None

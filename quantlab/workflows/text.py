@@ -38,7 +38,7 @@ def evaluation_text(path: str | os.PathLike | None = None, seq_len: int = 512, w
             f"evaluation windows need at least 2 tokens and at least 1 window (got {seq_len} and {windows})"
         )
     if path is None:
-        from quantlab.eval.data import bundled_text
+        from quantlab.assets.text import bundled_text
 
         return EvaluationText(bundled_text(), BUNDLED_TEXT_NAME, seq_len, windows)
     file = Path(path).expanduser()

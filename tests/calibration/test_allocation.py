@@ -8,9 +8,9 @@ import torch
 
 import quantlab
 from quantlab.calibration.allocation import Candidate, choose
-from quantlab.convert import quantized_layers
 from quantlab.errors import ConfigError
 from quantlab.eval.size import stored_bits_per_weight
+from quantlab.replacement import quantized_layers
 from quantlab.testing.models import tiny_llama
 
 CALIBRATION = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(0))

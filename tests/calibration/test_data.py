@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
+from quantlab.assets.text import bundled_text, bundled_text_path
 from quantlab.calibration import EVAL_TOKENS, CalibrationDataError, calibration_windows
 from quantlab.calibration.data import windows_from_texts
-from quantlab.eval.data import bundled_text, bundled_text_path
 from quantlab.testing.tokenizer import byte_tokenizer
 
 

@@ -4,8 +4,8 @@ to ONNX with its own codes and takes LoRA training."""
 import torch
 
 import quantlab
-from quantlab.convert import quantized_layers
 from quantlab.export import OnnxCausalLM, to_onnx
+from quantlab.replacement import quantized_layers
 from quantlab.testing import tiny_llama
 from quantlab.training import add_lora
 

@@ -6,11 +6,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quantlab
+from quantlab.assets import text as bundled_text_module
 from quantlab.calibration import data as calibration_data
 from quantlab.calibration.data import CalibrationDataError
 from quantlab.calibration.self_generated import self_generated_windows
 from quantlab.errors import ConfigError, QuantizationError
-from quantlab.eval import data as eval_data
 from quantlab.testing.models import tiny_bert, tiny_llama, tiny_model_dir
 
 UNSEEN = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(1))
@@ -39,12 +39,12 @@ def test_self_calibration_reads_no_text(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("self-calibration read text")
 
-    for module in (calibration_data, eval_data):
+    for module in (calibration_data, bundled_text_module):
         monkeypatch.setattr(module, "bundled_text", refuse)
         monkeypatch.setattr(module, "read_text", refuse)
     model = tiny_llama()
     quantlab.quantize(model, _self_calibrated(), progress=False)  # no tokenizer, no calibration argument
-    assert len(quantlab.convert.quantized_layers(model)) == 2 * 7
+    assert len(quantlab.replacement.quantized_layers(model)) == 2 * 7
 
 
 def test_gptq_on_self_generated_text_beats_round_to_nearest_on_unseen_tokens():
@@ -98,5 +98,5 @@ def test_mixed_precision_with_a_data_free_solver_self_calibrates_its_allocation(
     )
     model = tiny_llama()
     quantlab.quantize(model, config, progress=False)
-    widths = {layer.layout.bits for layer in quantlab.convert.quantized_layers(model).values()}
+    widths = {layer.layout.bits for layer in quantlab.replacement.quantized_layers(model).values()}
     assert len(widths) > 1  # the allocation measured the layers on the sampled windows and mixed widths

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 import quantlab
 from quantlab.calibration import collect_input_stats
 from quantlab.calibration.blocks import find_blocks, first_block_inputs
-from quantlab.convert import quantized_layers
 from quantlab.errors import QuantizationError
+from quantlab.replacement import quantized_layers
 from quantlab.testing.models import tiny_bert, tiny_llama, tiny_llama_checkpoint
 
 CALIBRATION = torch.randint(0, 256, (32, 64), generator=torch.Generator().manual_seed(0))

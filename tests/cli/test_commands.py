@@ -25,7 +25,7 @@ def test_eval_reproduces_the_perplexity_quantize_reported(cli, quantized_llama) 
 
 
 def test_eval_of_a_float_model_and_of_a_text_file(cli, llama_dir: Path, tmp_path: Path) -> None:
-    from quantlab.eval.data import bundled_text
+    from quantlab.assets.text import bundled_text
 
     (tmp_path / "text.txt").write_text(bundled_text()[:20_000], encoding="utf-8")
     result = cli.run("eval", llama_dir, "--text", tmp_path / "text.txt", "--seq-len", "32", "--windows", "3")

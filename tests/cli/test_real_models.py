@@ -12,7 +12,7 @@ BASELINE_FP32_PERPLEXITY = 36.077  # benchmarks/RESULTS.md: the shared harness o
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
     pytest.importorskip("gguf")
-    from quantlab.eval.models import smollm2_dir
+    from quantlab.assets.models import smollm2_dir
 
     try:
         return smollm2_dir()
@@ -26,8 +26,8 @@ def test_readme_command_agrees_with_the_benchmark_harness(cli, smollm2: Path, tm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import quantlab
+    from quantlab.assets.text import bundled_text
     from quantlab.eval import perplexity
-    from quantlab.eval.data import bundled_text
 
     # Two evaluations of 16 x 512 tokens: minutes on 2 cores, many more when other jobs share them.
     result = cli.run("quantize", "--method", "nf4", "--output", tmp_path / "out", "--eval", "--json")
@@ -46,7 +46,7 @@ def test_readme_command_agrees_with_the_benchmark_harness(cli, smollm2: Path, tm
 
 
 def test_the_real_gguf_file_quantizes(cli, smollm2: Path, tmp_path: Path) -> None:
-    from quantlab.eval.models import smollm2_gguf
+    from quantlab.assets.models import smollm2_gguf
 
     gguf = smollm2_gguf()
     result = cli.run("quantize", gguf, "--method", "int8", "--output", tmp_path / "out", "--json")

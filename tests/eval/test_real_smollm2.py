@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantlab
+from quantlab.assets.models import smollm2_dir
+from quantlab.assets.text import bundled_text
 from quantlab.eval import perplexity
-from quantlab.eval.data import bundled_text
-from quantlab.eval.models import smollm2_dir
 from quantlab.eval.size import checkpoint_bits_per_weight
 
 pytestmark = pytest.mark.slow

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from quantlab.convert import quantized_layers
 from quantlab.export.lower import lowering_for
 from quantlab.export.lowering import LayerLowering
 from quantlab.nn import QuantizedLinear
+from quantlab.replacement import quantized_layers
 
 
 def small_llama(hidden_size: int = 64, intermediate_size: int = 96, layers: int = 1, seed: int = 0) -> LlamaForCausalLM:

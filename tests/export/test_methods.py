@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import quantlab
-from quantlab.convert import quantized_layers
 from quantlab.export import ExportError, OnnxCausalLM, to_onnx
+from quantlab.replacement import quantized_layers
 from quantlab.testing import tiny_llama
 
 NBITS, BNB4, FALLBACK = "MatMulNBits", "MatMulBnb4", "fallback"

@@ -19,7 +19,7 @@ def smollm2_4bit(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import quantlab
-    from quantlab.eval.models import smollm2_dir
+    from quantlab.assets.models import smollm2_dir
     from quantlab.export import OnnxCausalLM, to_onnx
 
     directory = smollm2_dir()
@@ -49,7 +49,7 @@ def test_greedy_tokens_equal_pytorch(smollm2_4bit) -> None:
 
 
 def test_logits_of_a_perplexity_window_within_1e3(smollm2_4bit) -> None:
-    from quantlab.eval.data import bundled_text
+    from quantlab.assets.text import bundled_text
     from quantlab.eval.perplexity import token_ids
 
     model, tokenizer, onnx_model, _ = smollm2_4bit

@@ -187,7 +187,7 @@ def test_smollm2_decodes_the_eager_tokens_on_the_native_step():
     """The real model (30 blocks, 9 heads over 3 key/value heads, tied int8 table): 24 greedy tokens equal."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantlab.eval.models import smollm2_dir
+    from quantlab.assets.models import smollm2_dir
 
     config = quantlab.CustomBitsConfig(bits=4, group_size=64, embedding_bits=8)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), quantization_config=config).eval()

@@ -1,4 +1,4 @@
-"""Quantized causal LMs train with `quantlab.nn.losses.causal_lm_loss` (installed by the quantizer)."""
+"""Quantized causal LMs train with quantlab's chunked `causal_lm_loss`, installed by the quantizer."""
 
 import json
 
@@ -8,8 +8,7 @@ from transformers import AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import quantlab
-from quantlab.integrations.transformers import use_chunked_loss
-from quantlab.nn.losses import causal_lm_loss
+from quantlab.integrations.chunked_loss import causal_lm_loss, use_chunked_loss
 from quantlab.testing import tiny_bert, tiny_llama, tiny_llama_checkpoint
 
 IDS = torch.arange(48).reshape(2, 24) * 11 % 256

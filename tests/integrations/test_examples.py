@@ -13,8 +13,8 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 import quantlab
+from quantlab.assets.text import bundled_text
 from quantlab.eval import perplexity
-from quantlab.eval.data import bundled_text
 from quantlab.testing import byte_tokenizer, tiny_llama_checkpoint
 
 pytestmark = pytest.mark.subprocess

@@ -16,11 +16,12 @@ import torch
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from torch import nn
 
-from quantlab.convert import quantize, quantized_layers
+from quantlab.convert import quantize
 from quantlab.errors import RequantizationWarning
-from quantlab.integrations.peft_lora import QuantizedLoraLinear
+from quantlab.integrations.peft.lora import QuantizedLoraLinear
 from quantlab.nn import QuantizedLinear
 from quantlab.registry import get_method, list_methods
+from quantlab.replacement import quantized_layers
 from quantlab.testing import tiny_llama
 from quantlab.training import merge_to_float
 

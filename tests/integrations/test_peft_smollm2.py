@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import quantlab
-from quantlab.eval.models import smollm2_dir
+from quantlab.assets.models import smollm2_dir
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,6 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import quantlab
-from quantlab.convert import quantized_layers
 from quantlab.errors import CheckpointError, ConfigError, QuantizationError
 from quantlab.formats import packing
 from quantlab.kernels.reference import dequantize_matmul
@@ -22,6 +21,7 @@ from quantlab.nn.quantized_embedding import (
     TiedOutputHead,
     unpack_arithmetic,
 )
+from quantlab.replacement import quantized_layers
 from quantlab.testing import tiny_bert, tiny_llama
 
 IDS = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from quantlab.distill import DistillationConfig
+from quantlab.distill import DistillationConfig, recover
 from quantlab.errors import ConfigError
 from quantlab.prune import mask_of, masked_layers
-from quantlab.prune.pipeline import first_examples, pattern_sparsity, prune_by_pattern, recover
+from quantlab.prune.pipeline import first_examples, pattern_sparsity, prune_by_pattern
 from quantlab.testing import tiny_llama
 from quantlab.training import TokenSequences, training_arguments
 

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from quantlab.eval.models import smollm2_dir
+    from quantlab.assets.models import smollm2_dir
 
     return AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
 

@@ -8,11 +8,12 @@ import torch
 from peft import LoraConfig, PeftModel
 
 from quantlab.config import QuantlabConfig
-from quantlab.convert import quantize, quantized_layers
+from quantlab.convert import quantize
 from quantlab.errors import QuantlabError
-from quantlab.integrations.peft_lora import QuantizedLoraLinear
+from quantlab.integrations.peft.lora import QuantizedLoraLinear
 from quantlab.nn import QuantizedLinear
 from quantlab.registry import get_method, list_methods
+from quantlab.replacement import quantized_layers
 from quantlab.testing import tiny_llama
 from quantlab.training import add_lora, merge_to_float, merge_to_quantized
 

@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantlab import CustomBitsConfig
+from quantlab.assets.models import smollm2_dir
+from quantlab.assets.text import bundled_text
 from quantlab.eval import perplexity
-from quantlab.eval.data import bundled_text
-from quantlab.eval.models import smollm2_dir
 from quantlab.testing.contract import assert_method_available
 from quantlab_hqq import HqqConfig
 

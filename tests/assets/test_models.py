@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from quantlab.assets import models
 from quantlab.errors import QuantlabError
-from quantlab.eval import models
 
 
 @pytest.fixture

@@ -7,8 +7,9 @@ loading: the safetensors headers of the checkpoint (no tensor data is read) must
 tensor each layer's layout declares, with its shape and dtype, and nothing else under the
 layer but its bias; every declared tensor must have been loaded (transformers marks those it
 read `_is_hf_initialized`); and every float parameter (scales, zero points, NF4's 8-bit absmax)
-must be finite. Only headers and the small parameter tensors are read: milliseconds. The
-quantized vocabulary tables (`embedding_bits`) declare layouts too and are checked the same way.
+must be finite. Only headers and the small parameter tensors are read, so the check is cheap
+(benchmarks/RESULTS.md). The quantized vocabulary tables (`embedding_bits`) declare layouts too
+and are checked the same way.
 """
 
 import json

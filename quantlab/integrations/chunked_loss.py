@@ -9,11 +9,16 @@ works over chunks of rows and computes the logits' gradient in the forward pass,
 it keeps only that gradient (in the logits' dtype), recomputes nothing in backward and hands it
 on without a copy, so the peak is the logits and their gradient. Without autograd (evaluation)
 it keeps nothing. The logits are never modified.
+
+`use_chunked_loss(model)` makes it a transformers model's `loss_function`; the quantizer does
+so for every model it loads, and `quantlab.quantize` for every model it converts.
 """
 
 import torch
 from torch.autograd.function import once_differentiable
 from torch.nn import functional
+
+from quantlab.utils.environment import switched_on
 
 CHUNK_BYTES = 16 * 1024 * 1024  # float32 bytes per chunk of rows: large enough to keep both cores busy
 
@@ -47,6 +52,29 @@ def causal_lm_loss(
         return _ChunkedCrossEntropy.apply(rows, targets, denominator, ignore_index)
     total, _ = _chunked_cross_entropy(rows, targets, denominator, ignore_index, with_gradient=False)
     return total / denominator
+
+
+def use_chunked_loss(model: torch.nn.Module) -> bool:
+    """Give `model` quantlab's chunked causal-LM cross-entropy if its loss is transformers' `ForCausalLMLoss`.
+
+    Exact (the same loss and gradients to float rounding), so it is on for every quantlab model;
+    `QUANTLAB_CHUNKED_LOSS=0` turns it off, as does `model.loss_function = ForCausalLMLoss` later.
+    A model whose class or user chose another loss keeps it. Returns whether it was installed.
+    """
+    # transformers' model code is heavy to import; by the time a model is here it is loaded anyway
+    from transformers import PreTrainedModel
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    if not switched_on("QUANTLAB_CHUNKED_LOSS"):
+        return False
+    if not isinstance(model, PreTrainedModel) or "_loss_function" in vars(model):
+        return False
+    if type(model).loss_function is not PreTrainedModel.loss_function:  # a model class with a loss of its own
+        return False
+    if LOSS_MAPPING.get(getattr(model, "loss_type", None)) is not ForCausalLMLoss:
+        return False
+    model.loss_function = causal_lm_loss
+    return True
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

@@ -8,7 +8,7 @@ and `B` train.
 Merging dequantizes the base, adds `scaling * B @ A` and re-quantizes with the layer's own
 method and options, so the merged model is a checkpoint of the same method; the rounding of
 that last step is the error a merge adds, measured and reported as a `RequantizationWarning`
-(`quantlab.integrations.peft_merge`).
+(`quantlab.integrations.peft.merge`).
 Imported lazily by `quantlab.integrations.peft`, because it needs PEFT itself.
 """
 
@@ -21,7 +21,7 @@ from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
 from quantlab.errors import QuantlabError
-from quantlab.integrations.peft_merge import record_rounding
+from quantlab.integrations.peft.merge import record_rounding
 from quantlab.nn import QuantizedLinear
 
 

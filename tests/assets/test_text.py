@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from quantlab.eval.data import bundled_text, bundled_text_path, data_dir, read_text
+from quantlab.assets.text import bundled_text, bundled_text_path, data_dir, read_text
 
 SHARED = os.environ.get("QUANTLAB_SHARED") or Path(__file__).resolve().parents[3] / "shared"
 SHARED_TEXT = Path(SHARED) / "data" / "wikitext-2-raw-test.txt"
@@ -37,7 +37,7 @@ def test_bundled_text_is_the_head_of_the_full_file_read_as_text():
 def test_first_harness_windows_equal_those_of_the_full_file():
     from transformers import AutoTokenizer
 
-    from quantlab.eval.models import smollm2_dir
+    from quantlab.assets.models import smollm2_dir
     from quantlab.eval.perplexity import token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)

@@ -1,11 +1,11 @@
-"""`quantlab.nn.losses.causal_lm_loss` against transformers' `ForCausalLMLoss`: same loss, same gradient."""
+"""`causal_lm_loss` against transformers' `ForCausalLMLoss`: same loss, same gradient."""
 
 import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from quantlab.nn import losses
-from quantlab.nn.losses import causal_lm_loss
+from quantlab.integrations import chunked_loss as losses
+from quantlab.integrations.chunked_loss import causal_lm_loss
 
 VOCAB = 37
 

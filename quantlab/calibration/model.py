@@ -1,0 +1,73 @@
+"""Calibrated quantization of a whole model: its windows of text, mixed-precision bits, then block by block.
+
+What `quantlab.quantize` and the transformers quantizer run for a config that needs calibration
+(`solver="gptq"`, `awq=True`, `target_bits`, `self_calibration`); the layers outside the
+calibrated blocks are then quantized data-free with `data_free_config`.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantlab.calibration.allocation import allocate_bits
+from quantlab.calibration.data import calibration_windows, windows_from_texts
+from quantlab.calibration.self_generated import self_generated_windows
+from quantlab.calibration.sequential import quantize_blocks
+from quantlab.config import QuantlabConfig
+from quantlab.errors import QuantizationError
+from quantlab.nn import QuantizedLinear
+from quantlab.solvers import get_solver
+
+
+def calibrate(
+    model: nn.Module,
+    config: QuantlabConfig,
+    module_class: type[QuantizedLinear],
+    selected: Callable[[str], bool],
+    calibration: torch.Tensor | list[str] | None,
+    tokenizer: Any,
+    progress: bool = True,
+) -> list[str]:
+    """Quantize the selected Linear layers inside the model's blocks with the calibrated solver."""
+    if config.self_calibration:
+        if calibration is not None:
+            raise QuantizationError(
+                "self_calibration samples its own text; pass calibration=None or drop self_calibration"
+            )
+        windows = self_generated_windows(
+            model, config.calibration_samples, config.calibration_seq_len, progress=progress
+        )
+    elif isinstance(calibration, torch.Tensor):
+        windows = calibration.long()
+    elif tokenizer is None:
+        raise QuantizationError(
+            f"the {config.solver} solver{' with awq' if config.awq else ''} calibrates on text: pass token ids "
+            f"(calibration=tensor) or a tokenizer (tokenizer=...)"
+        )
+    elif calibration is not None:
+        windows = windows_from_texts(tokenizer, calibration, config.calibration_samples, config.calibration_seq_len)
+    else:
+        windows = calibration_windows(
+            tokenizer, config.calibration_samples, config.calibration_seq_len, config.calibration_text
+        )
+    if config.target_bits is not None:
+        config.layer_options = allocate_bits(model, config, module_class, windows, selected, progress)
+    if not (config.awq or get_solver(config.solver).needs_calibration):
+        return []  # mixed precision with a data-free solver: the layers are quantized as usual next
+    return quantize_blocks(model, config, module_class, windows, selected, progress)
+
+
+def data_free_config(config: QuantlabConfig) -> QuantlabConfig:
+    """The config for layers quantized without statistics: all of them under a data-free solver, and
+    under a calibrated one those outside the calibrated blocks (an untied output head, a pooler),
+    which get the data-free mse solver on the same storage format."""
+    if not config.needs_calibration:
+        return config
+    solver = "mse" if get_solver(config.solver).needs_calibration else config.solver
+    options = config.solver_options if solver == config.solver else None
+    return dataclasses.replace(
+        config, solver=solver, solver_options=options, awq=False, target_bits=None, self_calibration=False
+    )

@@ -1,0 +1,93 @@
+"""Swapping a model's `nn.Linear` layers for quantized layers and back.
+
+The steps `quantlab.quantize` and the transformers quantizer share: both pick the layers to
+convert, replace them with a method's quantized layer (empty while transformers loads, or
+quantized from the float weight) and refuse a model left with nothing to quantize.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from quantlab.config import QuantlabConfig
+from quantlab.errors import QuantizationError
+from quantlab.nn import QuantizedLinear
+from quantlab.vocabulary import dequantize_vocabulary, vocabulary_linears
+
+
+def replace_linear_layers(
+    model: nn.Module,
+    config: QuantlabConfig,
+    module_class: type[QuantizedLinear],
+    selected: Callable[[str], bool],
+    quantize: bool,
+) -> list[str]:
+    """Swap the selected `nn.Linear` layers for `module_class`; returns their names.
+
+    With `quantize` false the new layers are empty shells (on the Linear's device: meta while
+    transformers loads); otherwise they are quantized from the Linear's weight.
+    """
+    converted = []
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or not selected(name):
+            continue
+        layer_config = config.config_for(name)
+        if quantize:
+            new = module_class.from_linear(module, layer_config, layer=name)
+        else:
+            new = module_class(
+                module.in_features,
+                module.out_features,
+                module.bias is not None,
+                layer_config,
+                dtype=module.weight.dtype,
+                device=module.weight.device,
+            )
+        model.set_submodule(name, new)
+        converted.append(name)
+    return converted
+
+
+def dequantize_layers(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Replace every quantized layer and vocabulary table by its float module, in place; drop the quantizer."""
+    dequantize_vocabulary(model, dtype)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            model.set_submodule(name, module.to_linear(dtype))
+    for attribute in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attribute):
+            delattr(model, attribute)
+    if hasattr(model, "config") and hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
+    return model
+
+
+def quantized_layers(model: nn.Module) -> dict[str, QuantizedLinear]:
+    """The model's quantized Linear layers by name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def without_vocabulary(
+    model: nn.Module, config: QuantlabConfig, selected: Callable[[str], bool]
+) -> Callable[[str], bool]:
+    """`selected` less the output head when `embedding_bits` quantizes it as a vocabulary table."""
+    tables = vocabulary_linears(model, config)
+    if not tables:
+        return selected
+    return lambda name: name not in tables and selected(name)
+
+
+def raise_nothing_to_quantize(model: nn.Module, config: QuantlabConfig) -> None:
+    """A model with no layer to quantize is an error, never a float model passed off as quantized."""
+    kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ == "Conv1D"})
+    why = (
+        f"its projections are {kinds[0]} layers (GPT-2 style), which quantlab does not quantize yet"
+        if kinds
+        else "check modules_to_not_convert"
+    )
+    raise QuantizationError(
+        f"{type(model).__name__} has no nn.Linear layer left to quantize with {config.method!r}: {why}"
+    )
