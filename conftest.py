@@ -1,4 +1,4 @@
-"""Shared pytest set-up: refuse a Python without torch with a pointer to quantlab's environment; offline, quiet transformers."""
+"""Shared pytest set-up: refuse a Python without torch (naming the environment to use); offline, quiet transformers."""
 
 import importlib.util
 import os
