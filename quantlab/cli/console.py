@@ -126,7 +126,7 @@ def bits_summary(per_quantized_weight: float | None, per_parameter: float) -> st
 
 
 def disk_size(size: int) -> str:
-    """Size on disk in decimal units (kB, MB, GB), as file managers and the baselines report it."""
+    """Size on disk in decimal units (kB, MB, GB), as file managers and benchmarks/RESULTS.md report it."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if size >= scale:
             return f"{size / scale:,.1f} {unit}"

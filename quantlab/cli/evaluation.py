@@ -1,7 +1,7 @@
 """The evaluation flags of the commands: `--eval`, `--text FILE`, and the window sizes.
 
 The defaults (16 windows of 512 tokens of the bundled WikiText-2 slice) are those of
-`quantlab.workflows.text`, `benchmarks/quality.py` and the baselines.
+`quantlab.workflows.text`, `benchmarks/quality.py` and the peer figures in `benchmarks/RESULTS.md`.
 """
 
 import argparse

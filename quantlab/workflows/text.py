@@ -1,7 +1,8 @@
 """The text perplexity is measured on, and measuring it with the shared harness of `quantlab.eval`.
 
 The defaults (16 windows of 512 tokens of the bundled WikiText-2 slice, float32 compute) are those
-of `benchmarks/quality.py` and the baselines, so the figures the workflows report compare with them.
+of `benchmarks/quality.py` and the peer figures in `benchmarks/RESULTS.md`, so the figures the
+workflows report compare with them.
 """
 
 import os

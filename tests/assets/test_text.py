@@ -43,6 +43,6 @@ def test_first_harness_windows_equal_those_of_the_full_file():
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
     full = token_ids(tokenizer, read_text(SHARED_TEXT))
     bundled = token_ids(tokenizer, bundled_text())
-    assert len(full) == 301_948  # the count of baselines.md: the file is read with universal newlines
+    assert len(full) == 301_948  # the harness's token count: the file is read with universal newlines
     assert bundled[: 16 * 512] == full[: 16 * 512]
     assert len(bundled) > 100_000

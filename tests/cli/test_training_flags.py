@@ -66,7 +66,7 @@ def test_no_visible_flag_is_spelled_two_ways():
         assert len(dests) == len(set(dests)), command
 
 
-# The previous release's spellings, removed (abbreviations of the new flags included).
+# Spellings that are not flags (abbreviations of the real flags included): each is refused.
 OLD_SPELLINGS = [
     ("finetune", ["--lr", "0.1"]),
     ("finetune", ["--steps", "3"]),

@@ -1,7 +1,7 @@
-"""Issue 2's acceptance on the real SmolLM2-135M (slow: about a minute per perplexity on 2 idle cores).
+"""Perplexity bounds of the built-in methods on the real SmolLM2-135M (slow: a minute or so per perplexity).
 
 The text is the bundled WikiText-2 head: its first 16 x 512 tokens are those of the full file
-(test_data.py checks it), so these are the figures of notes/baselines.md's harness.
+(tests/assets checks it), so these are the harness's evaluation windows (benchmarks/RESULTS.md).
 """
 
 import pytest
@@ -23,7 +23,8 @@ CONFIGS = {
     "custom_bits_4_g64_asym": quantlab.CustomBitsConfig(bits=4, group_size=64, symmetric=False),
     "custom_bits_3_g128_sym": quantlab.CustomBitsConfig(bits=3, group_size=128, symmetric=True),
 }
-# Upper bounds of issue 2: fp32 is 36.077, bitsandbytes NF4+DQ 45.610, round-to-nearest 4-bit g64 52.749.
+# Upper bounds: at most about fp32 for int8, bitsandbytes' NF4+DQ for nf4, round to nearest 4-bit g64 for custom bits
+# (their reference figures are in benchmarks/RESULTS.md).
 PERPLEXITY_LIMITS = {"int8": 36.12, "nf4_double_quant": 45.84, "custom_bits_4_g64_asym": 52.75}
 
 

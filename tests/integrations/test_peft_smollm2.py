@@ -1,6 +1,6 @@
-"""Issue 14's figures on the real SmolLM2-135M: a quantized model counts its quantized weights as parameters.
+"""PEFT on the real SmolLM2-135M: a quantized model counts its quantized weights as parameters.
 
-Slow (SmolLM2 quantized while loading, a few seconds per method on 2 idle cores).
+Slow: SmolLM2 is quantized while loading, once per method.
 """
 
 import pytest
