@@ -90,13 +90,13 @@ def replace_vocabulary(model: nn.Module, config: QuantlabConfig, quantize: bool)
         head = model.get_submodule(vocabulary.head)
         new_head = _quantized_head(vocabulary, head, table, config, quantize)
         if new_head is not None:
-            _set_submodule(model, vocabulary.head, new_head)
+            model.set_submodule(vocabulary.head, new_head)
             converted.append(vocabulary.head)
         if vocabulary.tied:
             # The head reads the embedding itself: `tie_weights` must neither give it a weight nor
             # look for one while loading.
             (getattr(model, "all_tied_weights_keys", None) or {}).pop(f"{vocabulary.head}.weight", None)
-    _set_submodule(model, vocabulary.embedding, table)
+    model.set_submodule(vocabulary.embedding, table)
     return converted
 
 
@@ -119,20 +119,14 @@ def dequantize_vocabulary(model: nn.Module, dtype: torch.dtype | None = None) ->
     for name, module in modules:
         if isinstance(module, QuantizedEmbedding):
             embeddings[id(module)] = float_embedding = module.to_embedding(dtype)
-            _set_submodule(model, name, float_embedding)
+            model.set_submodule(name, float_embedding)
         elif isinstance(module, QuantizedOutputHead):
-            _set_submodule(model, name, module.to_linear(dtype))
+            model.set_submodule(name, module.to_linear(dtype))
     for name, module in modules:
         if isinstance(module, TiedOutputHead):
             float_embedding = embeddings[id(module.embedding)]
-            _set_submodule(model, name, module.to_linear(float_embedding))
+            model.set_submodule(name, module.to_linear(float_embedding))
             vocabulary = find_vocabulary(model)
             tied = getattr(model, "all_tied_weights_keys", None)
             if tied is not None and vocabulary.embedding is not None:
                 tied[f"{name}.weight"] = f"{vocabulary.embedding}.weight"
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
