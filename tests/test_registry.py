@@ -100,15 +100,18 @@ def test_a_checkpoint_of_a_plugin_that_fails_to_register_raises_a_clear_error(mo
     """Installed plugins hold their name in transformers' table; if the plugin then fails to
     register, loading its checkpoint names the problem instead of loading codes as weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 
     from quantlab.errors import UnknownMethodError
-    from quantlab.integrations.transformers import PendingPluginConfig
+    from quantlab.integrations.transformers import PendingPluginConfig, PendingPluginQuantizer
     from quantlab.testing import tiny_llama
 
     install_broken_plugin(monkeypatch)
     monkeypatch.delitem(AUTO_QUANTIZATION_CONFIG_MAPPING, "quantlab_broken", raising=False)
+    monkeypatch.delitem(AUTO_QUANTIZER_MAPPING, "quantlab_broken", raising=False)
     reserve_plugin_methods()
     assert AUTO_QUANTIZATION_CONFIG_MAPPING["quantlab_broken"] is PendingPluginConfig
+    assert AUTO_QUANTIZER_MAPPING["quantlab_broken"] is PendingPluginQuantizer
 
     tiny_llama().save_pretrained(tmp_path)
     config = AutoConfig.from_pretrained(tmp_path)
@@ -117,6 +120,7 @@ def test_a_checkpoint_of_a_plugin_that_fails_to_register_raises_a_clear_error(mo
     with pytest.warns(RuntimeWarning, match="plugin 'broken'"), pytest.raises(UnknownMethodError, match="plugin"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     del AUTO_QUANTIZATION_CONFIG_MAPPING["quantlab_broken"]
+    del AUTO_QUANTIZER_MAPPING["quantlab_broken"]
 
 
 def test_subscribers_hear_of_methods_registered_before_and_after(monkeypatch):

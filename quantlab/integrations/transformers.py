@@ -71,6 +71,8 @@ def register_with_transformers(config_class: type[QuantlabConfig], quantizer_cla
     name = config_class(modules_to_not_convert=None).quant_method
     if AUTO_QUANTIZATION_CONFIG_MAPPING.get(name) is PendingPluginConfig:
         del AUTO_QUANTIZATION_CONFIG_MAPPING[name]
+    if AUTO_QUANTIZER_MAPPING.get(name) is PendingPluginQuantizer:
+        del AUTO_QUANTIZER_MAPPING[name]
     if AUTO_QUANTIZATION_CONFIG_MAPPING.get(name) is not config_class:
         register_quantization_config(name)(config_class)
     if AUTO_QUANTIZER_MAPPING.get(name) is not quantizer_class:
@@ -99,10 +101,32 @@ class PendingPluginConfig(QuantizationConfigMixin):
         return target.from_dict(config_dict, return_unused_kwargs=return_unused_kwargs, **kwargs)
 
 
+class PendingPluginQuantizer(HfQuantizer):
+    """Holds a plugin method's place in transformers' quantizer table until a model is loaded with it.
+
+    `from_pretrained(path, quantization_config=PluginConfig())` looks the quantizer up by name, and
+    importing a plugin's config class does not register the plugin; building this stand-in loads the
+    plugins and returns the real quantizer instead.
+    """
+
+    def __new__(cls, quantization_config: QuantizationConfigMixin, **kwargs: Any) -> HfQuantizer:
+        registry.discover_plugins()
+        name = quantization_config.quant_method
+        target = AUTO_QUANTIZER_MAPPING.get(name)
+        if target is None or target is cls:
+            raise UnknownMethodError(
+                f"quantization method {name!r} belongs to a plugin that is installed but did not register it "
+                "(see the warning above); reinstall the plugin or upgrade it to match quantlab"
+            )
+        return target(quantization_config, **kwargs)
+
+
 def reserve_plugin_names(method_names: list[str]) -> None:
-    """Put a `PendingPluginConfig` under the transformers name of each method not registered yet."""
+    """Put a `PendingPluginConfig` and a `PendingPluginQuantizer` under the transformers name of each
+    method not registered yet."""
     for method in method_names:
         AUTO_QUANTIZATION_CONFIG_MAPPING.setdefault(transformers_name(method), PendingPluginConfig)
+        AUTO_QUANTIZER_MAPPING.setdefault(transformers_name(method), PendingPluginQuantizer)
 
 
 def make_quantizer_class(module_class: type[QuantizedLinear]) -> type["QuantlabHfQuantizer"]:

@@ -64,6 +64,24 @@ def quantized_in_a_fresh_process(tmp_path_factory) -> dict:
 
 
 @pytest.mark.subprocess
+def test_the_plugins_config_quantizes_on_load_before_any_method_is_looked_up(tmp_path):
+    """Importing the plugin's config class registers nothing; loading a model with it must still
+    find the plugin (transformers looks the quantizer up by name)."""
+    tiny_llama().save_pretrained(tmp_path / "float")
+    report = run_fresh(
+        f"""
+        import json
+        from transformers import AutoModelForCausalLM
+        from quantlab_hqq import HqqConfig
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "float")!r}, quantization_config=HqqConfig(bits=4))
+        print(json.dumps({{"layer": type(model.model.layers[0].mlp.down_proj).__name__}}))
+        """,
+        tmp_path,
+    )
+    assert report["layer"] == "HqqLinear"
+
+
+@pytest.mark.subprocess
 def test_listed_in_a_fresh_process_without_importing_the_plugin(quantized_in_a_fresh_process):
     found = quantized_in_a_fresh_process
     assert "hqq" in found["methods"]
