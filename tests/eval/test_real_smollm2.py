@@ -53,7 +53,7 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(PERPLEXITY_LIMITS))
-def test_perplexity_within_issue_bound(saved, tokenizer, name):
+def test_perplexity_within_its_bound(saved, tokenizer, name):
     model, _ = saved(name)
     assert perplexity(model, tokenizer, bundled_text()) <= PERPLEXITY_LIMITS[name]
 
