@@ -16,7 +16,7 @@ BASE = {
     "distill": ["distill", "--teacher", "t", "--student", "s"],
 }
 SHARED_DESTS = {spec.name for spec in training_flags()} | {"training_arg", "training_args_file"}
-ISSUE_FLAGS = [
+TRAINING_ARGUMENTS_FLAGS = [
     "--learning-rate", "--max-steps", "--per-device-train-batch-size", "--gradient-accumulation-steps",
     "--lr-scheduler-type", "--warmup-steps", "--save-steps", "--save-total-limit", "--logging-steps",
     "--eval-steps", "--bf16", "--fp16", "--optim", "--resume-from-checkpoint", "--output-dir",
@@ -47,7 +47,7 @@ def _shared_actions(command: str) -> dict[str, tuple]:
 def test_shared_flags_are_identical_in_every_training_command():
     finetune = _shared_actions("finetune")
     assert finetune == _shared_actions("prune") == _shared_actions("distill")
-    assert set(ISSUE_FLAGS) <= set(finetune)
+    assert set(TRAINING_ARGUMENTS_FLAGS) <= set(finetune)
     assert len(finetune) == len(SHARED_DESTS)  # one visible flag per shared value
     assert "--batch-size" in finetune["--per-device-train-batch-size"][0]
 
