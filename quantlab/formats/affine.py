@@ -18,8 +18,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from quantlab.formats import fast_path, packing
-from quantlab.formats.codec import Codec, GroupParams, TensorSpec, register_codec
+from quantlab.formats import fast_path, grouping, packing
+from quantlab.formats.codec import (
+    GGUF_BLOCK,
+    Codec,
+    GGUFBlocks,
+    GroupParams,
+    NotExactInGGUF,
+    TensorSpec,
+    float16_exact,
+    per_block,
+    register_codec,
+)
 
 if TYPE_CHECKING:
     from quantlab.formats.layout import Descriptor, StorageLayout
@@ -153,6 +163,50 @@ class AffineCodec(Codec):
     def int8_activations(self, descriptor: Descriptor) -> bool:
         """4-bit codes in groups of 64 or a multiple (a per-channel group being the row)."""
         return descriptor.bits == 4 and descriptor.group_size % 64 == 0
+
+    # -- GGUF -------------------------------------------------------------------------------------
+
+    def gguf_type(self, layout: StorageLayout) -> str | None:
+        """Symmetric codes `q - 2**(b-1)` are the signed codes of Q4_0 (up to 4 bits) or Q8_0 (up to 8);
+        with zero points, codes of up to 4 bits are Q4_1's, `m = -zero * scale`."""
+        if self.has_zero(layout):
+            return "Q4_1" if layout.bits <= 4 else None
+        return "Q4_0" if layout.bits <= 4 else "Q8_0"
+
+    def gguf_blocks(self, layout: StorageLayout, stored: dict[str, torch.Tensor]) -> GGUFBlocks:
+        kind = self.gguf_type(layout)
+        if kind is None:
+            raise NotExactInGGUF(
+                f"{layout.bits}-bit codes with zero points have no GGUF type (Q4_1, the one with a minimum per "
+                f"block, holds 4 bits)"
+            )
+        codes, params = self.load(layout, stored)
+        codes = grouping.ungroup(codes, layout.in_features)
+        scale = float16_exact(per_block(params.scale, layout), "a scale")
+        if kind == "Q4_1":
+            return self._gguf_q4_1(layout, stored, codes, scale, per_block(params.zero, layout))
+        signed = codes.to(torch.int16) - int(self.constant_zero(layout))
+        if kind == "Q4_0":
+            return GGUFBlocks(kind, (signed + 8).to(torch.uint8), scale)
+        return GGUFBlocks(kind, signed.to(torch.int8), scale)
+
+    def _gguf_q4_1(
+        self,
+        layout: StorageLayout,
+        stored: dict[str, torch.Tensor],
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+    ) -> GGUFBlocks:
+        """`(q - zero) * scale` as `q * d + m`: `m = -zero * scale` must be a float16 number (the product
+        is exact in float64), and the two float32 evaluations must round alike, which is checked."""
+        minimum = float16_exact(-(zero.double() * scale.double()), "a group's minimum -zero * scale")
+        blocks = GGUFBlocks("Q4_1", codes, scale, minimum)
+        expanded = codes.float().reshape(codes.shape[0], -1, GGUF_BLOCK)
+        decoded = (expanded * scale.float().unsqueeze(-1) + minimum.float().unsqueeze(-1)).reshape(codes.shape)
+        if not torch.equal(decoded, self.dequantize(layout, stored)):
+            raise NotExactInGGUF("q * d + m rounds differently from (q - zero) * scale in float32 for some weights")
+        return blocks
 
 
 AFFINE = register_codec(AffineCodec())

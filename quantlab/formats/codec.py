@@ -4,8 +4,9 @@ A storage layout (`quantlab.formats.layout.StorageLayout`) names its codec and c
 numbers that vary between layers (bits, group size, shape, scale dtype, options); the codec
 answers every question whose answer depends on the format: which tensors are stored, how a
 float weight becomes codes (round to nearest) and how codes decode, how stored tensors are
-written and read back, what the native kernels and ONNX exporter need, and how `inspect`
-labels it. Code outside `quantlab.formats` asks the codec; it never branches on a codec name.
+written and read back, what the native kernels and ONNX exporter need, which GGUF block type
+holds its codes exactly (`gguf_type`, `gguf_blocks`), and how `inspect` labels it. Code
+outside `quantlab.formats` asks the codec; it never branches on a codec name.
 
 A new format is one module: subclass `Codec`, implement `tensors`, `quantize` and `dequantize`
 (and the grid methods if solvers should work on it), and `register_codec` an instance. Every
@@ -27,6 +28,53 @@ if TYPE_CHECKING:
 class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFBlocks:
+    """A weight's codes as the blocks of one GGUF type hold them: the numbers of every block of
+    `GGUF_BLOCK` weights along a row, before they are laid out in bytes.
+
+    `type` is the GGUF type's name ("Q4_0", "Q4_1", "Q8_0"); `codes` `[out, in]` are what a block
+    stores per weight (unsigned 0..15 for the 4-bit types, signed int8 for Q8_0); `scale` is each
+    block's `d` and `min` its `m` (Q4_1 only), `[out, in // GGUF_BLOCK]` float16. A block decodes as
+    `(q - 8) * d` (Q4_0), `q * d + m` (Q4_1) or `q * d` (Q8_0).
+    """
+
+    type: str
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None = None
+
+
+class NotExactInGGUF(ValueError):
+    """A layout's stored numbers have no GGUF block type that holds them exactly; the message says why."""
+
+
+GGUF_BLOCK = 32  # weights per block of the GGUF types codecs map to
+
+
+def float16_exact(values: torch.Tensor, what: str) -> torch.Tensor:
+    """`values` as float16, or NotExactInGGUF when some value is not a float16 number (rounded or out of range)."""
+    half = values.to(torch.float16)
+    if not torch.equal(half.double(), values.double()):
+        worst = (half.double() - values.double()).abs().nan_to_num(float("inf")).argmax()
+        raise NotExactInGGUF(
+            f"{what} {values.reshape(-1)[worst].item():.9g} is not a float16 number (GGUF blocks store float16)"
+        )
+    return half
+
+
+def per_block(params: torch.Tensor, layout: "StorageLayout") -> torch.Tensor:
+    """Per-group numbers `[out, groups]` repeated for each block of `GGUF_BLOCK` weights of a row
+    `[out, in // GGUF_BLOCK]`; NotExactInGGUF when a block would straddle two groups."""
+    if layout.in_features % GGUF_BLOCK or layout.group_length % GGUF_BLOCK:
+        raise NotExactInGGUF(
+            f"{layout.in_features} input features in groups of {layout.group_length} do not split into the "
+            f"{GGUF_BLOCK}-weight blocks of GGUF (both must be multiples of {GGUF_BLOCK})"
+        )
+    repeated = params.repeat_interleave(layout.group_length // GGUF_BLOCK, dim=1)
+    return repeated[:, : layout.in_features // GGUF_BLOCK]
 
 
 @dataclasses.dataclass
@@ -179,6 +227,16 @@ class Codec:
     def int8_activations(self, descriptor: "Descriptor") -> bool:
         """Whether the native int8-activation kernel (`ql_a8_eligible`) takes a layer of this layout."""
         return False
+
+    def gguf_type(self, layout: "StorageLayout") -> str | None:
+        """The GGUF block type that can hold this layout's codes exactly, or None when none can.
+        Whether a given layer's numbers fit (float16 scales, whole blocks) is `gguf_blocks`' check."""
+        return None
+
+    def gguf_blocks(self, layout: "StorageLayout", stored: dict[str, torch.Tensor]) -> GGUFBlocks:
+        """The stored tensors as the blocks of `gguf_type`, decoding to exactly `dequantize`'s values;
+        NotExactInGGUF, saying why, when the numbers do not fit."""
+        raise NotExactInGGUF(f"codec {self.name!r} has no GGUF block type that holds its codes")
 
     def describe(self, layout: "StorageLayout") -> dict[str, Any]:
         """The numbers an exporter needs, in plain Python: bits, group length, zero point kind

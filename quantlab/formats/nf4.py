@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantlab.formats import fast_path, grouping, packing
-from quantlab.formats.codec import Codec, GroupParams, TensorSpec, register_codec
+from quantlab.formats.codec import Codec, GGUFBlocks, GroupParams, NotExactInGGUF, TensorSpec, register_codec
 
 if TYPE_CHECKING:
     from quantlab.formats.layout import StorageLayout
@@ -210,6 +210,11 @@ class NF4Codec(Codec):
             ABSMAX_BLOCKSIZE,
         )
         return GroupParams(scale=absmax)
+
+    def gguf_blocks(self, layout: StorageLayout, stored: dict[str, torch.Tensor]) -> GGUFBlocks:
+        raise NotExactInGGUF(
+            "NF4 codes index 16 normal-quantile levels, which no GGUF type stores (IQ4_NL's 16 levels are others)"
+        )
 
 
 NF4 = register_codec(NF4Codec())
