@@ -1,13 +1,30 @@
-"""ONNX export of float and quantlab-quantized transformers models, run by onnxruntime.
+"""Exports of float and quantlab-quantized transformers models to other runtimes.
 
-`to_onnx(model, path)` writes one ONNX file whose quantized layers are onnxruntime low-bit
-operators carrying quantlab's own codes and scales; `OnnxCausalLM` generates text with it.
-Needs the `onnx` extra (onnx, onnxruntime, onnxscript, onnx-ir).
+ONNX: `to_onnx(model, path)` writes one ONNX file whose quantized layers are onnxruntime low-bit
+operators carrying quantlab's own codes and scales; `OnnxCausalLM` generates text with it. Needs
+the `onnx` extra (onnx, onnxruntime, onnxscript, onnx-ir).
+
+GGUF (`quantlab.export.gguf`): one file for llama.cpp; needs only the `gguf` package, so the
+names below load the ONNX machinery when first used, not when the package is imported.
 """
 
-from quantlab.export.errors import ExportError
-from quantlab.export.exporter import OnnxExport, to_onnx
-from quantlab.export.lowering import LayerLowering, register_onnx_lowering
-from quantlab.export.runtime import OnnxCausalLM
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ExportError": "quantlab.export.errors",
+    "LayerLowering": "quantlab.export.lowering",
+    "OnnxCausalLM": "quantlab.export.runtime",
+    "OnnxExport": "quantlab.export.exporter",
+    "register_onnx_lowering": "quantlab.export.lowering",
+    "to_onnx": "quantlab.export.exporter",
+}
 
 __all__ = ["ExportError", "LayerLowering", "OnnxCausalLM", "OnnxExport", "register_onnx_lowering", "to_onnx"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,163 @@
+"""Which tensors a GGUF file of a model holds, in which GGUF type, and whether they equal the model's.
+
+A quantized layer whose codec maps its codes to a GGUF block type (`Codec.gguf_blocks`) is
+written in that type from its own codes and scales: nothing is rounded again. Every such tensor
+is decoded back (`gguf.quants.dequantize`) and compared with quantlab's dequantized weight, so
+"exact" is checked, not assumed. Any other matrix (float, or codes no GGUF type holds) is
+re-quantized from its float values into the fallback type: by default Q8_0 for the embedding
+table and the output head and F16 for the other matrices; norms and biases are F32, as
+llama.cpp's converter writes them.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from quantlab.export.gguf import architectures
+from quantlab.export.gguf.architectures import Architecture
+from quantlab.export.gguf.blocks import pack
+from quantlab.export.gguf.errors import GGUFExportError, require_gguf
+from quantlab.formats.codec import GGUFBlocks, NotExactInGGUF
+from quantlab.nn import QuantizedLinear, TiedOutputHead
+from quantlab.nn.quantized_embedding import QuantizedTable
+
+# What a matrix may be re-quantized to: the types `gguf.quants.quantize` writes that llama.cpp's CPU runs.
+FALLBACK_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
+TABLE_FALLBACK, MATRIX_FALLBACK = "Q8_0", "F16"
+_TABLES = ("token_embd", "output")
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor of the file: its GGUF `name` and `type`, the model's `module` it comes from, its
+    torch-order `shape`, the `data` written, `origin` ("codes": quantlab's codes and scales packed
+    as they are; "float": the float weights; "dequantized": codes no GGUF type holds, decoded to
+    float first), whether the values in the file equal the model's (`exact`) and, when not, why."""
+
+    name: str
+    module: str
+    type: str
+    shape: tuple[int, ...]
+    origin: str
+    exact: bool
+    reason: str
+    data: np.ndarray
+
+    @property
+    def requantized(self) -> bool:
+        """A matrix whose values in the file differ from the model's (rounded into its GGUF type)."""
+        return len(self.shape) == 2 and not self.exact
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "module": self.module,
+            "type": self.type,
+            "shape": list(self.shape),
+            "origin": self.origin,
+            "exact": self.exact,
+            "requantized": self.requantized,
+            "reason": self.reason,
+        }
+
+
+def model_tensors(model: nn.Module, architecture: Architecture, fallback_type: str | None) -> list[GGUFTensor]:
+    """Every tensor the GGUF file of `model` holds, converted (nothing written yet)."""
+    if fallback_type is not None and fallback_type not in FALLBACK_TYPES:
+        raise GGUFExportError(f"fallback type {fallback_type!r} is not one of {', '.join(FALLBACK_TYPES)}")
+    config = model.config
+    tensors: list[GGUFTensor] = []
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, TiedOutputHead):
+            if module.bias is not None:
+                raise GGUFExportError(f"{module_name}: a bias on a tied output head has no GGUF tensor")
+            continue  # llama.cpp reads the embedding table as the head when `output` is absent
+        quantized = isinstance(module, (QuantizedLinear, QuantizedTable))
+        own = {name: p for name, p in module.named_parameters(recurse=False) if p is not None}
+        if not own and not quantized:
+            continue
+        base = architectures.gguf_name(module_name)
+        if base is None:
+            raise GGUFExportError(
+                f"{module_name} ({type(module).__name__}) has no tensor in the GGUF {architecture.name} architecture; "
+                f"merge or remove it before export"
+            )
+        matrix = module.weight if isinstance(module, (nn.Linear, nn.Embedding)) else None
+        if matrix is not None and matrix.data_ptr() in seen:
+            continue  # the output head tied to the float embedding table: written once
+        if matrix is not None:
+            seen.add(matrix.data_ptr())
+        rows = getattr(module, "out_features", None) or getattr(module, "num_embeddings", 0)
+        order = architectures.permutation(architecture, config, base, rows)
+        fallback = fallback_type or (TABLE_FALLBACK if base in _TABLES else MATRIX_FALLBACK)
+        if quantized:
+            tensors.append(_quantized(base, module_name, module, order, fallback))
+        elif matrix is not None:
+            values = _rows(matrix.detach().float().cpu(), order)
+            tensors.append(_requantized(base + ".weight", module_name, values, fallback, "float", "float in the model"))
+        for name, tensor in own.items():
+            if name == "weight" and matrix is not None:
+                continue
+            if tensor.dim() != 1:
+                raise GGUFExportError(f"{module_name}.{name}: a {tensor.dim()}-D tensor here has no GGUF counterpart")
+            values = _rows(tensor.detach().float().cpu(), order if name == "bias" else None)
+            tensors.append(_requantized(f"{base}.{name}", module_name, values, "F32", "float", ""))
+    return tensors
+
+
+def extra_tensors(extra: dict[str, torch.Tensor]) -> list[GGUFTensor]:
+    """Tensors the architecture's settings add (Llama 3's `rope_freqs`), in F32."""
+    return [_requantized(name, "", values.float(), "F32", "float", "") for name, values in extra.items()]
+
+
+def _quantized(base: str, module_name: str, module: Any, order: torch.Tensor | None, fallback: str) -> GGUFTensor:
+    """A quantized layer's weight: its own codes in the GGUF type that holds them, when one does."""
+    gguf = require_gguf()
+    layout = module.layout
+    stored = {name: tensor.detach().cpu() for name, tensor in module.stored_tensors().items()}
+    reference = _rows(layout.dequantize(stored, torch.float32), order)
+    try:
+        blocks = layout.codec_object.gguf_blocks(layout, stored)
+    except NotExactInGGUF as error:
+        reason = f"{layout.codec_object.label(layout)} {layout.bits}-bit: {error}"
+    else:
+        data = pack(_permuted(blocks, order))
+        decoded = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[blocks.type])
+        if np.array_equal(decoded, reference.numpy()):
+            return GGUFTensor(
+                base + ".weight", module_name, blocks.type, tuple(reference.shape), "codes", True, "", data
+            )
+        reason = f"its {blocks.type} blocks decode to other values than quantlab's"
+    return _requantized(base + ".weight", module_name, reference, fallback, "dequantized", reason)
+
+
+def _requantized(name: str, module_name: str, values: torch.Tensor, kind: str, origin: str, reason: str) -> GGUFTensor:
+    """Float `values` rounded to the GGUF type `kind` by gguf-py; F16 when rows do not fill its blocks."""
+    gguf = require_gguf()
+    qtype = gguf.GGMLQuantizationType[kind]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if values.dim() == 2 and values.shape[-1] % block:
+        reason = f"{reason}; rows of {values.shape[-1]} do not fill {kind} blocks of {block}, so F16"
+        kind, qtype = "F16", gguf.GGMLQuantizationType.F16
+    array = values.numpy()
+    data = gguf.quants.quantize(array, qtype)
+    exact = bool(np.array_equal(gguf.quants.dequantize(data, qtype).reshape(array.shape), array))
+    if not exact:
+        reason = f"{reason}: rounded to {kind}" if reason else f"rounded to {kind}"
+    return GGUFTensor(name, module_name, kind, tuple(values.shape), origin, exact, reason, data)
+
+
+def _rows(values: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    return values if order is None else values.index_select(0, order)
+
+
+def _permuted(blocks: GGUFBlocks, order: torch.Tensor | None) -> GGUFBlocks:
+    """The blocks with their rows in `order` (codes and their scales move together: still exact)."""
+    if order is None:
+        return blocks
+    minimum = None if blocks.min is None else _rows(blocks.min, order)
+    return GGUFBlocks(blocks.type, _rows(blocks.codes, order), _rows(blocks.scale, order), minimum)
