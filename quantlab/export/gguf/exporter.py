@@ -109,8 +109,8 @@ def _refuse_inexact(tensors: list[GGUFTensor]) -> None:
     for tensor in tensors:
         if not tensor.exact:
             raise GGUFExportError(
-                f"{tensor.name} ({tensor.module or 'added'}) would not hold the model's values: {tensor.reason}; "
-                f"with exact export, quantize it into codes a GGUF type holds or choose fallback type F32"
+                f"exact export refused: {tensor.name} ({tensor.module}) in {tensor.type} would differ from the model's "
+                f"values ({tensor.reason}); quantize it into codes a GGUF type holds, or choose fallback type F32"
             )
 
 
