@@ -1,21 +1,28 @@
-"""`quantlab export onnx [MODEL] --output FILE`: write a checkpoint as one ONNX file for onnxruntime.
+"""`quantlab export onnx|gguf [MODEL] --output FILE`: write a checkpoint for another runtime.
 
-The work is `quantlab.workflows.export.export_onnx`: quantized layers become onnxruntime low-bit
-operators carrying the checkpoint's own codes and scales; `--ort-dynamic-int8` instead runs
-onnxruntime's own dynamic int8 quantization on a float export, for comparison.
+`onnx` (`quantlab.workflows.export.export_onnx`): one ONNX file for onnxruntime; quantized layers
+become low-bit operators carrying the checkpoint's own codes and scales; `--ort-dynamic-int8`
+instead runs onnxruntime's own dynamic int8 quantization on a float export, for comparison.
+
+`gguf` (`quantlab.workflows.export.export_gguf`): one GGUF file for llama.cpp with the tokenizer;
+prints each tensor's GGUF type and whether it holds quantlab's own codes or was re-quantized.
 """
 
 import argparse
 
-from quantlab.cli.console import Console, add_output_options, disk_size, key_value_table, seconds
+from quantlab.cli.console import Console, add_output_options, column_table, disk_size, key_value_table, seconds
 from quantlab.cli.options import MODEL_HELP
-from quantlab.workflows.export import export_onnx
+from quantlab.workflows.export import export_gguf, export_onnx
+
+# The types `--fallback-type` offers (`quantlab.export.gguf.FALLBACK_TYPES`, kept here so that
+# `--help` does not import the exporter).
+GGUF_FALLBACK_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "export",
-        help="export a model to another runtime's format (onnx)",
+        help="export a model to another runtime's format (onnx, gguf)",
         description="Export a float or quantlab-quantized checkpoint to another runtime's format.",
     )
     formats = parser.add_subparsers(dest="format", metavar="FORMAT", required=True, parser_class=type(parser))
@@ -52,9 +59,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     onnx.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
     add_output_options(onnx)
+    _add_gguf_parser(formats)
+
+
+def _add_gguf_parser(formats: argparse._SubParsersAction) -> None:
+    gguf = formats.add_parser(
+        "gguf",
+        help="one GGUF file for llama.cpp, quantlab's 4- and 8-bit codes kept where a GGUF type holds them",
+        description="Export a Llama-family or Qwen2 causal LM (float, or quantized by quantlab) and its tokenizer to "
+        "one GGUF file. Layers whose codes a GGUF type holds exactly keep them: symmetric 4-bit (fp16 scales, groups "
+        "of 32 or a multiple) as Q4_0, int8 as Q8_0, asymmetric 4-bit as Q4_1 when fp16 holds -zero*scale. Other "
+        "matrices are re-quantized to the fallback type; the report lists every tensor.",
+    )
+    gguf.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
+    gguf.add_argument("--output", "-o", required=True, metavar="FILE", help="the .gguf file to write")
+    gguf.add_argument(
+        "--fallback-type",
+        choices=GGUF_FALLBACK_TYPES,
+        metavar="TYPE",
+        help="GGUF type for float matrices and codes no GGUF type holds (default: Q8_0 for the embedding table and "
+        f"output head, F16 for the others); one of {', '.join(GGUF_FALLBACK_TYPES)}",
+    )
+    gguf.add_argument(
+        "--exact",
+        action="store_true",
+        help="refuse to write a matrix whose values in the file would differ from the model's",
+    )
+    gguf.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
+    add_output_options(gguf)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.format == "gguf":
+        return _run_gguf(args)
     console = Console.from_args(args)
     report = export_onnx(
         args.model,
@@ -91,3 +128,44 @@ def _table(source: str, result, export_seconds: float) -> str:
 
 def _shorten(names: list[str], shown: int = 4) -> list[str]:
     return names if len(names) <= shown else [*names[: shown - 1], f"... ({len(names)} in all)"]
+
+
+def _run_gguf(args: argparse.Namespace) -> int:
+    console = Console.from_args(args)
+    report = export_gguf(
+        args.model,
+        args.output,
+        fallback_type=args.fallback_type,
+        exact=args.exact,
+        overwrite=args.overwrite,
+        progress=console.progress,
+        notify=console.note,
+    )
+    console.report(
+        _gguf_table(report.model, report.result, report.export_seconds), {"command": "export gguf", **report.to_json()}
+    )
+    return 0
+
+
+def _gguf_table(source: str, result, export_seconds: float) -> str:
+    types = ", ".join(f"{count} {kind}" for kind, count in sorted(result.type_counts().items()))
+    requantized = result.requantized
+    matrices = sum(len(tensor.shape) == 2 for tensor in result.tensors)
+    summary = key_value_table(
+        f"exported {source} -> {result.path}",
+        [
+            ("architecture", f"{result.architecture} ({result.file_type}, pre-tokenizer {result.pre_tokenizer})"),
+            ("size", disk_size(result.bytes)),
+            ("tensors", types),
+            ("from quantlab codes", f"{len(result.from_codes)} of {matrices} matrices"),
+            ("re-quantized", f"{len(requantized)} (values differ from the model's)" if requantized else "none"),
+            ("time", seconds(export_seconds)),
+        ],
+    )
+    rows = [(t.name, t.type, _origin(t.origin), "yes" if t.exact else "no", t.reason or "-") for t in result.tensors]
+    notes = "".join(f"\nnote: {note}" for note in result.notes)
+    return f"{summary}\n\n{column_table(['tensor', 'type', 'from', 'exact', 'why'], rows)}{notes}"
+
+
+def _origin(origin: str) -> str:
+    return {"codes": "quantlab codes", "float": "float", "dequantized": "dequantized codes"}.get(origin, origin)

@@ -1,9 +1,13 @@
-"""Export a float or quantlab-quantized checkpoint to one ONNX file for onnxruntime.
+"""Export a float or quantlab-quantized checkpoint to another runtime's format.
 
-Quantized layers become onnxruntime low-bit operators carrying the checkpoint's own codes and
-scales (MatMulNBits, MatMulBnb4, or a dequantize fallback); `ort_dynamic_int8` instead runs
-onnxruntime's own dynamic int8 quantization on a float export, for comparison. The file is
-written atomically; large weights go to a `.data` file beside it (see `quantlab.export`).
+ONNX (`export_onnx`): quantized layers become onnxruntime low-bit operators carrying the
+checkpoint's own codes and scales (MatMulNBits, MatMulBnb4, or a dequantize fallback);
+`ort_dynamic_int8` instead runs onnxruntime's own dynamic int8 quantization on a float export,
+for comparison. Large weights go to a `.data` file beside it (see `quantlab.export`).
+
+GGUF (`export_gguf`): one file llama.cpp runs, with the model's tokenizer; layers whose codes a
+GGUF type holds keep them, the rest is re-quantized and reported (see `quantlab.export.gguf`).
+Both files are written atomically.
 """
 
 import os
@@ -69,3 +73,62 @@ def export_onnx(
         overwrite=overwrite,
     )
     return ExportReport(str(source), result, loaded - started, time.perf_counter() - loaded)
+
+
+@dataclass
+class GGUFExportReport:
+    """The GGUF file written (`result`, a `quantlab.export.gguf.GGUFExport`) and the time loading and exporting took."""
+
+    model: str
+    result: Any
+    load_seconds: float
+    export_seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            **self.result.to_json(),
+            "load_seconds": self.load_seconds,
+            "export_seconds": self.export_seconds,
+        }
+
+
+def export_gguf(
+    model: "str | os.PathLike | ModelSource | None",
+    output: str | os.PathLike,
+    *,
+    fallback_type: str | None = None,
+    exact: bool = False,
+    overwrite: bool = False,
+    progress: bool = False,
+    notify: Notify | None = None,
+) -> GGUFExportReport:
+    """Write `model` (a folder, a `.gguf` file, None for the embedded default) and its tokenizer to the
+    GGUF file `output`; arguments checked before the model loads, nothing written on an error."""
+    import torch
+
+    from quantlab.export.gguf import FALLBACK_TYPES, GGUFExportError, to_gguf
+    from quantlab.loading import load_with_tokenizer
+    from quantlab.utils.atomic import check_replaceable
+
+    output = Path(output).expanduser()
+    if fallback_type is not None and fallback_type not in FALLBACK_TYPES:
+        raise GGUFExportError(f"fallback type {fallback_type!r} is not one of {', '.join(FALLBACK_TYPES)}")
+    if output.is_dir():
+        raise GGUFExportError(f"output {output} is a folder; name the .gguf file to write")
+    check_replaceable(output, overwrite)
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    started = time.perf_counter()
+    loaded = load_with_tokenizer(source, dtype=torch.float32, scratch=output.parent, progress=progress)
+    load_seconds = time.perf_counter() - started
+    notifier(notify)(f"exporting {source} to {output}")
+    result = to_gguf(
+        loaded.model,
+        output,
+        tokenizer=loaded.tokenizer,
+        fallback_type=fallback_type,
+        exact=exact,
+        overwrite=overwrite,
+        name=source.name or None,
+    )
+    return GGUFExportReport(str(source), result, load_seconds, time.perf_counter() - started - load_seconds)
