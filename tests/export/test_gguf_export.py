@@ -149,6 +149,22 @@ def test_llama_q_and_k_biases_are_permuted_like_their_rows(tmp_path) -> None:
     )
 
 
+def test_asymmetric_codes_are_q4_1_where_float16_holds_the_minimum(tmp_path) -> None:
+    config = quantlab.CustomBitsConfig(bits=4, group_size=32, symmetric=False, scale_dtype="float16")
+    model = quantlab.quantize(tiny_llama(), config)
+    generator = torch.Generator().manual_seed(0)
+    for layer in model.modules():  # grids whose -zero * scale float16 holds: power-of-two scales, whole zeros
+        if isinstance(layer, quantlab.nn.QuantizedLinear):
+            layer.weight_scale.copy_(2.0 ** -torch.randint(3, 8, layer.weight_scale.shape, generator=generator))
+            layer.weight_zero.copy_(torch.randint(0, 16, layer.weight_zero.shape, generator=generator))
+    result = to_gguf(model, tmp_path / "q4_1.gguf", tokenizer=byte_tokenizer())
+    tensors = _read(tmp_path / "q4_1.gguf")
+    for name, values in _expected_weights(model).items():
+        assert tensors[name][0] == "Q4_1", name
+        np.testing.assert_array_equal(tensors[name][1], values, err_msg=name)
+    assert {t.name for t in result.requantized} == {"token_embd.weight", "output.weight"}
+
+
 def test_codes_no_gguf_type_holds_fall_back_and_are_reported(tmp_path) -> None:
     model = quantlab.quantize(tiny_llama(), quantlab.CustomBitsConfig(bits=4, group_size=32, symmetric=False))
     result = to_gguf(model, tmp_path / "asym.gguf", tokenizer=byte_tokenizer(), fallback_type="Q8_0")
