@@ -70,3 +70,10 @@ def test_existing_output_is_refused(capsys, q4_dir, tmp_path) -> None:
     assert output.read_bytes() == b"keep"
     code, _, _ = _run(capsys, "export", "gguf", q4_dir, "-o", output, "--overwrite", "--quiet")
     assert code == 0 and output.read_bytes()[:4] == b"GGUF"
+
+
+def test_the_commands_fallback_types_are_the_exporters() -> None:
+    from quantlab.cli.export import GGUF_FALLBACK_TYPES
+    from quantlab.export.gguf import FALLBACK_TYPES
+
+    assert GGUF_FALLBACK_TYPES == FALLBACK_TYPES
