@@ -52,13 +52,16 @@ def llama_cpp_perplexity(path: Path, windows: torch.Tensor, threads: int) -> flo
         model_path=str(path), n_ctx=seq_len, n_batch=seq_len, n_threads=threads, logits_all=True, verbose=False
     )
     total = 0.0
-    for window in windows.tolist():
-        llm.reset()
-        llm.eval(window)
-        logits = np.asarray(llm.scores[: seq_len - 1], dtype=np.float64)
-        shifted = logits - logits.max(axis=-1, keepdims=True)
-        log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-        total -= float(log_probs[np.arange(seq_len - 1), window[1:]].sum())
+    try:
+        for window in windows.tolist():
+            llm.reset()
+            llm.eval(window)
+            logits = np.asarray(llm.scores[: seq_len - 1], dtype=np.float64)
+            shifted = logits - logits.max(axis=-1, keepdims=True)
+            log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+            total -= float(log_probs[np.arange(seq_len - 1), window[1:]].sum())
+    finally:
+        llm.close()  # now, not at interpreter exit, when llama-cpp-python's bindings are already gone
     return math.exp(total / (len(windows) * (seq_len - 1)))
 
 

@@ -312,6 +312,7 @@ def test_llama_cpp_runs_the_file_and_agrees_with_quantlab(smollm2_shaped, smollm
     llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
     llm.eval(ids)
     theirs = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+    llm.close()
     with torch.no_grad():
         ours = model(torch.tensor([ids])).logits[0].numpy()
     assert np.linalg.norm(theirs - ours) / np.linalg.norm(ours) < 0.05
