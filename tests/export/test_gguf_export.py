@@ -189,6 +189,35 @@ def test_exact_passes_with_float32_fallback_for_float_tables(tmp_path) -> None:
     assert all(t.exact for t in result.tensors)
 
 
+def _with_rope(**parameters):
+    model = tiny_llama()
+    model.config.rope_parameters = {"rope_theta": 10000.0, **parameters}
+    return model
+
+
+def test_llama3_rope_scaling_writes_rope_freqs_as_the_converter_computes_them(tmp_path) -> None:
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    model = _with_rope(**rope, original_max_position_embeddings=64)
+    to_gguf(model, tmp_path / "llama3.gguf", tokenizer=byte_tokenizer())
+    kind, factors = _read(tmp_path / "llama3.gguf")["rope_freqs.weight"]
+    frequencies = 1.0 / 10000.0 ** (np.arange(0, 16, 2, dtype=np.float32) / 16)
+    wavelengths = 2 * np.pi / frequencies
+    smooth = (64 / wavelengths - 1.0) / (4.0 - 1.0)
+    expected = np.where(wavelengths < 64 / 4, 1.0, np.where(wavelengths > 64, 8.0, 1 / ((1 - smooth) / 8 + smooth)))
+    assert kind == "F32"
+    np.testing.assert_allclose(factors, expected, rtol=1e-6)
+
+
+def test_linear_rope_scaling_is_written_and_other_kinds_refused(tmp_path) -> None:
+    to_gguf(_with_rope(rope_type="linear", factor=2.0), tmp_path / "linear.gguf", tokenizer=byte_tokenizer())
+    fields = gguf.GGUFReader(tmp_path / "linear.gguf").fields
+    assert fields["llama.rope.scaling.type"].contents() == "linear"
+    assert fields["llama.rope.scaling.factor"].contents() == 2.0
+    with pytest.raises(GGUFExportError, match="rotary scaling 'yarn'"):
+        to_gguf(_with_rope(rope_type="yarn", factor=4.0), tmp_path / "yarn.gguf", tokenizer=byte_tokenizer())
+    assert not (tmp_path / "yarn.gguf").exists()
+
+
 def test_existing_target_is_refused(tmp_path) -> None:
     target = tmp_path / "there.gguf"
     target.write_bytes(b"keep")
