@@ -75,7 +75,7 @@ def main() -> int:
         bits=4, group_size=64, symmetric=True, scale_dtype="float16", solver=args.solver, embedding_bits=8
     )
     started = time.perf_counter()
-    quantlab.quantize(model, config)
+    quantlab.quantize(model, config, tokenizer=tokenizer, progress=False)  # calibrated solvers read the default text
     quantize_seconds = time.perf_counter() - started
 
     with tempfile.TemporaryDirectory() as scratch:
