@@ -22,7 +22,7 @@ from quantlab.workflows.notes import Notify, notifier
 
 @dataclass
 class ExportReport:
-    """The exported file (`result`, a `quantlab.export` result) and the time loading and exporting took."""
+    """The exported file (`result`: the ONNX or GGUF exporter's result) and the time loading and exporting took."""
 
     model: str
     result: Any
@@ -75,24 +75,6 @@ def export_onnx(
     return ExportReport(str(source), result, loaded - started, time.perf_counter() - loaded)
 
 
-@dataclass
-class GGUFExportReport:
-    """The GGUF file written (`result`, a `quantlab.export.gguf.GGUFExport`) and the time loading and exporting took."""
-
-    model: str
-    result: Any
-    load_seconds: float
-    export_seconds: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            **self.result.to_json(),
-            "load_seconds": self.load_seconds,
-            "export_seconds": self.export_seconds,
-        }
-
-
 def export_gguf(
     model: "str | os.PathLike | ModelSource | None",
     output: str | os.PathLike,
@@ -102,7 +84,7 @@ def export_gguf(
     overwrite: bool = False,
     progress: bool = False,
     notify: Notify | None = None,
-) -> GGUFExportReport:
+) -> ExportReport:
     """Write `model` (a folder, a `.gguf` file, None for the embedded default) and its tokenizer to the
     GGUF file `output`; arguments checked before the model loads, nothing written on an error."""
     import torch
@@ -131,4 +113,4 @@ def export_gguf(
         overwrite=overwrite,
         name=source.name or None,
     )
-    return GGUFExportReport(str(source), result, load_seconds, time.perf_counter() - started - load_seconds)
+    return ExportReport(str(source), result, load_seconds, time.perf_counter() - started - load_seconds)
