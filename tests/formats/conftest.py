@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from quantlab.formats.codec import GroupParams
 from quantlab.formats.layout import StorageLayout
 from quantlab.kernels.cpu import native
 
@@ -44,6 +45,19 @@ def assert_matches_specs(layout: StorageLayout, stored: dict[str, torch.Tensor])
     }
 
 
+def assert_store_load_round_trip(layout: StorageLayout, grouped: torch.Tensor) -> tuple[GroupParams, GroupParams]:
+    """Fit, encode, store and load `grouped` weights: the stored tensors match the layout's specs and load
+    back to the same codes and scales. Returns (fitted, loaded) grids for codec-specific checks."""
+    params = layout.fit(grouped)
+    codes = layout.quantize_grouped(grouped, params)
+    stored = layout.store(codes, params)
+    assert_matches_specs(layout, stored)
+    loaded_codes, loaded = layout.load(stored)
+    assert torch.equal(loaded_codes, codes)
+    assert torch.equal(loaded.scale, params.scale)
+    return params, loaded
+
+
 def tricky_weights(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
     """Random weights plus rows that break naive code: zero, constant, tiny, and codes on ties."""
     generator = torch.Generator().manual_seed(seed)
@@ -58,5 +72,8 @@ def tricky_weights(out_features: int, in_features: int, seed: int = 0) -> torch.
 @pytest.fixture
 def helpers() -> SimpleNamespace:
     return SimpleNamespace(
-        assert_same_bits=assert_same_bits, assert_matches_specs=assert_matches_specs, tricky_weights=tricky_weights
+        assert_same_bits=assert_same_bits,
+        assert_matches_specs=assert_matches_specs,
+        assert_store_load_round_trip=assert_store_load_round_trip,
+        tricky_weights=tricky_weights,
     )

@@ -32,13 +32,7 @@ def test_error_is_at_most_half_a_step(bits, symmetric):
 def test_store_then_load_gives_back_codes_and_grids(symmetric, scale_dtype, helpers):
     layout = layout_of(3, symmetric, 32, scale_dtype, shape=(8, 100))
     grouped = grouping.group(helpers.tricky_weights(8, 100), 32)
-    params = layout.fit(grouped)
-    codes = layout.quantize_grouped(grouped, params)
-    stored = layout.store(codes, params)
-    helpers.assert_matches_specs(layout, stored)
-    loaded_codes, loaded = layout.load(stored)
-    assert torch.equal(loaded_codes, codes)
-    assert torch.equal(loaded.scale, params.scale)
+    params, loaded = helpers.assert_store_load_round_trip(layout, grouped)
     assert (loaded.zero is None) == symmetric
     if not symmetric:
         assert torch.equal(loaded.zero, params.zero)

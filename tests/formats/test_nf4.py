@@ -39,13 +39,7 @@ def test_dynamic_map_matches_bitsandbytes():
 def test_store_then_load_gives_back_codes_and_grids(double_quant, helpers):
     layout = StorageLayout("nf4", 4, 32, 100, 8, double_quant=double_quant)
     grouped = grouping.group(helpers.tricky_weights(8, 100) + 0.01, 32)
-    params = layout.fit(grouped)
-    codes = layout.quantize_grouped(grouped, params)
-    stored = layout.store(codes, params)
-    helpers.assert_matches_specs(layout, stored)
-    loaded_codes, loaded = layout.load(stored)
-    assert torch.equal(loaded_codes, codes)
-    assert torch.equal(loaded.scale, params.scale)
+    helpers.assert_store_load_round_trip(layout, grouped)
 
 
 @pytest.mark.parametrize("blocksize", [16, 64, 4096])
