@@ -75,6 +75,20 @@ class LlamaCppModel:
             generated.append(self._next_token())
         return time.perf_counter() - start, generated
 
+    def decode_seconds(self, prompt: list[int], tokens: int) -> float:
+        """Seconds of the greedy loop after `prompt`: `tokens - 1` steps of one token each, as users run it."""
+        self.llm.reset()
+        self.llm.eval(prompt)
+        token = self._next_token()
+        start = time.perf_counter()
+        for _ in range(tokens - 1):
+            self.llm.eval([token])
+            token = self._next_token()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.llm.close()
+
     def prefill_seconds(self, prompt: list[int]) -> float:
         start = time.perf_counter()
         self.llm.reset()
