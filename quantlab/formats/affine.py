@@ -24,6 +24,8 @@ from quantlab.formats.codec import (
     Codec,
     GGUFBlocks,
     GroupParams,
+    IntegerGrid,
+    NotAnIntegerGrid,
     NotExactInGGUF,
     TensorSpec,
     float16_exact,
@@ -207,6 +209,54 @@ class AffineCodec(Codec):
         if not torch.equal(decoded, self.dequantize(layout, stored)):
             raise NotExactInGGUF("q * d + m rounds differently from (q - zero) * scale in float32 for some weights")
         return blocks
+
+    # -- integer grids (compressed-tensors, GPTQ) -------------------------------------------------
+
+    def integer_grid(self, layout: StorageLayout, stored: dict[str, torch.Tensor]) -> IntegerGrid:
+        """Codes and scales as stored; a stored zero point must be a whole number in the code range
+        (round-to-nearest fits a fractional one, `-min / scale`: such layers are no integer grid)."""
+        _whole_groups(layout)
+        codes = grouping.ungroup(self.codes(layout, stored["weight"]), layout.in_features)
+        zero = None
+        if self.has_zero(layout):
+            zero = stored["weight_zero"].double()
+            bad = (zero != zero.round()) | (zero < 0) | (zero > layout.max_code)
+            if bad.any():
+                value = zero.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
+                raise NotAnIntegerGrid(
+                    f"its zero points are fractions (one is {value:.6g}), while integer grids store whole zero "
+                    f"points from 0 to {layout.max_code}; quantize it with symmetric=True"
+                )
+            zero = zero.to(torch.uint8)
+        return IntegerGrid(layout.bits, layout.group_size, codes, stored["weight_scale"], zero)
+
+    def from_integer_grid(self, layout: StorageLayout, grid: IntegerGrid) -> dict[str, torch.Tensor]:
+        _whole_groups(layout)
+        length = grid.group_size or layout.in_features
+        expected = (layout.bits, layout.group_length, not self.has_zero(layout))
+        if (grid.bits, length, grid.symmetric) != expected:
+            raise NotAnIntegerGrid(
+                f"a {grid.bits}-bit grid in groups of {length} (symmetric={grid.symmetric}) does not fit a layout of "
+                f"{layout.bits} bits in groups of {layout.group_length} (symmetric={not self.has_zero(layout)})"
+            )
+        if tuple(grid.codes.shape) != (layout.out_features, layout.in_features):
+            raise NotAnIntegerGrid(
+                f"codes of shape {tuple(grid.codes.shape)} for a layout of {layout.out_features} "
+                f"x {layout.in_features} weights"
+            )
+        if not torch.equal(grid.scale.to(layout.scale_dtype).to(grid.scale.dtype), grid.scale):
+            raise NotAnIntegerGrid(f"{grid.scale.dtype} scales do not fit the layout's {layout.scale_dtype} scales")
+        codes = grouping.group(grid.codes, layout.group_size)
+        zero = None if grid.zero is None else grid.zero.float()
+        return self.store(layout, codes, GroupParams(scale=grid.scale.float(), zero=zero))
+
+
+def _whole_groups(layout: StorageLayout) -> None:
+    if layout.in_features % layout.group_length:
+        raise NotAnIntegerGrid(
+            f"its {layout.in_features} input features do not split into groups of {layout.group_length} (quantlab "
+            f"pads the last group, which integer-grid formats do not store)"
+        )
 
 
 AFFINE = register_codec(AffineCodec())

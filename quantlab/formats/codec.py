@@ -5,7 +5,9 @@ numbers that vary between layers (bits, group size, shape, scale dtype, options)
 answers every question whose answer depends on the format: which tensors are stored, how a
 float weight becomes codes (round to nearest) and how codes decode, how stored tensors are
 written and read back, what the native kernels and ONNX exporter need, which GGUF block type
-holds its codes exactly (`gguf_type`, `gguf_blocks`), and how `inspect` labels it. Code
+holds its codes exactly (`gguf_type`, `gguf_blocks`), whether its numbers are an integer grid
+that compressed-tensors and GPTQ checkpoints store (`integer_grid`, `from_integer_grid`), and how
+`inspect` labels it. Code
 outside `quantlab.formats` asks the codec; it never branches on a codec name.
 
 A new format is one module: subclass `Codec`, implement `tensors`, `quantize` and `dequantize`
@@ -75,6 +77,33 @@ def per_block(params: torch.Tensor, layout: "StorageLayout") -> torch.Tensor:
         )
     repeated = params.repeat_interleave(layout.group_length // GGUF_BLOCK, dim=1)
     return repeated[:, : layout.in_features // GGUF_BLOCK]
+
+
+@dataclasses.dataclass(frozen=True)
+class IntegerGrid:
+    """A weight as unsigned integer codes on a uniform grid per group, `w = (q - zero) * scale`: the
+    numbers compressed-tensors (int4/int8 "pack-quantized") and GPTQ checkpoints store.
+
+    `codes` `[out, in]` uint8 in `0 .. 2**bits - 1`; `scale` `[out, groups]` in its stored dtype;
+    `zero` `[out, groups]` uint8 integer zero points in the same range, or None for the midpoint
+    `2**(bits-1)` (symmetric). `group_size` None: one group per output row. Groups never straddle
+    the end of a row (`in` is a multiple of `group_size`).
+    """
+
+    bits: int
+    group_size: int | None
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None = None
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero is None
+
+
+class NotAnIntegerGrid(ValueError):
+    """A layout's stored numbers are not integer codes on a uniform grid (or its zero points are not
+    integers in range); the message says why."""
 
 
 @dataclasses.dataclass
@@ -237,6 +266,16 @@ class Codec:
         """The stored tensors as the blocks of `gguf_type`, decoding to exactly `dequantize`'s values;
         NotExactInGGUF, saying why, when the numbers do not fit."""
         raise NotExactInGGUF(f"codec {self.name!r} has no GGUF block type that holds its codes")
+
+    def integer_grid(self, layout: "StorageLayout", stored: dict[str, torch.Tensor]) -> IntegerGrid:
+        """The stored tensors as integer codes, scales and integer zero points, decoding to exactly
+        `dequantize`'s values (in float32); NotAnIntegerGrid, saying why, when they are not that."""
+        raise NotAnIntegerGrid(f"codec {self.name!r} does not store integer codes on a uniform grid")
+
+    def from_integer_grid(self, layout: "StorageLayout", grid: IntegerGrid) -> dict[str, torch.Tensor]:
+        """The stored tensors of `layout` holding `grid`'s numbers exactly (the inverse of `integer_grid`);
+        NotAnIntegerGrid when the layout cannot hold them."""
+        raise NotAnIntegerGrid(f"codec {self.name!r} does not store integer codes on a uniform grid")
 
     def describe(self, layout: "StorageLayout") -> dict[str, Any]:
         """The numbers an exporter needs, in plain Python: bits, group length, zero point kind

@@ -16,7 +16,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantlab.formats import fast_path, grouping, packing
-from quantlab.formats.codec import Codec, GGUFBlocks, GroupParams, NotExactInGGUF, TensorSpec, register_codec
+from quantlab.formats.codec import (
+    Codec,
+    GGUFBlocks,
+    GroupParams,
+    IntegerGrid,
+    NotAnIntegerGrid,
+    NotExactInGGUF,
+    TensorSpec,
+    register_codec,
+)
 
 if TYPE_CHECKING:
     from quantlab.formats.layout import StorageLayout
@@ -214,6 +223,12 @@ class NF4Codec(Codec):
     def gguf_blocks(self, layout: StorageLayout, stored: dict[str, torch.Tensor]) -> GGUFBlocks:
         raise NotExactInGGUF(
             "NF4 codes index 16 normal-quantile levels, which no GGUF type stores (IQ4_NL's 16 levels are others)"
+        )
+
+    def integer_grid(self, layout: StorageLayout, stored: dict[str, torch.Tensor]) -> IntegerGrid:
+        raise NotAnIntegerGrid(
+            "NF4 codes index 16 normal-quantile levels, not a uniform integer grid; quantize it with custom_bits "
+            "(4-bit, symmetric) or int8 to export it"
         )
 
 
