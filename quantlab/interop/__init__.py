@@ -1,0 +1,1 @@
+"""Checkpoints other libraries write, in quantlab's storage: compressed-tensors and GPTQ."""
