@@ -1,4 +1,4 @@
-"""`quantlab export onnx|gguf [MODEL] --output FILE`: write a checkpoint for another runtime.
+"""`quantlab export onnx|gguf|compressed-tensors [MODEL] --output PATH`: write a checkpoint for another runtime.
 
 `onnx` (`quantlab.workflows.export.export_onnx`): one ONNX file for onnxruntime; quantized layers
 become low-bit operators carrying the checkpoint's own codes and scales; `--ort-dynamic-int8`
@@ -6,13 +6,16 @@ instead runs onnxruntime's own dynamic int8 quantization on a float export, for 
 
 `gguf` (`quantlab.workflows.export.export_gguf`): one GGUF file for llama.cpp with the tokenizer;
 prints each tensor's GGUF type and whether it holds quantlab's own codes or was re-quantized.
+
+`compressed-tensors` (`quantlab.workflows.export.export_compressed_tensors`): a checkpoint folder
+transformers and vLLM load with the `compressed-tensors` package; prints each layer's scheme.
 """
 
 import argparse
 
 from quantlab.cli.console import Console, add_output_options, column_table, disk_size, key_value_table, seconds
 from quantlab.cli.options import MODEL_HELP
-from quantlab.workflows.export import export_gguf, export_onnx
+from quantlab.workflows.export import export_compressed_tensors, export_gguf, export_onnx
 
 # The types `--fallback-type` offers (`quantlab.export.gguf.FALLBACK_TYPES`, kept here so that
 # `--help` does not import the exporter).
@@ -22,7 +25,7 @@ GGUF_FALLBACK_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "export",
-        help="export a model to another runtime's format (onnx, gguf)",
+        help="export a model to another runtime's format (onnx, gguf, compressed-tensors)",
         description="Export a float or quantlab-quantized checkpoint to another runtime's format.",
     )
     formats = parser.add_subparsers(dest="format", metavar="FORMAT", required=True, parser_class=type(parser))
@@ -60,6 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     onnx.add_argument("--overwrite", action="store_true", help="replace FILE if it exists")
     add_output_options(onnx)
     _add_gguf_parser(formats)
+    _add_compressed_tensors_parser(formats)
 
 
 def _add_gguf_parser(formats: argparse._SubParsersAction) -> None:
@@ -89,9 +93,26 @@ def _add_gguf_parser(formats: argparse._SubParsersAction) -> None:
     add_output_options(gguf)
 
 
+def _add_compressed_tensors_parser(formats: argparse._SubParsersAction) -> None:
+    parser = formats.add_parser(
+        "compressed-tensors",
+        help="a checkpoint folder transformers and vLLM load with compressed-tensors, quantlab's int4/int8 codes kept",
+        description="Export a causal LM quantized by quantlab (custom_bits 4- or 8-bit, int8) and its tokenizer to a "
+        "compressed-tensors (pack-quantized) checkpoint folder that AutoModelForCausalLM.from_pretrained loads with "
+        "the compressed-tensors package, without quantlab. Codes and scales are kept; float layers stay float. A "
+        "layer no compressed-tensors scheme holds exactly (NF4, fractional zero points, other widths) is refused.",
+    )
+    parser.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
+    parser.add_argument("--output", "-o", required=True, metavar="DIR", help="the checkpoint folder to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    add_output_options(parser)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.format == "gguf":
         return _run_gguf(args)
+    if args.format == "compressed-tensors":
+        return _run_compressed_tensors(args)
     console = Console.from_args(args)
     report = export_onnx(
         args.model,
@@ -169,3 +190,25 @@ def _gguf_table(source: str, result, export_seconds: float) -> str:
 
 def _origin(origin: str) -> str:
     return {"codes": "quantlab codes", "float": "float", "dequantized": "dequantized codes"}.get(origin, origin)
+
+
+def _run_compressed_tensors(args: argparse.Namespace) -> int:
+    console = Console.from_args(args)
+    report = export_compressed_tensors(
+        args.model, args.output, overwrite=args.overwrite, progress=console.progress, notify=console.note
+    )
+    result = report.result
+    schemes = ", ".join(f"{count} {scheme}" for scheme, count in sorted(result.scheme_counts().items()))
+    summary = key_value_table(
+        f"exported {report.model} -> {result.path}",
+        [
+            ("format", "compressed-tensors pack-quantized"),
+            ("size", disk_size(result.bytes)),
+            ("quantized layers", schemes),
+            ("float (ignore)", ", ".join(result.ignore) or "none"),
+            ("time", seconds(report.export_seconds)),
+        ],
+    )
+    notes = "".join(f"\nnote: {note}" for note in result.notes)
+    console.report(summary + notes, {"command": "export compressed-tensors", **report.to_json()})
+    return 0

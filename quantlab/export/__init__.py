@@ -6,6 +6,9 @@ the `onnx` extra (onnx, onnxruntime, onnxscript, onnx-ir).
 
 GGUF (`quantlab.export.gguf`): one file for llama.cpp; needs only the `gguf` package, so the
 names below load the ONNX machinery when first used, not when the package is imported.
+
+compressed-tensors (`to_compressed_tensors`, `quantlab.export.compressed_tensors`): a checkpoint
+folder transformers and vLLM load with the `compressed-tensors` package; needs no extra to write.
 """
 
 import importlib
@@ -17,10 +20,19 @@ _EXPORTS = {
     "OnnxCausalLM": "quantlab.export.runtime",
     "OnnxExport": "quantlab.export.exporter",
     "register_onnx_lowering": "quantlab.export.lowering",
+    "to_compressed_tensors": "quantlab.export.compressed_tensors",
     "to_onnx": "quantlab.export.exporter",
 }
 
-__all__ = ["ExportError", "LayerLowering", "OnnxCausalLM", "OnnxExport", "register_onnx_lowering", "to_onnx"]
+__all__ = [
+    "ExportError",
+    "LayerLowering",
+    "OnnxCausalLM",
+    "OnnxExport",
+    "register_onnx_lowering",
+    "to_compressed_tensors",
+    "to_onnx",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -7,7 +7,10 @@ for comparison. Large weights go to a `.data` file beside it (see `quantlab.expo
 
 GGUF (`export_gguf`): one file llama.cpp runs, with the model's tokenizer; layers whose codes a
 GGUF type holds keep them, the rest is re-quantized and reported (see `quantlab.export.gguf`).
-Both files are written atomically.
+
+compressed-tensors (`export_compressed_tensors`): a checkpoint folder transformers and vLLM load
+with the `compressed-tensors` package, quantlab's int4/int8 codes kept; a layer no scheme holds
+exactly is refused (see `quantlab.export.compressed_tensors`). Every output is written atomically.
 """
 
 import os
@@ -22,7 +25,8 @@ from quantlab.workflows.notes import Notify, notifier
 
 @dataclass
 class ExportReport:
-    """The exported file (`result`: the ONNX or GGUF exporter's result) and the time loading and exporting took."""
+    """The exported file or folder (`result`: the ONNX, GGUF or compressed-tensors exporter's result) and the
+    time loading and exporting took."""
 
     model: str
     result: Any
@@ -113,4 +117,32 @@ def export_gguf(
         overwrite=overwrite,
         name=source.name or None,
     )
+    return ExportReport(str(source), result, load_seconds, time.perf_counter() - started - load_seconds)
+
+
+def export_compressed_tensors(
+    model: "str | os.PathLike | ModelSource | None",
+    output: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    progress: bool = False,
+    notify: Notify | None = None,
+) -> ExportReport:
+    """Write `model` (a quantized folder, None for the embedded default) and its tokenizer to the folder
+    `output` as a compressed-tensors checkpoint; the output checked before the model loads, nothing
+    written on an error."""
+    import torch
+
+    from quantlab.export.compressed_tensors import to_compressed_tensors
+    from quantlab.loading import load_with_tokenizer
+    from quantlab.utils.atomic import check_replaceable
+
+    output = Path(output).expanduser()
+    check_replaceable(output, overwrite)
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    started = time.perf_counter()
+    loaded = load_with_tokenizer(source, dtype=torch.float32, scratch=output.parent, progress=progress)
+    load_seconds = time.perf_counter() - started
+    notifier(notify)(f"exporting {source} to {output}")
+    result = to_compressed_tensors(loaded.model, output, tokenizer=loaded.tokenizer, overwrite=overwrite)
     return ExportReport(str(source), result, load_seconds, time.perf_counter() - started - load_seconds)
