@@ -90,6 +90,7 @@ CASES = {
 }
 
 
+@pytest.mark.subprocess
 def test_exports_load_without_quantlab_with_quantlab_logits(tmp_path) -> None:
     cases = [exported(build(), tmp_path / name) for name, build in CASES.items()]
     results = load_without_quantlab(cases)
