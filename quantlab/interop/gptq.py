@@ -77,6 +77,10 @@ def read_layer(tensors: dict[str, torch.Tensor], config: GPTQConfig, where: str)
     group = config.group_size or cols
     if cols % group or cols // group != groups:
         raise GPTQFormatError(f"{where}: {cols} input features in groups of {group} are not the {groups} scale rows")
+    if tuple(tensors[QZEROS].shape) != (groups, out * config.bits // 32):
+        raise GPTQFormatError(
+            f"{where}: qzeros {tuple(tensors[QZEROS].shape)} do not pack {groups} x {out} zero points"
+        )
     _check_group_index(tensors.get(GROUP_INDEX), group, cols, where)
     codes = unpack_int32(qweight.t().contiguous(), config.bits, cols)
     zero = unpack_int32(tensors[QZEROS], config.bits, out).t().to(torch.int16)
