@@ -163,6 +163,13 @@ def test_layers_no_scheme_holds_are_refused_by_name(tmp_path, config, message) -
     assert list(tmp_path.iterdir()) == []
 
 
+def test_float_tied_head_is_reported(tmp_path) -> None:
+    config = quantlab.CustomBitsConfig(bits=8, group_size=None, symmetric=True)
+    report = to_compressed_tensors(quantlab.quantize(tiny_llama(tie_word_embeddings=True), config), tmp_path / "out")
+    assert report.ignore == ["lm_head"] and report.notes == ["lm_head: tied to the embedding table, which stays float"]
+    assert report.scheme_counts() == {"int8 per channel sym": 14}
+
+
 def test_padded_groups_are_refused(tmp_path) -> None:
     model = quantlab.quantize(tiny_llama(), quantlab.CustomBitsConfig(bits=4, group_size=128, symmetric=True))
     with pytest.raises(CompressedTensorsExportError, match="do not split into groups of 128"):

@@ -139,6 +139,8 @@ class _Converted:
             self.notes.append(f"{name}: tied to the embedding table, which is written in float")
         elif isinstance(module, nn.Linear):
             self.ignore.append(name)
+            if f"{name}.weight" in (getattr(model, "all_tied_weights_keys", None) or {}):
+                self.notes.append(f"{name}: tied to the embedding table, which stays float")
 
     def replace(self, prefix: str, stored: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> None:
         for name in stored:
