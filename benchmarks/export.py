@@ -3,6 +3,7 @@
     python benchmarks/export.py                                  # every candidate and peer
     python benchmarks/export.py --only "q4_0 g32 gptq" --peers Q4_0 --rounds 3
     python benchmarks/export.py --keep gguf-files/ --json export.json
+    python benchmarks/export.py --only none --gguf gguf-files/a.gguf --no-perplexity   # time files already written
 
 quantlab candidates: SmolLM2 is quantized in float32 by quantlab (calibrated solvers read the
 bundled text after the evaluation windows), written with `to_gguf(..., exact=True)` (every
@@ -81,7 +82,11 @@ class ExportedFile:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", action="append", choices=sorted(CANDIDATES), help="quantlab candidates (repeat)")
+    parser.add_argument(
+        "--only", action="append", choices=[*sorted(CANDIDATES), "none"], help="quantlab candidates (repeat)"
+    )
+    parser.add_argument("--gguf", action="append", type=Path, default=[], help="also score this GGUF file (repeat)")
+    parser.add_argument("--no-perplexity", action="store_true", help="time decoding only")
     parser.add_argument("--peers", nargs="*", default=list(PEER_TYPES), help="llama.cpp's own types to compare")
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -193,7 +198,7 @@ def report(files: list[ExportedFile], args: argparse.Namespace) -> None:
             file.name,
             number(file.megabytes, 1),
             " ".join(f"{kind} {count}" for kind, count in sorted(file.types.items())),
-            "llama.cpp's own" if file.requantized is None else str(file.requantized),
+            str(file.requantized) if file.requantized is not None else "n/a (not exported here)",
             number(file.quantlab_perplexity.get("harness"), 3),
             number(file.llama_cpp_perplexity.get("harness"), 3),
             number(file.llama_cpp_perplexity.get("later"), 2),
@@ -226,10 +231,12 @@ def main() -> int:
             for kind in args.peers
             for path in [_llama_cpp.quantized_file(kind, args.threads)]
         ]
+        files += [ExportedFile(path.stem, path, gguf_types(path)) for path in args.gguf]
         for name in args.only or list(CANDIDATES):
-            print(f"quantizing and exporting: {name}", flush=True)
-            files.append(export_candidate(name, args, folder, tokenizer, parts))
-        for file in files:
+            if name != "none":
+                print(f"quantizing and exporting: {name}", flush=True)
+                files.append(export_candidate(name, args, folder, tokenizer, parts))
+        for file in [] if args.no_perplexity else files:
             print(f"scoring {file.name} in llama.cpp", flush=True)
             for part, windows in parts.items():
                 file.llama_cpp_perplexity[part] = llama_cpp_perplexity(file.path, windows, args.threads)
