@@ -9,6 +9,7 @@ from quantlab.loading import load, load_with_tokenizer
 from quantlab.methods.builtin import register_builtin_methods
 from quantlab.methods.custom_bits import CustomBitsConfig
 from quantlab.methods.int8 import Int8SymmetricConfig
+from quantlab.methods.iq4_nl import IQ4NLConfig
 from quantlab.methods.nf4 import NF4Config
 from quantlab.nn import QuantizedLinear
 from quantlab.registry import Method, get_method, list_methods, register_method
@@ -22,6 +23,7 @@ register_builtin_methods()
 __all__ = [
     "ConfigError",
     "CustomBitsConfig",
+    "IQ4NLConfig",
     "Int8SymmetricConfig",
     "Method",
     "NF4Config",

@@ -8,6 +8,7 @@ Every built-in format is a grid per group of `group_size` weights along a row:
 | `affine` | 0 .. 2**bits - 1 | float per group, or 2**(bits-1) when symmetric | packed codes, scale (, zero) |
 | `int8` | 0 .. 255 | 128 | signed codes `q - 128` (one byte each), scale |
 | `nf4` | the 16 NF4 values in [-1, 1] | 0 | packed codes, absmax (plain, or in 8 bits: double quant) |
+| `iq4_nl` | llama.cpp's 16 IQ4_NL integers, -127 .. 113 | 0 | packed codes, float16 scale |
 
 Kernels, ONNX lowerings, sparse storage, load verification and the solvers read this one
 description. Everything that depends on the format is its codec's (`quantlab.formats.codec`,

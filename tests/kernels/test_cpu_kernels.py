@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import quantlab
-from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
+from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, NF4Config
 from quantlab.kernels import select_kernel
 from quantlab.kernels.cpu.linear import native_dequantize, native_linear
 from quantlab.kernels.cpu.weights import native_weight, supported
@@ -29,6 +29,8 @@ CONFIGS = [
     CustomBitsConfig(bits=7, group_size=256),
     CustomBitsConfig(bits=8, group_size=64),
     CustomBitsConfig(bits=8, group_size=None, symmetric=True),
+    IQ4NLConfig(),
+    IQ4NLConfig(group_size=64),
 ]
 # (in_features, out_features): odd output counts, inputs that no group size divides.
 SHAPES = [(256, 64), (200, 37), (577, 33)]
@@ -93,14 +95,14 @@ def test_gradients_match_reference(config):
 
 
 def test_every_builtin_format_has_a_native_cpu_kernel():
-    configs = [Int8SymmetricConfig(), NF4Config(), NF4Config(double_quant=False)]
+    configs = [Int8SymmetricConfig(), NF4Config(), NF4Config(double_quant=False), IQ4NLConfig()]
     configs += [CustomBitsConfig(bits=b, symmetric=s) for b in range(2, 9) for s in (True, False)]
     for config in configs:
         layer = quantized(config, 64, 8)
         assert layer.format == layer.layout.codec
         assert supported(layer.format)
         assert select_kernel(layer.format, "cpu") is native_linear
-    assert {quantized(config, 64, 8).format for config in configs} == {"int8", "nf4", "affine"}
+    assert {quantized(config, 64, 8).format for config in configs} == {"int8", "nf4", "affine", "iq4_nl"}
     assert select_kernel("int8", "meta") is dequantize_matmul
     assert select_kernel("some_plugin_format", "cpu") is dequantize_matmul
 

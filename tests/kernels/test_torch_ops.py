@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import quantlab
-from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
+from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, NF4Config
 from quantlab.kernels.cpu import extension, ops
 from quantlab.kernels.cpu.linear import ctypes_linear, native_dequantize, native_linear, native_matmul
 from quantlab.kernels.cpu.weights import native_weight
@@ -20,6 +20,7 @@ CODECS = [
     Int8SymmetricConfig(group_size=32, scale_dtype="bfloat16"),
     NF4Config(blocksize=32, double_quant=True),
     NF4Config(blocksize=32, double_quant=False),
+    IQ4NLConfig(),
 ]
 
 

@@ -1,6 +1,6 @@
 """The method contract on every built-in method, across widths and layouts."""
 
-from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
+from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, NF4Config
 from quantlab.testing.contract import MethodContract
 
 # Floors measured on N(0, 0.02) weights, less about 2 dB of margin. Round-to-nearest gains
@@ -18,6 +18,13 @@ class TestNF4(MethodContract):
     cases = [  # noqa: RUF012
         (NF4Config(), 18.0),
         (NF4Config(blocksize=128, double_quant=False), 18.0),
+    ]
+
+
+class TestIQ4NL(MethodContract):
+    cases = [  # noqa: RUF012
+        (IQ4NLConfig(), 18.0),
+        (IQ4NLConfig(group_size=128), 16.0),
     ]
 
 

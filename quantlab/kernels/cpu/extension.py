@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from quantlab.formats.codec import get_codec, native_codecs
 from quantlab.formats.nf4 import NF4
 from quantlab.kernels import trusted
 from quantlab.kernels.cpu import native
@@ -98,15 +99,24 @@ def _bind(extension: ctypes.CDLL, kernels: ctypes.CDLL) -> ctypes.CDLL:
     floats = ctypes.POINTER(ctypes.c_float)
     bind.argtypes = [*[ctypes.c_void_p] * 5, floats, floats]
     bind.restype = ctypes.c_int
-    tables = NF4.native_tables()
-    levels = (ctypes.c_float * 16)(*tables["levels"])
-    absmax_map = (ctypes.c_float * 256)(*tables["absmax_map"])
+    levels = (ctypes.c_float * (16 * native.KINDS))(*kind_levels())
+    absmax_map = (ctypes.c_float * 256)(*NF4.native_tables()["absmax_map"])
     functions = ("ql_gemm", "ql_gemm_group", "ql_dequantize", "ql_dequantize_rows", "ql_attention")
     entries = (ctypes.cast(getattr(kernels, name), ctypes.c_void_p).value for name in functions)
     version = bind(*entries, levels, absmax_map)
     if version != native.ABI_VERSION:
         raise native.NativeBuildError(f"torch operators built for ABI {version}, quantlab's is {native.ABI_VERSION}")
     return extension
+
+
+def kind_levels() -> list[float]:
+    """The level table of every native kind in kind order, 16 floats each (zeros for kinds without one)."""
+    flat = [0.0] * (16 * native.KINDS)
+    for name, kind in native_codecs().items():
+        table = get_codec(name).native_tables().get("levels")
+        if table is not None:
+            flat[16 * kind : 16 * kind + 16] = table
+    return flat
 
 
 @functools.cache

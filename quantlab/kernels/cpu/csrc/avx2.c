@@ -61,15 +61,15 @@ QL_INLINE QL_AVX2 void ql_floats256(const void *base, int32_t dtype, int64_t fir
  * time still left a scalar tail per feature. */
 QL_AVX2 void ql_params256(const ql_weight *w, int64_t n, int count, float *scale, float *zero) {
     const int64_t G = w->groups;
-    if (w->kind == QL_NF4 && w->absmax_codes) { /* double-quantized absmax: a table lookup per group */
+    if (ql_table_kind(w) && w->absmax_codes) { /* double-quantized absmax: a table lookup per group */
         for (int j = 0; j < count; j++) ql_params_scalar(w, n + j, scale + j * G, zero + j * G);
         return;
     }
     ql_floats256(w->scale, w->scale_dtype, n * G, count * G, w->n * G, scale);
-    if (w->kind != QL_NF4 && w->zero)
+    if (!ql_table_kind(w) && w->zero)
         ql_floats256(w->zero, w->zero_dtype, n * G, count * G, w->n * G, zero);
     else
-        for (int64_t g = 0; g < count * G; g++) zero[g] = w->kind == QL_NF4 ? 0.0f : w->zero_const;
+        for (int64_t g = 0; g < count * G; g++) zero[g] = ql_table_kind(w) ? 0.0f : w->zero_const;
 }
 
 /* At one row these kernels read 4 features' codes side by side: 4 short interleaved streams that
@@ -89,7 +89,7 @@ QL_INLINE QL_AVX2 ql_group256 ql_group256_make(const ql_weight *w, float scale, 
     ql_group256 out;
     out.zero = _mm256_set1_ps(zero);
     out.scale = _mm256_set1_ps(scale);
-    if (w->kind == QL_NF4) {
+    if (ql_table_kind(w)) {
         out.low = _mm256_mul_ps(_mm256_loadu_ps(w->levels), out.scale);
         out.high = _mm256_mul_ps(_mm256_loadu_ps(w->levels + 8), out.scale);
     } else {
@@ -129,7 +129,7 @@ QL_INLINE QL_AVX2 __m256 ql_values8(const ql_weight *w, const ql_bits256 *bits, 
         codes = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(bytes), bits->shuffle);
         codes = _mm256_and_si256(_mm256_srlv_epi32(codes, bits->shift), bits->mask);
     }
-    return ql_decode8(w->kind == QL_NF4, codes, constants);
+    return ql_decode8(ql_table_kind(w), codes, constants);
 }
 
 QL_INLINE QL_AVX2 void ql_block256(const int NR, const int R, const ql_weight *w, const ql_bits256 *bits,
@@ -646,7 +646,7 @@ QL_INLINE QL_AVX2 void ql_gemm256_with(const int decoder, const ql_weight *w, co
 QL_AVX2 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t x_stride, int64_t m, int64_t n0,
                         int64_t n1, float *y, int64_t y_stride, float *params, float *decoded) {
     if (decoded) { /* many rows, x in the plain layout (ql_layout_for) */
-        if (w->kind == QL_NF4)
+        if (ql_table_kind(w))
             ql_gemm256_decoded(QL256_NF4_NIBBLE, QL256_GENERIC, w, layout, xp, x_stride, m, n0, n1, y, y_stride, params, decoded);
         else if (w->bits == 4)
             ql_gemm256_decoded(QL256_AFFINE_NIBBLE, QL256_CODES, w, layout, xp, x_stride, m, n0, n1, y, y_stride, params, decoded);
@@ -654,13 +654,13 @@ QL_AVX2 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float
             ql_gemm256_decoded(QL256_BYTES, QL256_BYTES, w, layout, xp, x_stride, m, n0, n1, y, y_stride, params, decoded);
         else
             ql_gemm256_decoded(QL256_CODES, QL256_CODES, w, layout, xp, x_stride, m, n0, n1, y, y_stride, params, decoded);
-    } else if (!layout->nibble && w->bits == 8 && w->kind != QL_NF4)
+    } else if (!layout->nibble && w->bits == 8 && !ql_table_kind(w))
         ql_gemm256_with(QL256_BYTES, w, layout, xp, m, n0, n1, y, y_stride, params);
     else if (!layout->nibble && w->kind == QL_AFFINE)
         ql_gemm256_with(QL256_CODES, w, layout, xp, m, n0, n1, y, y_stride, params);
     else if (!layout->nibble)
         ql_gemm256_with(QL256_GENERIC, w, layout, xp, m, n0, n1, y, y_stride, params);
-    else if (w->kind == QL_NF4)
+    else if (ql_table_kind(w))
         ql_gemm256_with(QL256_NF4_NIBBLE, w, layout, xp, m, n0, n1, y, y_stride, params);
     else
         ql_gemm256_with(QL256_AFFINE_NIBBLE, w, layout, xp, m, n0, n1, y, y_stride, params);
@@ -685,7 +685,7 @@ QL_INLINE QL_AVX2 void ql_dequantize256_with(const int decoder, const ql_weight 
 
 QL_AVX2 void ql_dequantize256(const ql_weight *w, int64_t n0, int64_t n1, float *out, int64_t out_stride,
                               float *params) {
-    if (w->bits == 4 && w->kind == QL_NF4)
+    if (w->bits == 4 && ql_table_kind(w))
         ql_dequantize256_with(QL256_NF4_NIBBLE, w, n0, n1, out, out_stride, params);
     else if (w->bits == 4)
         ql_dequantize256_with(QL256_AFFINE_NIBBLE, w, n0, n1, out, out_stride, params);

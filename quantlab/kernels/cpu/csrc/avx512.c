@@ -30,7 +30,7 @@ static QL_AVX512 ql_bits512 ql_bits512_make(int bits) {
 
 QL_AVX512 void ql_params512(const ql_weight *w, int64_t n, float *scale, float *zero) {
     int64_t first = n * w->groups;
-    if (w->kind == QL_NF4 && w->absmax_codes) {
+    if (ql_table_kind(w) && w->absmax_codes) {
         /* Double-quantized absmax: scalar lookups. Two 16-lane gathers per 16 groups were slower
          * (benchmarks/RESULTS.md); with scalar lookups NF4 runs as fast as 4-bit. */
         for (int64_t g = 0; g < w->groups; g++) {
@@ -43,7 +43,7 @@ QL_AVX512 void ql_params512(const ql_weight *w, int64_t n, float *scale, float *
         int64_t count = w->groups - g;
         __mmask16 mask = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1u);
         _mm512_mask_storeu_ps(scale + g, mask, ql_load16(w->scale, w->scale_dtype, first + g, count));
-        __m512 z = w->kind == QL_NF4 ? _mm512_setzero_ps()
+        __m512 z = ql_table_kind(w) ? _mm512_setzero_ps()
                    : w->zero         ? ql_load16(w->zero, w->zero_dtype, first + g, count)
                                      : _mm512_set1_ps(w->zero_const);
         _mm512_mask_storeu_ps(zero + g, mask, z);
@@ -56,7 +56,7 @@ QL_AVX512 void ql_params512(const ql_weight *w, int64_t n, float *scale, float *
  * unchanged (double quantization converts row by row as before); timings in benchmarks/RESULTS.md. */
 QL_AVX512 void ql_params4_512(const ql_weight *w, int64_t n, float *params) {
     const int64_t G = w->groups, count = 4 * G, first = n * G;
-    if (w->kind == QL_NF4 && w->absmax_codes) {
+    if (ql_table_kind(w) && w->absmax_codes) {
         for (int j = 0; j < 4; j++) ql_params512(w, n + j, params + j * G, params + (4 + j) * G);
         return;
     }
@@ -64,7 +64,7 @@ QL_AVX512 void ql_params4_512(const ql_weight *w, int64_t n, float *params) {
         int64_t left = count - i;
         __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
         _mm512_mask_storeu_ps(params + i, mask, ql_load16(w->scale, w->scale_dtype, first + i, left));
-        __m512 z = w->kind == QL_NF4 ? _mm512_setzero_ps()
+        __m512 z = ql_table_kind(w) ? _mm512_setzero_ps()
                    : w->zero         ? ql_load16(w->zero, w->zero_dtype, first + i, left)
                                      : _mm512_set1_ps(w->zero_const);
         _mm512_mask_storeu_ps(params + count + i, mask, z);
@@ -83,7 +83,7 @@ QL_INLINE QL_AVX512 ql_group512 ql_group512_make(const ql_weight *w, float scale
     out.scale = _mm512_set1_ps(scale);
     out.zero = _mm512_set1_ps(zero);
     if (use_table) {
-        __m512 base = w->kind == QL_NF4
+        __m512 base = ql_table_kind(w)
                           ? _mm512_loadu_ps(w->levels)
                           : _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), out.zero);
         out.table = _mm512_mul_ps(base, out.scale);

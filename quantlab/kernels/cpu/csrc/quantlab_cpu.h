@@ -22,11 +22,12 @@
 
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
-#define QL_ABI_VERSION 8
+#define QL_ABI_VERSION 9
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 #define QL_DECODED_FEATURES 32 /* AVX2 at many rows: 16 features decoded, and their input-major panel (avx2.c) */
 
-enum { QL_AFFINE = 0, QL_INT8 = 1, QL_NF4 = 2 };
+enum { QL_AFFINE = 0, QL_INT8 = 1, QL_NF4 = 2, QL_IQ4_NL = 3 };
+#define QL_KINDS 4
 enum { QL_F32 = 0, QL_F16 = 1, QL_BF16 = 2 };
 enum { QL_ISA_SCALAR = 0, QL_ISA_AVX2 = 1, QL_ISA_AVX512 = 2 };
 enum { QL_OK = 0, QL_BAD_FORMAT = 1, QL_NO_MEMORY = 2 };
@@ -41,7 +42,7 @@ typedef struct {
     int64_t group_codes;      /* codes stored per group: group_size rounded up to whole bytes */
     int64_t group_bytes;
     int32_t bits;             /* 2..8 */
-    int32_t kind;             /* QL_AFFINE: (q - zero) * scale; QL_INT8: signed q * scale; QL_NF4 */
+    int32_t kind;             /* QL_AFFINE: (q - zero) * scale; QL_INT8: signed q * scale; QL_NF4, QL_IQ4_NL: levels[q] * scale */
     const void *scale;        /* [n, groups]: scale, or NF4 absmax without double quantization */
     const void *zero;         /* [n, groups] or NULL (then zero_const) */
     int32_t scale_dtype;
@@ -51,9 +52,12 @@ typedef struct {
     const uint8_t *absmax_codes;
     const float *absmax_scale;
     int64_t absmax_block;
-    float levels[16];         /* NF4 levels */
+    float levels[16];         /* the table of QL_NF4 and QL_IQ4_NL */
     float absmax_map[256];
 } ql_weight;
+
+/* Kinds whose codes index `levels` (times the group's scale, or NF4's absmax), not integers. */
+static inline int ql_table_kind(const ql_weight *w) { return w->kind == QL_NF4 || w->kind == QL_IQ4_NL; }
 
 /* ---- decode constants of one group, computed exactly as the reference does ---------------- */
 
@@ -99,7 +103,7 @@ typedef struct {
 
 static inline ql_group ql_group_at(const ql_weight *w, int64_t index) {
     ql_group group;
-    if (w->kind == QL_NF4) {
+    if (ql_table_kind(w)) {
         group.zero = 0.0f;
         if (w->absmax_codes) {
             float value = w->absmax_map[w->absmax_codes[index]] * w->absmax_scale[index >> __builtin_ctzll(w->absmax_block)];
@@ -116,7 +120,7 @@ static inline ql_group ql_group_at(const ql_weight *w, int64_t index) {
 
 /* Value of code q before scaling; q is already sign-extended for int8. */
 static inline float ql_base(const ql_weight *w, int32_t q, float zero) {
-    return w->kind == QL_NF4 ? w->levels[q] : (float)q - zero;
+    return ql_table_kind(w) ? w->levels[q] : (float)q - zero;
 }
 
 static inline int32_t ql_code_at(const ql_weight *w, const uint8_t *group, int64_t j) {

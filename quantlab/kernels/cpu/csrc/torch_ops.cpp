@@ -51,7 +51,7 @@ GemmGroupFn gemm_group_fn = nullptr;
 DequantizeFn dequantize_fn = nullptr;
 RowsFn dequantize_rows_fn = nullptr;
 AttentionFn attention_fn = nullptr;
-float nf4_levels[16];
+float kind_levels[QL_KINDS][16]; // each table kind's levels (QL_NF4, QL_IQ4_NL), zeros for the others
 float absmax_map[256];
 
 using Optional = const std::optional<at::Tensor> &;
@@ -75,7 +75,7 @@ Layout parse_layout(std::string_view text) {
         std::string_view token = text.substr(start, end - start);
         start = end + 1;
         if (seen++ == 0) {
-            layout.kind = token == "affine" ? QL_AFFINE : token == "int8" ? QL_INT8 : token == "nf4" ? QL_NF4 : -1;
+            layout.kind = token == "affine" ? QL_AFFINE : token == "int8" ? QL_INT8 : token == "nf4" ? QL_NF4 : token == "iq4_nl" ? QL_IQ4_NL : -1;
             continue;
         }
         size_t equals = token.find('=');
@@ -130,7 +130,7 @@ Described describe(const Layout &layout, const at::Tensor &codes, Optional scale
     TORCH_CHECK(gemm_fn && dequantize_fn && gemm_group_fn && dequantize_rows_fn, "quantlab: the torch operators are not bound to the C kernels");
     TORCH_CHECK(codes.dim() == 3 && codes.element_size() == 1, "quantlab: codes must be [out, groups, bytes] of one-byte "
                 "integers, got ", codes.sizes(), " ", codes.scalar_type());
-    TORCH_CHECK(bits >= 2 && bits <= 8 && kind >= QL_AFFINE && kind <= QL_NF4, "quantlab: bad kind ", kind, " or bits ",
+    TORCH_CHECK(bits >= 2 && bits <= 8 && kind >= QL_AFFINE && kind < QL_KINDS, "quantlab: bad kind ", kind, " or bits ",
                 bits);
     // The C kernels check the description's own consistency; the tensors must be as large as it says.
     const int64_t per_group = codes.size(0) * codes.size(1);
@@ -175,8 +175,8 @@ Described describe(const Layout &layout, const at::Tensor &codes, Optional scale
         w.zero = z.data_ptr();
         w.zero_dtype = dtype_code(z);
     }
+    std::memcpy(w.levels, kind_levels[kind], sizeof w.levels);
     if (kind == QL_NF4) {
-        std::memcpy(w.levels, nf4_levels, sizeof nf4_levels);
         if (absmax_codes.has_value()) {
             TORCH_CHECK(absmax_scale.has_value() && absmax_offset.has_value(), "quantlab: incomplete double quant");
             at::Tensor ac = readable(*absmax_codes), as = readable(*absmax_scale).to(at::kFloat).contiguous();
@@ -475,7 +475,8 @@ at::Tensor linear_group_autograd(const at::Tensor &x, OptionalList bias, c10::st
 
 }  // namespace
 
-// Called once from Python with the C library's entry points and NF4's constant tables.
+// Called once from Python with the C library's entry points, the levels of every kind (QL_KINDS x 16) and NF4's
+// absmax map.
 extern "C" __attribute__((visibility("default"))) int quantlab_torch_ops_bind(void *gemm, void *gemm_group,
                                                                              void *dequantize_entry,
                                                                              void *dequantize_rows,
@@ -486,7 +487,7 @@ extern "C" __attribute__((visibility("default"))) int quantlab_torch_ops_bind(vo
     dequantize_fn = reinterpret_cast<DequantizeFn>(dequantize_entry);
     dequantize_rows_fn = reinterpret_cast<RowsFn>(dequantize_rows);
     attention_fn = reinterpret_cast<AttentionFn>(attention_entry);
-    std::memcpy(nf4_levels, levels, sizeof nf4_levels);
+    std::memcpy(kind_levels, levels, sizeof kind_levels);
     std::memcpy(absmax_map, map, sizeof absmax_map);
     return QL_ABI_VERSION;
 }
