@@ -37,10 +37,10 @@ class GGUFBlocks:
     """A weight's codes as the blocks of one GGUF type hold them: the numbers of every block of
     `GGUF_BLOCK` weights along a row, before they are laid out in bytes.
 
-    `type` is the GGUF type's name ("Q4_0", "Q4_1", "Q8_0"); `codes` `[out, in]` are what a block
-    stores per weight (unsigned 0..15 for the 4-bit types, signed int8 for Q8_0); `scale` is each
+    `type` is the GGUF type's name ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL"); `codes` `[out, in]` are what a
+    block stores per weight (unsigned 0..15 for the 4-bit types, signed int8 for Q8_0); `scale` is each
     block's `d` and `min` its `m` (Q4_1 only), `[out, in // GGUF_BLOCK]` float16. A block decodes as
-    `(q - 8) * d` (Q4_0), `q * d + m` (Q4_1) or `q * d` (Q8_0).
+    `(q - 8) * d` (Q4_0), `q * d + m` (Q4_1), `q * d` (Q8_0) or `kvalues_iq4nl[q] * d` (IQ4_NL).
     """
 
     type: str

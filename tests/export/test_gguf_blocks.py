@@ -7,6 +7,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from quantlab.export.gguf.blocks import BLOCK_BYTES, pack  # noqa: E402
+from quantlab.formats import iq4_nl  # noqa: E402
 from quantlab.formats.codec import GGUFBlocks, NotExactInGGUF  # noqa: E402
 from quantlab.formats.layout import StorageLayout  # noqa: E402
 
@@ -31,10 +32,12 @@ def _expected(blocks: GGUFBlocks) -> np.ndarray:
         return ((q - 8) * d).numpy()
     if blocks.type == "Q4_1":
         return (q * d + blocks.min.float().repeat_interleave(32, dim=1)).numpy()
+    if blocks.type == "IQ4_NL":
+        return (iq4_nl.levels()[blocks.codes.long()] * d).numpy()
     return (q * d).numpy()
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "IQ4_NL"])
 def test_packed_blocks_decode_bit_exactly_with_gguf(kind) -> None:
     blocks = _random_blocks(kind)
     data = pack(blocks)
@@ -97,6 +100,22 @@ def test_symmetric_codes_with_float16_scales_are_exact(codec, bits, group_size, 
     blocks = layout.codec_object.gguf_blocks(layout, stored)
     assert blocks.type == kind
     np.testing.assert_array_equal(_decoded(blocks), layout.dequantize(stored).numpy())
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 256])
+def test_iq4_nl_codes_and_scales_are_iq4_nl_blocks(group_size) -> None:
+    layout = _layout("iq4_nl", 4, group_size, columns=256, scale_dtype=torch.float16)
+    stored = layout.quantize(_weight(columns=256) * 0.02)
+    blocks = layout.codec_object.gguf_blocks(layout, stored)
+    assert blocks.type == layout.codec_object.gguf_type(layout) == "IQ4_NL"
+    assert torch.equal(blocks.codes, layout.codes(stored["weight"]).reshape(8, 256))
+    np.testing.assert_array_equal(_decoded(blocks), layout.dequantize(stored).numpy())
+
+
+def test_iq4_nl_rows_that_do_not_fill_blocks_are_refused() -> None:
+    layout = _layout("iq4_nl", 4, 32, columns=80, scale_dtype=torch.float16)
+    with pytest.raises(NotExactInGGUF, match="multiples of 32"):
+        layout.codec_object.gguf_blocks(layout, layout.quantize(_weight(columns=80)))
 
 
 def test_float32_scales_that_float16_cannot_hold_are_refused() -> None:

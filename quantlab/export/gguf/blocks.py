@@ -5,6 +5,7 @@ Every block covers 32 weights of a row and starts with its float16 `d`:
   nibble. Value `(q - 8) * d`.
 - Q4_1: `d`, the float16 minimum `m`, then the 16 code bytes of Q4_0. Value `q * d + m`.
 - Q8_0: `d`, then the 32 codes as signed bytes. Value `q * d`.
+- IQ4_NL: `d`, then the 16 code bytes of Q4_0, indices into `kvalues_iq4nl`. Value `kvalues[q] * d`.
 
 Pure functions on tensors; the result is a numpy `uint8` array `[rows, bytes per row]`, what
 `gguf.GGUFWriter.add_tensor(..., raw_dtype=...)` takes for a quantized tensor.
@@ -15,7 +16,12 @@ import torch
 
 from quantlab.formats.codec import GGUF_BLOCK, GGUFBlocks
 
-BLOCK_BYTES = {"Q4_0": 2 + GGUF_BLOCK // 2, "Q4_1": 4 + GGUF_BLOCK // 2, "Q8_0": 2 + GGUF_BLOCK}
+BLOCK_BYTES = {
+    "Q4_0": 2 + GGUF_BLOCK // 2,
+    "Q4_1": 4 + GGUF_BLOCK // 2,
+    "Q8_0": 2 + GGUF_BLOCK,
+    "IQ4_NL": 2 + GGUF_BLOCK // 2,
+}
 
 
 def pack(blocks: GGUFBlocks) -> np.ndarray:
@@ -30,7 +36,7 @@ def pack(blocks: GGUFBlocks) -> np.ndarray:
         if blocks.min is None:
             raise ValueError("Q4_1 blocks need their minimum m")
         fields.append(_half_bytes(blocks.min, rows, count))
-    if blocks.type in ("Q4_0", "Q4_1"):
+    if blocks.type in ("Q4_0", "Q4_1", "IQ4_NL"):
         fields.append(nibbles(codes))
     elif blocks.type == "Q8_0":
         fields.append(codes.to(torch.int8).view(torch.uint8))
