@@ -12,6 +12,7 @@ from quantlab.methods.int8 import Int8SymmetricConfig
 from quantlab.methods.iq4_nl import IQ4NLConfig
 from quantlab.methods.nf4 import NF4Config
 from quantlab.nn import QuantizedLinear
+from quantlab.presets import preset_config
 from quantlab.registry import Method, get_method, list_methods, register_method
 from quantlab.saving import save_quantized
 
@@ -38,6 +39,7 @@ __all__ = [
     "list_methods",
     "load",
     "load_with_tokenizer",
+    "preset_config",
     "quantize",
     "register_method",
     "save_quantized",

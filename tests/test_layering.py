@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("solvers", {"quantlab.solvers"}),
     ("configs", {"quantlab.config"}),
     ("quantized modules", {"quantlab.nn"}),
-    ("methods", {"quantlab.registry", "quantlab.methods", "quantlab.vocabulary"}),
+    ("methods", {"quantlab.registry", "quantlab.methods", "quantlab.vocabulary", "quantlab.presets"}),
     ("model surgery", {"quantlab.replacement", "quantlab.verification", "quantlab.prune"}),
     ("calibration", {"quantlab.calibration"}),
     ("evaluation", {"quantlab.eval"}),

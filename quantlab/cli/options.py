@@ -25,6 +25,7 @@ from typing import Any
 
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantlabError
+from quantlab.presets import PRESETS, get_preset, preset_config, preset_names
 from quantlab.registry import get_method, list_methods
 
 METHOD_MARKER = "takes_method_options"
@@ -187,11 +188,25 @@ def add_method_argument(parser: argparse.ArgumentParser, required: bool = True) 
     parser.set_defaults(**{METHOD_MARKER: True})
 
 
+def add_preset_argument(parser: argparse.ArgumentParser) -> None:
+    """Add `--preset NAME` (`quantlab.presets`): a method and options; flags given beside it override them."""
+    described = "; ".join(f"{name}: {PRESETS[name].description}" for name in preset_names())
+    parser.add_argument(
+        "--preset",
+        choices=preset_names(),
+        metavar="NAME",
+        help=f"settings that export to GGUF exactly, instead of --method (other flags override them): {described}",
+    )
+
+
 def method_from_argv(argv: Sequence[str]) -> str | None:
-    """The value of `--method` in `argv`, read without needing the rest to be valid."""
+    """The value of `--method` in `argv`, else the method of its `--preset`, read without needing the rest valid."""
     scanner = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     scanner.add_argument("--method")
+    scanner.add_argument("--preset")
     known, _ = scanner.parse_known_args(list(argv))
+    if known.method is None and known.preset in PRESETS:
+        return get_preset(known.preset).method
     return known.method
 
 
@@ -231,12 +246,19 @@ def _add_flag(group: argparse._ArgumentGroup, spec: OptionSpec) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> QuantlabConfig:
-    """The chosen method's config from the flags given; `ConfigError` names any invalid value."""
-    method = get_method(args.method)
+    """The chosen method's config (or preset's, `--preset`) from the flags given; `ConfigError` names any
+    invalid value."""
     given = {
         name.removeprefix(_DEST_PREFIX): value for name, value in vars(args).items() if name.startswith(_DEST_PREFIX)
     }
-    return method.config_class.from_options(given)
+    preset = getattr(args, "preset", None)
+    if preset is not None:
+        return preset_config(preset, args.method, **given)
+    if args.method is None:
+        raise QuantlabError(
+            "choose a method with --method NAME (see 'quantlab methods') or a preset with --preset NAME"
+        )
+    return get_method(args.method).config_class.from_options(given)
 
 
 def explain_unrecognized(extras: Sequence[str], method_name: str | None) -> str:

@@ -1,4 +1,4 @@
-"""`quantlab quantize [MODEL] --method NAME [method options] --output DIR`: quantize and save a checkpoint.
+"""`quantlab quantize [MODEL] --method NAME | --preset NAME [method options] --output DIR`: quantize and save.
 
 The work is `quantlab.workflows.quantize.quantize_to_checkpoint`: DIR is a complete checkpoint
 (with its tokenizer and `quantlab_report.json`) or does not exist, and
@@ -19,7 +19,13 @@ from quantlab.cli.console import (
     seconds,
 )
 from quantlab.cli.evaluation import add_eval_arguments, text_from_args
-from quantlab.cli.options import add_method_argument, add_model_argument, add_output_dir_arguments, config_from_args
+from quantlab.cli.options import (
+    add_method_argument,
+    add_model_argument,
+    add_output_dir_arguments,
+    add_preset_argument,
+    config_from_args,
+)
 from quantlab.workflows.quantize import QuantizeReport, quantize_to_checkpoint
 
 
@@ -32,7 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "to list them.",
     )
     add_model_argument(parser)
-    add_method_argument(parser)
+    add_method_argument(parser, required=False)
+    add_preset_argument(parser)
     add_output_dir_arguments(parser)
     add_eval_arguments(parser, help="measure perplexity before and after quantization")
     add_output_options(parser)
