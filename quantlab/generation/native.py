@@ -18,7 +18,7 @@ states) go to the compiled step, compiled the first time one comes.
 What it takes (`NativeDecoder.check` says which part is missing, in one line): a causal LM whose
 blocks are LlamaDecoderLayer-like (`self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, RMS norms,
 SiLU, full attention; q/k/v/o biases allowed, as Qwen2 has), float32, with every projection
-quantized in a format of the native kernels (int8, NF4, 2-8 bit affine).
+quantized in a format of the native kernels (int8, NF4, IQ4_NL, 2-8 bit affine).
 """
 
 import copy
@@ -174,8 +174,8 @@ class NativeDecoder:
             if layout is not None:
                 kind += f" ({layout.codec}, {layout.bits} bits)"
             raise ConfigError(
-                f"native_step needs every projection in a native-kernel format (int8, NF4, 2-8 bit affine); {name} is "
-                f"{kind}: quantize it, or use compile_for_decoding without native_step"
+                f"native_step needs every projection in a native-kernel format (int8, NF4, IQ4_NL, 2-8 bit affine); "
+                f"{name} is {kind}: quantize it, or use compile_for_decoding without native_step"
             )
         weight = native_weight(module)
         self.keep.append(weight)

@@ -49,6 +49,7 @@ CONFIGS = {
     "4bit-g64-e8-tied": (lambda: quantlab.CustomBitsConfig(bits=4, group_size=64, embedding_bits=8), True),
     "int8-e8": (lambda: quantlab.Int8SymmetricConfig(embedding_bits=8), False),
     "nf4-dq": (lambda: quantlab.NF4Config(double_quant=True), False),
+    "iq4_nl-e8-tied": (lambda: quantlab.IQ4NLConfig(embedding_bits=8, embedding_group_size=32), True),
     "3bit-asym": (lambda: quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=False), False),
     # q/k/v in different layouts: the step projects them one by one instead of as one group
     "mixed-qkv": (
