@@ -18,6 +18,7 @@ solvers start from `fit` and search the grid themselves.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,13 +47,19 @@ REFITS = 2
 
 
 def levels(device: torch.device | str = "cpu") -> torch.Tensor:
-    return torch.tensor(KVALUES, dtype=torch.float32, device=device)
+    """The table as float32 (a cached tensor per device: read it, do not modify it)."""
+    return _tables(str(device))[0]
 
 
 def midpoints(device: torch.device | str = "cpu") -> torch.Tensor:
     """Boundaries between neighbouring levels: a value's nearest level is its bucket (ties go down)."""
-    table = levels(device)
-    return (table[:-1] + table[1:]) / 2
+    return _tables(str(device))[1]
+
+
+@functools.cache
+def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    table = torch.tensor(KVALUES, dtype=torch.float32, device=device)
+    return table, (table[:-1] + table[1:]) / 2
 
 
 class IQ4NLCodec(Codec):
@@ -105,13 +112,9 @@ class IQ4NLCodec(Codec):
     ) -> GroupParams:
         """`d > 0` covering both ends of the group (its minimum on -127, or its maximum on 113); with
         `signed`, the largest-magnitude weight on -127 through a `d` of its opposite sign."""
-        grouped = grouped.float()
         clip = torch.as_tensor(clip, dtype=torch.float32, device=grouped.device)
-        if signed:
-            extreme = grouped.gather(-1, grouped.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
-            return self.grid(layout, extreme * clip / LOWEST)
-        low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
-        return self.grid(layout, torch.maximum(low / LOWEST, high / HIGHEST) * clip)
+        both_ends, extreme_lowest = range_scales(grouped)
+        return self.grid(layout, (extreme_lowest if signed else both_ends) * clip)
 
     def grid(self, layout: StorageLayout, scale: torch.Tensor, zero: torch.Tensor | None = None) -> GroupParams:
         """`d` as stored (float16). A `d` of 0 stays 0: the group decodes to zeros (no level is 0)."""
@@ -121,13 +124,13 @@ class IQ4NLCodec(Codec):
         self, layout: StorageLayout, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
     ) -> torch.Tensor:
         scale = scale.float()
-        target = torch.where(scale == 0, 0.0, values.float() / scale)  # d = 0: every weight on the level nearest 0
-        return fast_path.bucketize(target.contiguous(), midpoints(values.device)).to(torch.uint8)
+        divisor = torch.where(scale == 0, torch.inf, scale)  # d = 0: every weight on the level nearest 0
+        return fast_path.bucketize((values.float() / divisor).contiguous(), midpoints(values.device)).to(torch.uint8)
 
     def decode(
         self, layout: StorageLayout, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
     ) -> torch.Tensor:
-        return levels(codes.device)[codes.long()] * scale.float()
+        return torch.take(levels(codes.device), codes.long()) * scale.float()
 
     # -- stored tensors -------------------------------------------------------------------------
 
@@ -152,12 +155,20 @@ class IQ4NLCodec(Codec):
         return GGUFBlocks("IQ4_NL", grouping.ungroup(codes, layout.in_features), scale)
 
 
+def range_scales(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float scales `[out, groups]` of `fit` at clip 1: (covering both ends with `d > 0`, the extreme on -127)."""
+    grouped = grouped.float()
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    extreme = grouped.gather(-1, grouped.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    return torch.maximum(low / LOWEST, high / HIGHEST), extreme / LOWEST
+
+
 def search_scales(codec: Codec, layout: StorageLayout, grouped: torch.Tensor) -> GroupParams:
     """Each group's float16 `d` with the least squared error over the candidates (see `quantize`)."""
     best, best_error = None, None
-    for signed in (False, True):
+    for base in range_scales(grouped):
         for ratio in SEARCH_RATIOS:
-            candidate = codec.fit(layout, grouped, ratio, signed)
+            candidate = codec.grid(layout, base * torch.tensor(ratio))  # as `fit(grouped, ratio, signed)`
             best, best_error = _better(codec, layout, grouped, candidate, best, best_error)
     for _ in range(REFITS):
         candidate = codec.grid(layout, _least_squares_scale(codec, layout, grouped, best))
