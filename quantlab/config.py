@@ -43,7 +43,7 @@ class QuantlabConfig(QuantizationConfigMixin):
     `modules_to_not_convert`, decide what happens to the embedding table and the output head.
 
     `solver` chooses how codes are found (`quantlab.solvers`): `rtn` and `mse` need no data
-    and run while `from_pretrained` streams the weights in; `gptq` (and `awq`) calibrate
+    and run while `from_pretrained` streams the weights in; `gptq`, `reconstruct` (and `awq`) calibrate
     block by block on `calibration_samples` windows of `calibration_seq_len` tokens from
     `calibration_text` (default: the bundled WikiText-2 after the evaluation windows), or, with
     `self_calibration`, on windows the float model samples itself (no data needed: GPTQ on NF4
@@ -58,7 +58,7 @@ class QuantlabConfig(QuantizationConfigMixin):
     modules_to_not_convert: list[str] | None = None
     solver: str = dataclasses.field(
         default=DEFAULT_SOLVER,
-        metadata={"help": "how codes are chosen: rtn, mse (data-free), gptq (calibrated), plugins"},
+        metadata={"help": "how codes are chosen: rtn, mse (data-free), gptq, reconstruct (calibrated), plugins"},
     )
     solver_options: dict[str, Any] | None = dataclasses.field(
         default=None, metadata={"help": 'the solver\'s options as JSON, e.g. {"damp": 0.01, "act_order": true}'}
@@ -115,10 +115,10 @@ class QuantlabConfig(QuantizationConfigMixin):
     def _validate_shared(self) -> None:
         if not isinstance(self.solver, str):
             raise ConfigError(f"{self.method}: solver={self.solver!r} is not valid; use a solver name such as 'gptq'")
-        if self.solver != DEFAULT_SOLVER:  # the default needs no look-up (and no plugin scan at import)
-            get_solver(self.solver)
         if self.solver_options is not None and not isinstance(self.solver_options, dict):
             raise ConfigError(f"{self.method}: solver_options={self.solver_options!r} is not valid; use a JSON object")
+        if self.solver != DEFAULT_SOLVER:  # the default needs no look-up (and no plugin scan at import)
+            get_solver(self.solver).check_options(self.solver_options or {})
         if not isinstance(self.awq, bool):
             raise ConfigError(f"{self.method}: awq={self.awq!r} is not valid; use true or false")
         for name, low in (("calibration_samples", 1), ("calibration_seq_len", 16)):

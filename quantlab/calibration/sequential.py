@@ -8,6 +8,8 @@ the error of every block before it. Per block:
 2. one pass over the calibration batches that accumulates each Linear layer's input
    statistics (layers reading the same input, q/k/v or gate/up, share one);
 3. each selected Linear layer is solved and replaced by the method's quantized layer;
+   a block-wise solver (`reconstruct`) then trains the block's layers jointly on its outputs
+   (`quantlab.calibration.reconstruction`);
 4. a second pass computes the block's outputs with the quantized weights.
 
 Peak memory is the float model, plus the calibration activations (two copies of
@@ -24,6 +26,7 @@ from tqdm.auto import tqdm
 
 from quantlab.calibration.awq import scale_block
 from quantlab.calibration.blocks import BlockInputs, find_blocks, first_block_inputs, run_block
+from quantlab.calibration.reconstruction import BlockReconstruction
 from quantlab.config import QuantlabConfig
 from quantlab.formats import grouping
 from quantlab.nn import QuantizedLinear
@@ -44,15 +47,20 @@ def quantize_blocks(
     """Quantize the selected Linear layers inside the model's blocks in place; returns their names."""
     prefix, blocks = find_blocks(model)
     batches = first_block_inputs(model, blocks[0], windows, BATCH_SIZE)
+    reconstruction = BlockReconstruction.for_config(config, batches)  # None unless the solver trains blocks
     converted: list[str] = []
     bar = tqdm(blocks, desc=f"calibrating ({config.solver}{' + awq' if config.awq else ''})", disable=not progress)
     for index, block in enumerate(bar):
         names = selected_linears(block, f"{prefix}.{index}", selected)
         if not names:
+            if reconstruction is not None:
+                reconstruction.skip(block, batches)
             batches = [BlockInputs(run_block(block, batch), batch.kwargs) for batch in batches]
             continue
         if config.awq:
             scale_block(block, batches, names, _fake_quantizer(config, module_class))
+        if reconstruction is not None:
+            reconstruction.prepare(block, names, batches)
         stats = collect_input_stats(block, names, batches)
         quantized = {}
         for relative, full_name in names.items():
@@ -61,6 +69,8 @@ def quantize_blocks(
                 linear, config.config_for(full_name), full_name, stats[relative]
             )
             linear.weight.copy_(quantized[relative].dequantize_weight(linear.weight.dtype))
+        if reconstruction is not None:
+            reconstruction.refine(block, quantized, batches, progress, f"{prefix}.{index}")
         batches = [BlockInputs(run_block(block, batch), batch.kwargs) for batch in batches]
         for relative, layer in quantized.items():
             block.set_submodule(relative, layer)

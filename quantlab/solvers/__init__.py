@@ -9,6 +9,7 @@ grid, so every solver works with every format and the result is an ordinary chec
 | `rtn` | none | nothing: round to nearest on the min-max (absmax) grid |
 | `mse` | none (input statistics if given) | per-group squared error: clipping search, least-squares refit |
 | `gptq` | calibration | layer-output error, through the inverse Hessian of the inputs (Frantar et al. 2022) |
+| `reconstruct` | calibration | block-output error: a start solver's codes, then rounding and grids trained per block |
 
 Outside packages add solvers through the entry-point group `quantlab.solvers` (a callable
 that calls `register_solver`).

@@ -42,11 +42,19 @@ class InputStats:
 
 
 class Solver(ABC):
-    """Chooses codes on a layout's grid. Subclasses set `name`; calibrated ones `needs_calibration`."""
+    """Chooses codes on a layout's grid. Subclasses set `name`; calibrated ones `needs_calibration`.
+
+    `refines_blocks`: after the per-layer `solve`, the calibration schedule trains each block's
+    layers jointly on the block's outputs (`quantlab.calibration.reconstruction`).
+    """
 
     name: ClassVar[str]
     needs_calibration: ClassVar[bool] = False
+    refines_blocks: ClassVar[bool] = False
     description: ClassVar[str] = ""
+
+    def check_options(self, options: dict[str, Any]) -> None:  # noqa: B027 (optional: most solvers check when solving)
+        """Raise `ConfigError` for invalid `solver_options` when the config is built."""
 
     def unsupported(self, layout: StorageLayout) -> str | None:
         """Why this solver cannot produce `layout`, or None when it can."""

@@ -43,8 +43,8 @@ def _discover() -> None:
     if _discovered:
         return
     _discovered = True
-    from quantlab.solvers import gptq, mse, rtn  # the built-ins register on first use, as plugins do
+    from quantlab.solvers import gptq, mse, reconstruct, rtn  # the built-ins register on first use, as plugins do
 
-    for module in (rtn, mse, gptq):
+    for module in (rtn, mse, gptq, reconstruct):
         register_solver(module.SOLVER)
     load_entry_points(ENTRY_POINT_GROUP, "solver plugin")

@@ -1,0 +1,295 @@
+"""Block-wise reconstruction: the training step of the `reconstruct` solver, run by the block schedule.
+
+For each block, after its layers were solved one by one (GPTQ by default, `quantlab.solvers.reconstruct`):
+
+1. before the block is quantized, record the outputs it must reproduce (`prepare`): by default the
+   float model's own hidden states (the float block on the float model's inputs, carried from block
+   to block), as AutoRound and OmniQuant do, so a block also corrects the error its quantized inputs
+   bring from earlier blocks; or the float block on the quantized model's inputs (`target:
+   "float_block"`, what GPTQ matches layer by layer);
+2. swap each quantized layer for a `FakeQuantLinear` on its own storage layout starting from the
+   solver's codes, and train the rounding offsets, scales and zero points of all of them at once
+   (signed gradient descent or Adam, step size decaying linearly to 0) on the mean squared error of
+   the block's output, each step on `batch_size` calibration windows taken in a seeded order;
+3. keep the step whose mini-batch error, relative to the start's error on the same windows, was the
+   lowest; keep the start instead when that step is not better on all calibration windows; store
+   the codes and grids in the quantized layers (what the fake quantizer computed, bit for bit).
+
+Memory: on top of the block schedule's, the targets (one copy of `samples x seq_len x hidden`
+floats; the float model's hidden states are that copy), one copy of the block's float weights, the
+trained numbers with their optimizer state and best snapshot (a few times the block's weights),
+and the activations autograd keeps for one mini-batch through one block.
+"""
+
+import dataclasses
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quantlab.calibration.blocks import BlockInputs, run_block
+from quantlab.config import QuantlabConfig
+from quantlab.nn import QuantizedLinear
+from quantlab.nn.fake_quant import FakeQuantizedWeight, FakeQuantLinear
+from quantlab.solvers import get_solver
+from quantlab.solvers.reconstruct import ReconstructOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockResult:
+    """One block's output error (mean squared, over all calibration windows) before and after training."""
+
+    start_error: float
+    final_error: float
+    best_step: int | None  # None: the start was kept
+
+
+class BlockReconstruction:
+    """The state the reconstruction carries from block to block (the float model's hidden states)."""
+
+    def __init__(self, options: ReconstructOptions, batches: list[BlockInputs]) -> None:
+        self.options = options
+        self.float_hidden = [batch.hidden for batch in batches] if options.target == "float_model" else None
+        self.results: list[BlockResult] = []
+        self._targets: list[torch.Tensor] = []
+        self._float_weights: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def for_config(cls, config: QuantlabConfig, batches: list[BlockInputs]) -> "BlockReconstruction | None":
+        """The reconstruction of `config`'s solver, or None when it solves layer by layer only."""
+        if not get_solver(config.solver).refines_blocks:
+            return None
+        return cls(ReconstructOptions.parse(config.solver_options), batches)
+
+    @torch.no_grad()
+    def skip(self, block: nn.Module, batches: list[BlockInputs]) -> None:
+        """A block with nothing to quantize: only the float model's hidden states move on through it."""
+        if self.float_hidden is not None:
+            self.float_hidden = _float_outputs(block, self.float_hidden, batches)
+
+    @torch.no_grad()
+    def prepare(self, block: nn.Module, names: dict[str, str], batches: list[BlockInputs]) -> None:
+        """Record the block's targets and the float weights of its layers `names`, before they are quantized."""
+        if self.float_hidden is not None:
+            self.float_hidden = _float_outputs(block, self.float_hidden, batches)
+            self._targets = self.float_hidden
+        else:
+            self._targets = [run_block(block, batch) for batch in batches]
+        self._float_weights = {name: block.get_submodule(name).weight.detach().clone() for name in names}
+
+    def refine(
+        self,
+        block: nn.Module,
+        layers: dict[str, QuantizedLinear],
+        batches: list[BlockInputs],
+        progress: bool = True,
+        label: str = "block",
+    ) -> BlockResult:
+        """Train the quantized `layers` (relative name → layer) of `block` on its targets, store the result in
+        them, and put their dequantized weights in the block's float Linear layers (which compute the outputs)."""
+        quantizers = {
+            name: FakeQuantizedWeight.from_solution(
+                layer.layout,
+                self._float_weights[name],
+                layer.stored_tensors(),
+                self.options.max_offset,
+                self.options.learn_scales,
+            )
+            for name, layer in layers.items()
+        }
+        with _frozen(block), _swapped(block, quantizers):
+            result = _Training(block, quantizers, batches, self._targets, self.options).run(progress, label)
+        with torch.no_grad():
+            for name, layer in layers.items():
+                layer.load_stored(quantizers[name].stored())
+                linear = block.get_submodule(name)
+                linear.weight.copy_(layer.dequantize_weight(linear.weight.dtype))
+        self._targets, self._float_weights = [], {}
+        self.results.append(result)
+        logger.info(
+            "%s: block output error %.4g -> %.4g (%s)",
+            label,
+            result.start_error,
+            result.final_error,
+            "start kept" if result.best_step is None else f"step {result.best_step}",
+        )
+        return result
+
+
+class _Training:
+    """One block's training loop over its calibration windows."""
+
+    def __init__(
+        self,
+        block: nn.Module,
+        quantizers: dict[str, FakeQuantizedWeight],
+        batches: list[BlockInputs],
+        targets: list[torch.Tensor],
+        options: ReconstructOptions,
+    ) -> None:
+        self.block, self.quantizers, self.batches, self.targets = block, quantizers, batches, targets
+        self.options = options
+        self.parameters = [p for q in quantizers.values() for p in q.parameters() if p.requires_grad]
+
+    def run(self, progress: bool, label: str) -> BlockResult:
+        options = self.options
+        start = self._snapshot()
+        start_errors = self._window_errors()
+        best, best_ratio = None, 1.0
+        optimizer = _optimizer(options, self.parameters)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / max(options.steps, 1))
+        order = _window_order(self.batches, options.steps * options.batch_size, options.seed)
+        bar = tqdm(range(options.steps), desc=f"{label} reconstruction", leave=False, disable=not progress)
+        for step in bar:
+            windows = [next(order) for _ in range(options.batch_size)]
+            optimizer.zero_grad(set_to_none=True)
+            error = self._step_error(windows)
+            ratio = error / max(sum(float(start_errors[b][w]) for b, w in windows), 1e-30)
+            if ratio < best_ratio:
+                best, best_ratio = (step, self._snapshot()), ratio
+            optimizer.step()
+            schedule.step()
+            for quantizer in self.quantizers.values():
+                quantizer.project()
+            bar.set_postfix(error=f"{ratio:.3f}x start", best=f"{best_ratio:.3f}x")
+        start_error = _mean(start_errors)
+        best_step = None
+        final_error = start_error
+        if best is not None:
+            self._restore(best[1])
+            final_error = _mean(self._window_errors())
+            if final_error < start_error:
+                best_step = best[0]
+            else:
+                final_error = start_error
+        if best_step is None:
+            self._restore(start)
+        return BlockResult(start_error, final_error, best_step)
+
+    def _step_error(self, windows: list[tuple[int, int]]) -> float:
+        """Backpropagate the squared output error of the windows; returns the sum of their mean errors."""
+        by_batch: dict[int, list[int]] = {}
+        for batch, window in windows:
+            by_batch.setdefault(batch, []).append(window)
+        numel = len(windows) * self.targets[0][0].numel()
+        total = 0.0
+        for batch, chosen in by_batch.items():
+            with torch.enable_grad():
+                output = _block_output(self.block, _select(self.batches[batch], chosen))
+                squared = (output - self.targets[batch][chosen]).square()
+                (squared.sum() / numel).backward()
+            total += float(squared.detach().flatten(1).mean(dim=1).sum())
+        return total
+
+    @torch.no_grad()
+    def _window_errors(self) -> list[torch.Tensor]:
+        """The mean squared output error of each window, per batch."""
+        errors = []
+        for batch, target in zip(self.batches, self.targets, strict=True):
+            errors.append((run_block(self.block, batch) - target).square().flatten(1).mean(dim=1))
+        return errors
+
+    def _snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: quantizer.snapshot() for name, quantizer in self.quantizers.items()}
+
+    def _restore(self, snapshot: dict[str, dict[str, torch.Tensor]]) -> None:
+        for name, quantizer in self.quantizers.items():
+            quantizer.restore(snapshot[name])
+
+
+class SignSGD(torch.optim.Optimizer):
+    """`p -= lr * sign(grad)`, AutoRound's optimizer: each number moves by the step size, whatever its gradient."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                if parameter.grad is not None:
+                    parameter.add_(parameter.grad.sign(), alpha=-group["lr"])
+
+
+def _optimizer(options: ReconstructOptions, parameters: list[torch.Tensor]) -> torch.optim.Optimizer:
+    if options.optimizer == "adam":
+        return torch.optim.Adam(parameters, lr=options.step_size)
+    return SignSGD(parameters, lr=options.step_size)
+
+
+def _window_order(batches: list[BlockInputs], count: int, seed: int) -> Iterator[tuple[int, int]]:
+    """`(batch, window)` pairs: every calibration window once per pass, passes in fresh seeded orders."""
+    windows = [(b, w) for b, batch in enumerate(batches) for w in range(batch.hidden.shape[0])]
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(math.ceil(count / len(windows)) if windows else 0):
+        for index in torch.randperm(len(windows), generator=generator).tolist():
+            yield windows[index]
+
+
+def _select(inputs: BlockInputs, windows: list[int]) -> BlockInputs:
+    """Some windows of a batch, with the keyword arguments that have one row per window cut alike."""
+    rows = inputs.hidden.shape[0]
+    index = torch.tensor(windows)
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows and rows > 1:
+            return value.index_select(0, index)
+        if isinstance(value, tuple | list):
+            return type(value)(cut(item) for item in value)
+        if isinstance(value, dict):
+            return {key: cut(item) for key, item in value.items()}
+        return value
+
+    return BlockInputs(inputs.hidden.index_select(0, index), {key: cut(v) for key, v in inputs.kwargs.items()})
+
+
+def _block_output(block: nn.Module, inputs: BlockInputs) -> torch.Tensor:
+    """The block's output hidden states, differentiable (`run_block` computes them without autograd)."""
+    output = block(inputs.hidden, **inputs.kwargs)
+    return output[0] if isinstance(output, tuple | list) else output
+
+
+def _float_outputs(block: nn.Module, hidden: list[torch.Tensor], batches: list[BlockInputs]) -> list[torch.Tensor]:
+    return [run_block(block, BlockInputs(h, batch.kwargs)) for h, batch in zip(hidden, batches, strict=True)]
+
+
+def _mean(errors: list[torch.Tensor]) -> float:
+    return float(torch.cat(errors).mean())
+
+
+class _frozen:
+    """The block's own parameters out of autograd while its quantizers train (restored after)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.flags = [(p, p.requires_grad) for p in block.parameters()]
+
+    def __enter__(self) -> None:
+        for parameter, _ in self.flags:
+            parameter.requires_grad_(False)
+
+    def __exit__(self, *exc: Any) -> None:
+        for parameter, flag in self.flags:
+            parameter.requires_grad_(flag)
+
+
+class _swapped:
+    """Each named Linear layer of the block replaced by a `FakeQuantLinear` on its quantizer (put back after)."""
+
+    def __init__(self, block: nn.Module, quantizers: dict[str, FakeQuantizedWeight]) -> None:
+        self.block = block
+        self.originals = {name: block.get_submodule(name) for name in quantizers}
+        self.replacements = {name: FakeQuantLinear(q, self.originals[name].bias) for name, q in quantizers.items()}
+
+    def __enter__(self) -> None:
+        for name, module in self.replacements.items():
+            self.block.set_submodule(name, module)
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, module in self.originals.items():
+            self.block.set_submodule(name, module)

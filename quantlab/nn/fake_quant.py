@@ -1,0 +1,181 @@
+"""A weight held on a storage layout's grid whose rounding, scales and zero points can be trained.
+
+The forward pass computes the weight the layout would store, with the codec's own `encode` and
+`decode` on grids rounded as stored (`StorageLayout.grid`: scale dtype, NF4's double quantization),
+so it equals `layout.dequantize(layout.store(*quantizer.solution()))` bit for bit. Gradients pass
+straight through the rounding as in LSQ (Esser et al. 2019, arXiv 1902.08153): in the code domain
+`t = w / scale + zero`, `d out / d w = 1` where `t` lies inside the grid's range and 0 where it is
+clipped, and the scale receives `level - t` (the rounding error, and the clipping error of clipped
+weights), so learning the scale is learning the clipping (OmniQuant's learnable weight clipping).
+
+What is trained (all optional but the offsets):
+- `offset`: a rounding offset per weight in grid steps (AutoRound's `v`), bounded by `max_offset`;
+  unbounded it is a weight delta trained through the quantizer (EfficientQAT's Block-AP);
+- `scale_ratio`: each group's scale as a multiple of its starting scale, kept in `SCALE_RANGE`;
+- `zero`: each group's zero point, where the codec stores one.
+
+The starting point is any solver's codes and grids: the latent weight starts as the float weight
+pulled into the cell of values that round to its starting code (a weight whose code the solver
+left at round-to-nearest keeps its float value), so the first forward pass reproduces the solver's
+result exactly and a code the solver moved sits next to the boundary it crossed.
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from quantlab.formats import grouping
+from quantlab.formats.layout import GroupParams, StorageLayout
+
+SCALE_RANGE = (0.5, 1.5)  # a group's scale stays within these multiples of its starting scale
+_CELL_MARGIN = 0.02  # how far inside its cell (fraction of the distance to the boundary) a weight starts
+
+
+class FakeQuantizedWeight(nn.Module):
+    """A `[out, in]` weight on `layout`'s grid, starting from `codes` and `params` (a solver's solution)."""
+
+    def __init__(
+        self,
+        layout: StorageLayout,
+        weight: torch.Tensor,
+        codes: torch.Tensor,
+        params: GroupParams,
+        max_offset: float | None = 0.5,
+        learn_scales: bool = True,
+    ) -> None:
+        super().__init__()
+        self.layout = layout
+        self.max_offset = max_offset
+        self.start = params  # the grids as the solver stored them (NF4 keeps its double-quantized absmax)
+        levels = layout.levels()
+        self.register_buffer("levels", torch.arange(layout.max_code + 1.0) if levels is None else levels.float())
+        self.register_buffer("unit", params.scale.clone())  # grid step of the offsets: the starting scale
+        zero = self._zero_or_constant(params.zero)
+        grouped = grouping.group(weight.detach().float(), layout.group_size)
+        self.register_buffer("base", self._pulled_into_cells(grouped, codes, params.scale, zero))
+        self.offset = nn.Parameter(torch.zeros_like(self.base))
+        self.scale_ratio = nn.Parameter(torch.ones_like(self.unit), requires_grad=learn_scales)
+        self.zero = None if params.zero is None else nn.Parameter(params.zero.clone(), requires_grad=learn_scales)
+
+    @classmethod
+    def from_solution(
+        cls,
+        layout: StorageLayout,
+        weight: torch.Tensor,
+        stored: dict[str, torch.Tensor],
+        max_offset: float | None = 0.5,
+        learn_scales: bool = True,
+    ) -> "FakeQuantizedWeight":
+        """Start from a layer's stored tensors (`QuantizedLinear.stored_tensors()`) and its float weight."""
+        codes, params = layout.load(stored)
+        return cls(layout, weight, codes, params, max_offset, learn_scales)
+
+    # -- the grid and the codes -------------------------------------------------------------
+
+    def grid(self) -> GroupParams:
+        """The grids as stored: the solver's own while the learnable ones are at their start."""
+        if self._at_start():
+            return self.start
+        zero = None if self.zero is None else self.zero.detach()
+        return self.layout.grid(self.unit * self.scale_ratio.detach(), zero)
+
+    def latent(self) -> torch.Tensor:
+        """The grouped weight `[out, groups, length]` that is rounded."""
+        return self.base + self.offset * self.unit.unsqueeze(-1)
+
+    def solution(self) -> tuple[torch.Tensor, GroupParams]:
+        """Codes `[out, groups, length]` and grids: `layout.store(*solution())` is what `forward` computes."""
+        with torch.no_grad():
+            params = self.grid()
+            codes = self.layout.quantize_grouped(self.latent(), params)
+        return codes, params
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        """The layer's tensors, as `QuantizedLinear.load_stored` takes them."""
+        return self.layout.store(*self.solution())
+
+    # -- training ---------------------------------------------------------------------------
+
+    def forward(self) -> torch.Tensor:
+        """The dequantized `[out, in]` weight, with straight-through gradients to what is trained."""
+        params = self.grid()
+        scale = _unsqueezed(params.scale)
+        stored_zero = None if params.zero is None else _unsqueezed(params.zero)
+        latent = self.latent()
+        with torch.no_grad():
+            codes = self.layout.encode(latent, scale, stored_zero)
+            hard = self.layout.decode(codes, scale, stored_zero)
+        if not torch.is_grad_enabled():
+            return grouping.ungroup(hard, self.layout.in_features)
+        # The same value, differentiable: stored grids carry the gradients of the learnable ones.
+        ratio = self.scale_ratio.unsqueeze(-1)
+        learned_scale = self.unit.unsqueeze(-1) * ratio
+        scale = learned_scale + (scale - learned_scale).detach()
+        zero = self._zero_or_constant(self.zero)
+        if self.zero is not None:
+            zero = zero + (stored_zero - zero).detach()
+        t = latent / scale + zero
+        clipped = t.clamp(self.levels[0], self.levels[-1])
+        soft = scale * (clipped + (self.levels[codes.long()] - clipped).detach() - zero)
+        return grouping.ungroup(hard + (soft - soft.detach()), self.layout.in_features)
+
+    @torch.no_grad()
+    def project(self) -> None:
+        """Keep the trained numbers in their ranges (after each optimizer step)."""
+        if self.max_offset is not None:
+            self.offset.clamp_(-self.max_offset, self.max_offset)
+        self.scale_ratio.clamp_(*SCALE_RANGE)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the trained numbers (`restore` puts them back)."""
+        return {name: value.detach().clone() for name, value in self.named_parameters()}
+
+    @torch.no_grad()
+    def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
+        for name, value in self.named_parameters():
+            value.copy_(snapshot[name])
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _at_start(self) -> bool:
+        if not torch.all(self.scale_ratio == 1):
+            return False
+        return self.zero is None or torch.equal(self.zero, self.start.zero)
+
+    def _zero_or_constant(self, zero: torch.Tensor | None) -> torch.Tensor | float:
+        return self.layout.constant_zero if zero is None else zero.unsqueeze(-1)
+
+    def _pulled_into_cells(
+        self, grouped: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | float
+    ) -> torch.Tensor:
+        """The float weight moved into the cell (in the code domain) of values rounding to its starting code."""
+        scale = scale.unsqueeze(-1)
+        levels, index = self.levels, codes.long()
+        level = levels[index]
+        gaps = levels.diff()
+        inf = torch.tensor([float("inf")])
+        below = torch.cat([inf, gaps])[index] / 2  # distance from the level down to its cell's boundary
+        above = torch.cat([gaps, inf])[index] / 2
+        reach = 1 - _CELL_MARGIN
+        t = grouped / scale + zero
+        inside = level + torch.minimum(torch.maximum(t - level, -below * reach), above * reach)
+        base = (inside - zero) * scale
+        if not torch.equal(self.layout.encode(base, scale, None if isinstance(zero, float) else zero), codes):
+            raise ValueError("the starting codes are not on this layout's grid (they do not round back to themselves)")
+        return base
+
+
+class FakeQuantLinear(nn.Module):
+    """A Linear layer computing with a `FakeQuantizedWeight` (its bias kept fixed, as quantized layers keep it)."""
+
+    def __init__(self, weight: FakeQuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight_quantizer = weight
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_quantizer().to(x.dtype), self.bias)
+
+
+def _unsqueezed(values: torch.Tensor) -> torch.Tensor:
+    return values.unsqueeze(-1)
