@@ -113,6 +113,7 @@ def builtin_variants() -> list[Variant]:
                     variants.append(_custom_bits(bits, group, symmetric, solver, awq))
     # 3-bit g32 symmetric also stores 3.5 bits per weight: a uniform rival of mixed precision at 3.5.
     variants.append(_custom_bits(3, 32, True, "gptq", False))
+    variants += reconstruct_variants()
     variants += embedding_variants()
     for target in (4.25, 3.5, 3.25, 3.0, 2.5):
         variants.append(
@@ -125,6 +126,24 @@ def builtin_variants() -> list[Variant]:
                 quick=target in (4.25, 3.5, 3.25),
             )
         )
+    return variants
+
+
+# Block-wise reconstruction (about 30 minutes a row on 2 cores): the settings of the acceptance targets.
+RECONSTRUCT_ROWS = ((4, 64, True), (3, 64, True), (3, 128, False), (3, 64, False), (2, 64, True), (2, 128, False))
+
+
+def reconstruct_variants() -> list[Variant]:
+    """The `reconstruct` solver (GPTQ, then each block trained on its outputs) at 4, 3 and 2 bits, and
+    mixed precision at 3.25 bits per weight under it; each has a GPTQ row with the same storage to compare."""
+    variants = [_custom_bits(bits, group, sym, "reconstruct", False) for bits, group, sym in RECONSTRUCT_ROWS]
+    variants.append(
+        Variant(
+            "mixed 3.25 bits/weight reconstruct",
+            "quantlab",
+            lambda: quantlab.CustomBitsConfig(bits=3, group_size=64, solver="reconstruct", target_bits=3.25),
+        )
+    )
     return variants
 
 
@@ -150,6 +169,7 @@ QUICK_CUSTOM_BITS = {
     (3, 64, True, "gptq", False),
     (3, 64, False, "gptq", False),
     (3, 32, True, "gptq", False),
+    (3, 64, True, "reconstruct", False),
 }
 
 

@@ -90,9 +90,10 @@ class BlockReconstruction:
         batches: list[BlockInputs],
         progress: bool = True,
         label: str = "block",
-    ) -> BlockResult:
-        """Train the quantized `layers` (relative name → layer) of `block` on its targets, store the result in
-        them, and put their dequantized weights in the block's float Linear layers (which compute the outputs)."""
+    ) -> list[torch.Tensor]:
+        """Train the quantized `layers` (relative name → layer) of `block` on its targets and store the result
+        in them (and their dequantized weights in the block's float Linear layers); returns the block's
+        outputs on `batches` with those weights: the next block's inputs."""
         quantizers = {
             name: FakeQuantizedWeight.from_solution(
                 layer.layout,
@@ -104,7 +105,7 @@ class BlockReconstruction:
             for name, layer in layers.items()
         }
         with _frozen(block), _swapped(block, quantizers):
-            result = _Training(block, quantizers, batches, self._targets, self.options).run(progress, label)
+            result, outputs = _Training(block, quantizers, batches, self._targets, self.options).run(progress, label)
         with torch.no_grad():
             for name, layer in layers.items():
                 layer.load_stored(quantizers[name].stored())
@@ -119,7 +120,7 @@ class BlockReconstruction:
             result.final_error,
             "start kept" if result.best_step is None else f"step {result.best_step}",
         )
-        return result
+        return outputs
 
 
 class _Training:
@@ -135,14 +136,19 @@ class _Training:
     ) -> None:
         self.block, self.quantizers, self.batches, self.targets = block, quantizers, batches, targets
         self.options = options
-        self.parameters = [p for q in quantizers.values() for p in q.parameters() if p.requires_grad]
+        trained = [(name, p) for q in quantizers.values() for name, p in q.named_parameters() if p.requires_grad]
+        self.groups = [  # offsets and zero points are in grid steps, scales in ratios: each its step size
+            {"params": [p for name, p in trained if name != "scale_ratio"], "lr": options.lr},
+            {"params": [p for name, p in trained if name == "scale_ratio"], "lr": options.scale_lr},
+        ]
 
-    def run(self, progress: bool, label: str) -> BlockResult:
+    def run(self, progress: bool, label: str) -> tuple[BlockResult, list[torch.Tensor]]:
+        """Train; the result, and the block's outputs with the trained numbers kept."""
         options = self.options
         start = self._snapshot()
-        start_errors = self._window_errors()
+        start_errors, _ = self._pass(keep_outputs=False)
         best, best_ratio = None, 1.0
-        optimizer = _optimizer(options, self.parameters)
+        optimizer = _optimizer(options, self.groups)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / max(options.steps, 1))
         order = _window_order(self.batches, options.steps * options.batch_size, options.seed)
         bar = tqdm(range(options.steps), desc=f"{label} reconstruction", leave=False, disable=not progress)
@@ -159,18 +165,14 @@ class _Training:
                 quantizer.project()
             bar.set_postfix(error=f"{ratio:.3f}x start", best=f"{best_ratio:.3f}x")
         start_error = _mean(start_errors)
-        best_step = None
-        final_error = start_error
         if best is not None:
             self._restore(best[1])
-            final_error = _mean(self._window_errors())
-            if final_error < start_error:
-                best_step = best[0]
-            else:
-                final_error = start_error
-        if best_step is None:
-            self._restore(start)
-        return BlockResult(start_error, final_error, best_step)
+            errors, outputs = self._pass(keep_outputs=True)
+            if _mean(errors) < start_error:
+                return BlockResult(start_error, _mean(errors), best[0]), outputs
+        self._restore(start)
+        _, outputs = self._pass(keep_outputs=True)
+        return BlockResult(start_error, start_error, None), outputs
 
     def _step_error(self, windows: list[tuple[int, int]]) -> float:
         """Backpropagate the squared output error of the windows; returns the sum of their mean errors."""
@@ -188,12 +190,15 @@ class _Training:
         return total
 
     @torch.no_grad()
-    def _window_errors(self) -> list[torch.Tensor]:
-        """The mean squared output error of each window, per batch."""
-        errors = []
+    def _pass(self, keep_outputs: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The mean squared output error of each window (per batch), and the outputs when asked for."""
+        errors, outputs = [], []
         for batch, target in zip(self.batches, self.targets, strict=True):
-            errors.append((run_block(self.block, batch) - target).square().flatten(1).mean(dim=1))
-        return errors
+            output = run_block(self.block, batch)
+            errors.append((output - target).square().flatten(1).mean(dim=1))
+            if keep_outputs:
+                outputs.append(output)
+        return errors, outputs
 
     def _snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
         return {name: quantizer.snapshot() for name, quantizer in self.quantizers.items()}
@@ -217,10 +222,12 @@ class SignSGD(torch.optim.Optimizer):
                     parameter.add_(parameter.grad.sign(), alpha=-group["lr"])
 
 
-def _optimizer(options: ReconstructOptions, parameters: list[torch.Tensor]) -> torch.optim.Optimizer:
+def _optimizer(options: ReconstructOptions, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """The optimizer over the offsets' and the grids' parameter groups (each with its step size)."""
+    groups = [group for group in groups if group["params"]]
     if options.optimizer == "adam":
-        return torch.optim.Adam(parameters, lr=options.step_size)
-    return SignSGD(parameters, lr=options.step_size)
+        return torch.optim.Adam(groups, lr=options.lr)
+    return SignSGD(groups, lr=options.lr)
 
 
 def _window_order(batches: list[BlockInputs], count: int, seed: int) -> Iterator[tuple[int, int]]:

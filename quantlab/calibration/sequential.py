@@ -70,8 +70,10 @@ def quantize_blocks(
             )
             linear.weight.copy_(quantized[relative].dequantize_weight(linear.weight.dtype))
         if reconstruction is not None:
-            reconstruction.refine(block, quantized, batches, progress, f"{prefix}.{index}")
-        batches = [BlockInputs(run_block(block, batch), batch.kwargs) for batch in batches]
+            outputs = reconstruction.refine(block, quantized, batches, progress, f"{prefix}.{index}")
+        else:
+            outputs = [run_block(block, batch) for batch in batches]
+        batches = [BlockInputs(output, batch.kwargs) for output, batch in zip(outputs, batches, strict=True)]
         for relative, layer in quantized.items():
             block.set_submodule(relative, layer)
         converted += names.values()

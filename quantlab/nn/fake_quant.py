@@ -9,15 +9,17 @@ clipped, and the scale receives `level - t` (the rounding error, and the clippin
 weights), so learning the scale is learning the clipping (OmniQuant's learnable weight clipping).
 
 What is trained (all optional but the offsets):
-- `offset`: a rounding offset per weight in grid steps (AutoRound's `v`), bounded by `max_offset`;
+- `offset`: a rounding offset per weight in grid steps (AutoRound's `v`; a step is one code on integer
+  grids, the mean distance between levels on level tables such as NF4's), bounded by `max_offset`;
   unbounded it is a weight delta trained through the quantizer (EfficientQAT's Block-AP);
 - `scale_ratio`: each group's scale as a multiple of its starting scale, kept in `SCALE_RANGE`;
 - `zero`: each group's zero point, where the codec stores one.
 
-The starting point is any solver's codes and grids: the latent weight starts as the float weight
-pulled into the cell of values that round to its starting code (a weight whose code the solver
-left at round-to-nearest keeps its float value), so the first forward pass reproduces the solver's
-result exactly and a code the solver moved sits next to the boundary it crossed.
+The starting point is any solver's codes and grids, reproduced exactly by the first forward pass: a
+weight the solver rounded to nearest keeps its float value as its latent value (AutoRound's start:
+a weight near a rounding boundary flips with a small offset), a weight whose code the solver moved
+(GPTQ's error feedback) starts at its code's level, half a step from either boundary, so the first
+steps of training do not undo the solver's corrections.
 """
 
 import torch
@@ -28,7 +30,7 @@ from quantlab.formats import grouping
 from quantlab.formats.layout import GroupParams, StorageLayout
 
 SCALE_RANGE = (0.5, 1.5)  # a group's scale stays within these multiples of its starting scale
-_CELL_MARGIN = 0.02  # how far inside its cell (fraction of the distance to the boundary) a weight starts
+_CELL_MARGIN = 0.02  # a float weight this close to its cell's boundary (fraction of the way) starts at the level
 
 
 class FakeQuantizedWeight(nn.Module):
@@ -49,12 +51,15 @@ class FakeQuantizedWeight(nn.Module):
         self.start = params  # the grids as the solver stored them (NF4 keeps its double-quantized absmax)
         levels = layout.levels()
         self.register_buffer("levels", torch.arange(layout.max_code + 1.0) if levels is None else levels.float())
-        self.register_buffer("unit", params.scale.clone())  # grid step of the offsets: the starting scale
+        # An offset of 1 is one (mean) grid step at the starting scale: one code on integer grids.
+        step = float(self.levels[-1] - self.levels[0]) / (len(self.levels) - 1)
+        self.register_buffer("unit", params.scale * step)
         zero = self._zero_or_constant(params.zero)
         grouped = grouping.group(weight.detach().float(), layout.group_size)
+        self.register_buffer("start_scale", params.scale.clone())
         self.register_buffer("base", self._pulled_into_cells(grouped, codes, params.scale, zero))
         self.offset = nn.Parameter(torch.zeros_like(self.base))
-        self.scale_ratio = nn.Parameter(torch.ones_like(self.unit), requires_grad=learn_scales)
+        self.scale_ratio = nn.Parameter(torch.ones_like(self.start_scale), requires_grad=learn_scales)
         self.zero = None if params.zero is None else nn.Parameter(params.zero.clone(), requires_grad=learn_scales)
 
     @classmethod
@@ -77,7 +82,7 @@ class FakeQuantizedWeight(nn.Module):
         if self._at_start():
             return self.start
         zero = None if self.zero is None else self.zero.detach()
-        return self.layout.grid(self.unit * self.scale_ratio.detach(), zero)
+        return self.layout.grid(self.start_scale * self.scale_ratio.detach(), zero)
 
     def latent(self) -> torch.Tensor:
         """The grouped weight `[out, groups, length]` that is rounded."""
@@ -109,7 +114,7 @@ class FakeQuantizedWeight(nn.Module):
             return grouping.ungroup(hard, self.layout.in_features)
         # The same value, differentiable: stored grids carry the gradients of the learnable ones.
         ratio = self.scale_ratio.unsqueeze(-1)
-        learned_scale = self.unit.unsqueeze(-1) * ratio
+        learned_scale = self.start_scale.unsqueeze(-1) * ratio
         scale = learned_scale + (scale - learned_scale).detach()
         zero = self._zero_or_constant(self.zero)
         if self.zero is not None:
@@ -148,9 +153,11 @@ class FakeQuantizedWeight(nn.Module):
     def _pulled_into_cells(
         self, grouped: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | float
     ) -> torch.Tensor:
-        """The float weight moved into the cell (in the code domain) of values rounding to its starting code."""
+        """The latent weight's start: the float weight where it rounds to its starting code, else that code's level."""
         scale = scale.unsqueeze(-1)
         levels, index = self.levels, codes.long()
+        if index.max() >= len(levels):
+            raise ValueError(f"starting code {int(index.max())} is beyond this layout's {len(levels)} grid levels")
         level = levels[index]
         gaps = levels.diff()
         inf = torch.tensor([float("inf")])
@@ -158,8 +165,8 @@ class FakeQuantizedWeight(nn.Module):
         above = torch.cat([gaps, inf])[index] / 2
         reach = 1 - _CELL_MARGIN
         t = grouped / scale + zero
-        inside = level + torch.minimum(torch.maximum(t - level, -below * reach), above * reach)
-        base = (inside - zero) * scale
+        inside = (t - level >= -below * reach) & (t - level <= above * reach)
+        base = (torch.where(inside, t, level) - zero) * scale
         if not torch.equal(self.layout.encode(base, scale, None if isinstance(zero, float) else zero), codes):
             raise ValueError("the starting codes are not on this layout's grid (they do not round back to themselves)")
         return base

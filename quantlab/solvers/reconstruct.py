@@ -23,8 +23,9 @@ Options (`solver_options`):
 | `start_options` | `{}` | that solver's options |
 | `steps` | 100 | optimizer steps per block |
 | `batch_size` | 4 | calibration windows per step |
-| `lr` | `1 / steps` | step size (in grid steps for offsets, in ratio for scales: AutoRound's choice) |
-| `optimizer` | `"signsgd"` | `"signsgd"` (AutoRound) or `"adam"` |
+| `lr` | 0.01 | step size of the rounding offsets and zero points, in grid steps |
+| `scale_lr` | 0.002 | step size of the scales, as a ratio to the start |
+| `optimizer` | `"adam"` | `"adam"`, or `"signsgd"` (AutoRound's signed gradient descent) |
 | `target` | `"float_model"` | what the block's output must match (below) |
 | `max_offset` | 0.5 | bound of a weight's rounding offset in grid steps; `null`: unbounded (Block-AP) |
 | `learn_scales` | true | also train each group's scale (clipping) and zero point |
@@ -55,16 +56,13 @@ class ReconstructOptions:
     start_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     steps: int = 100
     batch_size: int = 4
-    lr: float | None = None
-    optimizer: str = "signsgd"
+    lr: float = 0.01
+    scale_lr: float = 0.002
+    optimizer: str = "adam"
     target: str = "float_model"
     max_offset: float | None = 0.5
     learn_scales: bool = True
     seed: int = 0
-
-    @property
-    def step_size(self) -> float:
-        return self.lr if self.lr is not None else 1.0 / max(self.steps, 1)
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None) -> "ReconstructOptions":
@@ -93,10 +91,13 @@ class ReconstructOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"reconstruct solver: {name}={value!r} must be a whole number >= {low}")
-        for name in ("lr", "max_offset"):
+        for name in ("lr", "scale_lr", "max_offset"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
-                raise ConfigError(f"reconstruct solver: {name}={value!r} must be a number > 0, or null")
+            if (value is not None or name != "max_offset") and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+            ):
+                tail = ", or null" if name == "max_offset" else ""
+                raise ConfigError(f"reconstruct solver: {name}={value!r} must be a number > 0{tail}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"reconstruct solver: optimizer={self.optimizer!r} must be one of {list(OPTIMIZERS)}")
         if self.target not in TARGETS:

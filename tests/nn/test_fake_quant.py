@@ -1,0 +1,130 @@
+"""The fake quantizer: it starts exactly at a solver's solution, computes exactly what it stores, and
+passes gradients straight through the rounding (none to weights clipped by the grid)."""
+
+import pytest
+import torch
+
+from quantlab.formats.layout import StorageLayout
+from quantlab.nn.fake_quant import SCALE_RANGE, FakeQuantizedWeight, FakeQuantLinear
+from quantlab.solvers import InputStats, get_solver
+
+IN, OUT = 160, 24  # 160 = 2.5 groups of 64: the last group is padded
+LAYOUTS = [
+    StorageLayout("affine", bits, 64, IN, OUT, symmetric=symmetric, scale_dtype=torch.float16)
+    for bits in (2, 3, 4)
+    for symmetric in (True, False)
+] + [
+    StorageLayout("int8", 8, None, IN, OUT),
+    StorageLayout("nf4", 4, 64, IN, OUT, double_quant=True),
+    StorageLayout("nf4", 4, 64, IN, OUT, double_quant=False),
+]
+
+
+def _ids(layout: StorageLayout) -> str:
+    return f"{layout.codec}{layout.bits}{'' if layout.symmetric else '-asym'}{'-dq' if layout.double_quant else ''}"
+
+
+@pytest.fixture(scope="module")
+def problem():
+    weight = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(0)) * 0.02
+    stats = InputStats(IN)
+    stats.add(torch.randn(512, IN, generator=torch.Generator().manual_seed(1)))
+    return weight, stats
+
+
+def _start(layout, problem):
+    weight, stats = problem
+    solution = get_solver("gptq").solve(weight, layout, stats, {})
+    return solution, FakeQuantizedWeight(layout, weight, solution.codes, solution.params)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
+def test_it_starts_at_the_solvers_solution(layout, problem):
+    solution, quantizer = _start(layout, problem)
+    stored = layout.store(solution.codes, solution.params)
+    assert torch.equal(quantizer(), layout.dequantize(stored))
+    codes, _ = quantizer.solution()
+    assert torch.equal(codes, solution.codes)
+    for name, tensor in quantizer.stored().items():
+        assert torch.equal(tensor, stored[name]), name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
+def test_what_it_computes_is_what_it_stores(layout, problem):
+    _, quantizer = _start(layout, problem)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        quantizer.offset.copy_(torch.rand(quantizer.offset.shape, generator=generator) * 2 - 1)
+        quantizer.scale_ratio.copy_(0.7 + 0.6 * torch.rand(quantizer.scale_ratio.shape, generator=generator))
+        if quantizer.zero is not None:
+            quantizer.zero.add_(torch.randn(quantizer.zero.shape, generator=generator))
+    computed = quantizer()
+    assert torch.equal(computed, layout.dequantize(quantizer.stored()))
+    computed.square().sum().backward()
+    assert quantizer.offset.grad.abs().sum() > 0 and quantizer.scale_ratio.grad.abs().sum() > 0
+    if quantizer.zero is not None:
+        assert quantizer.zero.grad.abs().sum() > 0
+
+
+def test_clipped_weights_get_no_gradient_and_the_scale_learns_the_clipping(problem):
+    layout = StorageLayout("affine", 3, 64, IN, OUT, symmetric=True, scale_dtype=torch.float16)
+    _, quantizer = _start(layout, problem)
+    with torch.no_grad():
+        quantizer.offset[0, 0, 0] = 100.0  # far beyond the grid's largest code
+    quantizer().sum().backward()
+    assert quantizer.offset.grad[0, 0, 0] == 0
+    assert quantizer.offset.grad[0, 0, 1] != 0
+    assert quantizer.scale_ratio.grad[0, 0] != 0
+
+
+def test_projection_keeps_offsets_and_scales_in_range(problem):
+    _, quantizer = _start(LAYOUTS[0], problem)
+    with torch.no_grad():
+        quantizer.offset.fill_(3.0)
+        quantizer.scale_ratio.fill_(9.0)
+    quantizer.project()
+    assert quantizer.offset.max() == 0.5 and quantizer.scale_ratio.max() == SCALE_RANGE[1]
+    unbounded = FakeQuantizedWeight(LAYOUTS[0], *problem_solution(problem), max_offset=None)
+    with torch.no_grad():
+        unbounded.offset.fill_(3.0)
+    unbounded.project()
+    assert unbounded.offset.max() == 3.0
+
+
+def problem_solution(problem):
+    weight, stats = problem
+    solution = get_solver("gptq").solve(weight, LAYOUTS[0], stats, {})
+    return weight, solution.codes, solution.params
+
+
+def test_a_snapshot_restores_the_trained_numbers(problem):
+    _, quantizer = _start(LAYOUTS[1], problem)
+    snapshot = quantizer.snapshot()
+    before = quantizer()
+    with torch.no_grad():
+        quantizer.offset.add_(0.4)
+        quantizer.zero.add_(0.3)
+    assert not torch.equal(quantizer(), before)
+    quantizer.restore(snapshot)
+    assert torch.equal(quantizer(), before)
+
+
+def test_codes_of_a_wider_grid_are_refused(problem):
+    weight, stats = problem
+    wide = StorageLayout("affine", 4, 64, IN, OUT, symmetric=True, scale_dtype=torch.float16)
+    solution = get_solver("gptq").solve(weight, wide, stats, {})
+    with pytest.raises(ValueError, match="beyond this layout's 4 grid levels"):
+        FakeQuantizedWeight(LAYOUTS[0], weight, solution.codes, solution.params)
+
+
+def test_the_linear_layer_computes_with_the_fake_quantized_weight(problem):
+    _, quantizer = _start(LAYOUTS[1], problem)  # 2-bit with zero points
+    bias = torch.randn(OUT)
+    layer = FakeQuantLinear(quantizer, bias)
+    x = torch.randn(5, IN)
+    torch.testing.assert_close(layer(x), x @ quantizer().T + bias)
+    assert [name for name, p in layer.named_parameters() if p.requires_grad] == [
+        "weight_quantizer.offset",
+        "weight_quantizer.scale_ratio",
+        "weight_quantizer.zero",
+    ]
