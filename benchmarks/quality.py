@@ -443,6 +443,10 @@ def acceptance(rows: list[Row]) -> list[dict[str, Any]]:
     check("4-bit at <= 4.25 bits/weight", best("custom_bits 4-bit", 4.25) or best("nf4", 4.25), 40.85)
     check("3-bit at <= 3.25 bits/weight", best("custom_bits 3-bit", 3.25), 54.1)
     check("mixed precision at <= 3.25 bits/weight", best("mixed 3.25", 3.25), 54.1)
+    # The block-wise reconstruction targets: 4 bits below 38, 3 bits below 42, 2 bits within twice fp32.
+    check("block-wise: 4-bit at <= 4.25 bits/weight", best("custom_bits 4-bit", 4.25), 38.0)
+    check("block-wise: 3-bit at <= 3.25 bits/weight", best("custom_bits 3-bit", 3.25), 42.0)
+    check("block-wise: 2-bit at <= 2.25 bits/weight", best("custom_bits 2-bit", 2.25), 72.0)
     check("int8 gptq", by_name.get("int8 (per channel) gptq"), 36.09)
     nf4_bits = by_name["nf4 b64 + double quant"].bits_per_weight if "nf4 b64 + double quant" in by_name else 4.127
     data_free = [by_name.get(f"nf4 b64 + double quant {solver}") for solver in ("mse", "gptq self-calibrated")]

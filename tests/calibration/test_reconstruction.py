@@ -81,6 +81,16 @@ def test_encoder_blocks_reconstruct():
     assert "encoder.layer.1.output.dense" in quantized_layers(model)
 
 
+def test_a_block_left_in_float_passes_the_float_hidden_states_on():
+    first_block = tiny_llama().model.layers[0].named_modules()
+    skip = ["lm_head"] + [f"model.layers.0.{name}" for name, _ in first_block if name.count(".") == 1]
+    config = quantlab.CustomBitsConfig(bits=3, group_size=32, solver="reconstruct", solver_options=STEPS)
+    model = _quantized(config.for_one_layer(modules_to_not_convert=skip))
+    assert sorted({name.split(".")[2] for name in quantized_layers(model)}) == ["1"]
+    gptq = _quantized(config.for_one_layer(modules_to_not_convert=skip, solver="gptq", solver_options=None))
+    assert _hidden_error(model, CALIBRATION) < _hidden_error(gptq, CALIBRATION)
+
+
 def test_no_steps_is_the_start_solver_bit_for_bit():
     gptq = _quantized(quantlab.CustomBitsConfig(bits=3, group_size=32, solver="gptq"))
     config = quantlab.CustomBitsConfig(bits=3, group_size=32, solver="reconstruct", solver_options={"steps": 0})
