@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantlab.calibration.blocks import BlockInputs, find_blocks, first_block_inputs
+from quantlab.calibration.blocks import BlockInputs, BlockWeights, find_blocks, first_block_inputs
 from quantlab.calibration.sensitivity import output_fisher
 from quantlab.calibration.sequential import BATCH_SIZE, collect_input_stats, selected_linears
 from quantlab.config import QuantlabConfig
@@ -49,9 +49,12 @@ def allocate_bits(
     windows: torch.Tensor,
     selected: Callable[[str], bool],
     progress: bool = True,
+    block_weights: BlockWeights | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Per-layer options meeting `config.target_bits` (only layers whose choice differs from the config)."""
-    measured, weights = measure_layers(model, config, module_class, windows, selected, progress)
+    """Per-layer options meeting `config.target_bits` (only layers whose choice differs from the config).
+
+    `block_weights`: where the blocks' weights are (default: in the model; streamed: read block by block)."""
+    measured, weights = measure_layers(model, config, module_class, windows, selected, progress, block_weights)
     budget = int(config.target_bits * weights / 8)
     chosen = choose(measured, budget, config.target_bits, weights)
     own = {name: getattr(config, name) for name in config.allocation_candidates()[0]}
@@ -65,19 +68,23 @@ def measure_layers(
     windows: torch.Tensor,
     selected: Callable[[str], bool],
     progress: bool = True,
+    block_weights: BlockWeights | None = None,
 ) -> tuple[dict[str, list[Candidate]], int]:
     """Each selected layer's candidates with predicted loss and bytes, and the number of weights."""
+    block_weights = block_weights or BlockWeights()
     prefix, blocks = find_blocks(model)
     layer_names = [
         name for i, block in enumerate(blocks) for name in selected_linears(block, f"{prefix}.{i}", selected).values()
     ]
-    fisher = output_fisher(model, windows, layer_names)
+    with block_weights.whole_model():
+        fisher = output_fisher(model, windows, layer_names)
     batches = first_block_inputs(model, blocks[0], windows, BATCH_SIZE)
     measured: dict[str, list[Candidate]] = {}
     weights = 0
     options = config.allocation_candidates()
     candidates = [(o, config.for_one_layer(**o)) for o in options]
     for index, block in enumerate(tqdm(blocks, desc="measuring layers", disable=not progress)):
+        block_weights.load(index, block)
         names = selected_linears(block, f"{prefix}.{index}", selected)
         outputs: list[torch.Tensor] = []
         stats = collect_input_stats(block, names, batches, outputs)
@@ -91,6 +98,7 @@ def measure_layers(
                 cost = fisher[full_name] / 2
             importance = stats[relative].channel_weights() * cost
             measured[full_name] = [_candidate(module_class, c, o, weight, importance) for o, c in candidates]
+        block_weights.release(index, block)
     return measured, weights
 
 

@@ -3,9 +3,12 @@
 A transformer is an input stage (embeddings), a list of identical blocks, and an output stage.
 Calibration runs the input stage once per batch of windows, catches what the first block
 receives (hidden states and keyword arguments: attention mask, rotary embeddings, ...), and
-from then on only runs one block at a time on those inputs.
+from then on only runs one block at a time on those inputs. `BlockWeights` says where each
+block's weights are while that happens: already in the model (the default), or read from the
+checkpoint when the block's turn comes and written out when it is quantized (`quantlab.streaming`).
 """
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -21,6 +24,27 @@ class BlockInputs:
 
     hidden: torch.Tensor
     kwargs: dict[str, Any]
+
+
+class BlockWeights:
+    """The blocks' weights are in the model already: nothing to read, keep or drop."""
+
+    def load(self, index: int, block: nn.Module) -> None:
+        """Make block `index`'s weights real before the schedule uses it."""
+
+    def finished(self, index: int) -> bool:
+        """Whether block `index` was quantized and kept by an earlier run (only its outputs are needed)."""
+        return False
+
+    def store(self, index: int, block: nn.Module) -> None:
+        """Block `index` is done (quantized, or kept in float): keep its result."""
+
+    def release(self, index: int, block: nn.Module) -> None:
+        """Block `index` was only measured: drop its weights."""
+
+    def whole_model(self) -> contextlib.AbstractContextManager[None]:
+        """The whole float model can run (a forward and backward pass, generation) inside this context."""
+        return contextlib.nullcontext()
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from quantlab.calibration.allocation import allocate_bits
+from quantlab.calibration.blocks import BlockWeights
 from quantlab.calibration.data import calibration_windows, windows_from_texts
 from quantlab.calibration.self_generated import self_generated_windows
 from quantlab.calibration.sequential import quantize_blocks
@@ -30,34 +31,55 @@ def calibrate(
     calibration: torch.Tensor | list[str] | None,
     tokenizer: Any,
     progress: bool = True,
+    weights: BlockWeights | None = None,
 ) -> list[str]:
-    """Quantize the selected Linear layers inside the model's blocks with the calibrated solver."""
+    """Quantize the selected Linear layers inside the model's blocks with the calibrated solver.
+
+    `weights`: where the blocks' weights are (default: in the model; streamed: read block by block)."""
+    windows = windows_for(model, config, calibration, tokenizer, progress, weights)
+    if config.target_bits is not None:
+        config.layer_options = allocate_bits(model, config, module_class, windows, selected, progress, weights)
+    if not blocks_need_calibration(config):
+        return []  # mixed precision with a data-free solver: the layers are quantized as usual next
+    return quantize_blocks(model, config, module_class, windows, selected, progress, weights)
+
+
+def windows_for(
+    model: nn.Module,
+    config: QuantlabConfig,
+    calibration: torch.Tensor | list[str] | None,
+    tokenizer: Any,
+    progress: bool = True,
+    weights: BlockWeights | None = None,
+) -> torch.Tensor:
+    """The calibration windows `[samples, seq_len]`: given token ids, texts, the config's text, or sampled
+    from the float model itself (`self_calibration`)."""
     if config.self_calibration:
         if calibration is not None:
             raise QuantizationError(
                 "self_calibration samples its own text; pass calibration=None or drop self_calibration"
             )
-        windows = self_generated_windows(
-            model, config.calibration_samples, config.calibration_seq_len, progress=progress
-        )
-    elif isinstance(calibration, torch.Tensor):
-        windows = calibration.long()
-    elif tokenizer is None:
+        with (weights or BlockWeights()).whole_model():
+            return self_generated_windows(
+                model, config.calibration_samples, config.calibration_seq_len, progress=progress
+            )
+    if isinstance(calibration, torch.Tensor):
+        return calibration.long()
+    if tokenizer is None:
         raise QuantizationError(
             f"the {config.solver} solver{' with awq' if config.awq else ''} calibrates on text: pass token ids "
             f"(calibration=tensor) or a tokenizer (tokenizer=...)"
         )
-    elif calibration is not None:
-        windows = windows_from_texts(tokenizer, calibration, config.calibration_samples, config.calibration_seq_len)
-    else:
-        windows = calibration_windows(
-            tokenizer, config.calibration_samples, config.calibration_seq_len, config.calibration_text
-        )
-    if config.target_bits is not None:
-        config.layer_options = allocate_bits(model, config, module_class, windows, selected, progress)
-    if not (config.awq or get_solver(config.solver).needs_calibration):
-        return []  # mixed precision with a data-free solver: the layers are quantized as usual next
-    return quantize_blocks(model, config, module_class, windows, selected, progress)
+    if calibration is not None:
+        return windows_from_texts(tokenizer, calibration, config.calibration_samples, config.calibration_seq_len)
+    return calibration_windows(
+        tokenizer, config.calibration_samples, config.calibration_seq_len, config.calibration_text
+    )
+
+
+def blocks_need_calibration(config: QuantlabConfig) -> bool:
+    """Whether the blocks are quantized by the calibrated schedule (a calibrated solver, or AWQ's scaling)."""
+    return config.awq or get_solver(config.solver).needs_calibration
 
 
 def data_free_config(config: QuantlabConfig) -> QuantlabConfig:

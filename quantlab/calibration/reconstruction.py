@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from quantlab.calibration.blocks import BlockInputs, run_block
 from quantlab.config import QuantlabConfig
+from quantlab.errors import QuantizationError
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.fake_quant import FakeQuantizedWeight, FakeQuantLinear
 from quantlab.solvers import get_solver
@@ -68,8 +69,16 @@ class BlockReconstruction:
         return cls(ReconstructOptions.parse(config.solver_options), batches)
 
     @torch.no_grad()
-    def skip(self, block: nn.Module, batches: list[BlockInputs]) -> None:
-        """A block with nothing to quantize: only the float model's hidden states move on through it."""
+    def skip(self, block: nn.Module, batches: list[BlockInputs], resumed: bool = False) -> None:
+        """A block with nothing to quantize: only the float model's hidden states move on through it.
+
+        `resumed`: the block was quantized by an interrupted run; its float weights are gone, so
+        targets taken from the float model's own hidden states cannot be rebuilt."""
+        if self.float_hidden is not None and resumed:
+            raise QuantizationError(
+                "--resume cannot continue a reconstruction whose targets follow the float model's hidden states "
+                '(solver option target="float_model"); rerun without --resume'
+            )
         if self.float_hidden is not None:
             self.float_hidden = _float_outputs(block, self.float_hidden, batches)
 

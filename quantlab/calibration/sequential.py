@@ -12,9 +12,10 @@ the error of every block before it. Per block:
    (`quantlab.calibration.reconstruction`);
 4. a second pass computes the block's outputs with the quantized weights.
 
-Peak memory is the float model, plus the calibration activations (two copies of
-`samples x seq_len x hidden` floats), plus the statistics of one block (`in x in` floats per
-distinct input).
+Peak memory is the float model (one block of it when streamed: `quantlab.streaming`), plus the
+calibration activations (two copies of `samples x seq_len x hidden` floats), plus the statistics
+of one block (`in x in` floats per distinct input). A block's statistics are complete when
+`collect_input_stats` returns, before any of its layers is solved.
 """
 
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quantlab.calibration.awq import scale_block
-from quantlab.calibration.blocks import BlockInputs, find_blocks, first_block_inputs, run_block
+from quantlab.calibration.blocks import BlockInputs, BlockWeights, find_blocks, first_block_inputs, run_block
 from quantlab.calibration.reconstruction import BlockReconstruction
 from quantlab.config import QuantlabConfig
 from quantlab.formats import grouping
@@ -43,19 +44,27 @@ def quantize_blocks(
     windows: torch.Tensor,
     selected: Callable[[str], bool],
     progress: bool = True,
+    weights: BlockWeights | None = None,
 ) -> list[str]:
-    """Quantize the selected Linear layers inside the model's blocks in place; returns their names."""
+    """Quantize the selected Linear layers inside the model's blocks in place; returns their names.
+
+    `weights`: where the blocks' weights are (default: in the model); a streamed model reads each
+    block when its turn comes and writes it out when it is quantized (`weights.store`)."""
+    weights = weights or BlockWeights()
     prefix, blocks = find_blocks(model)
     batches = first_block_inputs(model, blocks[0], windows, BATCH_SIZE)
     reconstruction = BlockReconstruction.for_config(config, batches)  # None unless the solver trains blocks
     converted: list[str] = []
     bar = tqdm(blocks, desc=f"calibrating ({config.solver}{' + awq' if config.awq else ''})", disable=not progress)
     for index, block in enumerate(bar):
+        weights.load(index, block)
         names = selected_linears(block, f"{prefix}.{index}", selected)
-        if not names:
+        if not names or weights.finished(index):
             if reconstruction is not None:
-                reconstruction.skip(block, batches)
+                reconstruction.skip(block, batches, resumed=bool(names))
             batches = [BlockInputs(run_block(block, batch), batch.kwargs) for batch in batches]
+            weights.store(index, block)
+            converted += names.values()
             continue
         if config.awq:
             scale_block(block, batches, names, _fake_quantizer(config, module_class))
@@ -76,6 +85,7 @@ def quantize_blocks(
         batches = [BlockInputs(output, batch.kwargs) for output, batch in zip(outputs, batches, strict=True)]
         for relative, layer in quantized.items():
             block.set_submodule(relative, layer)
+        weights.store(index, block)
         converted += names.values()
     return converted
 
