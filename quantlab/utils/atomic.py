@@ -30,7 +30,7 @@ from pathlib import Path
 
 from quantlab.errors import QuantlabError
 
-_KINDS = ("tmp", "old", "run")
+_KINDS = ("tmp", "old", "run", "partial")  # "partial": a resumable result, kept when its process dies
 
 
 @functools.cache
@@ -116,7 +116,8 @@ def remove_leftovers(parent: Path, name: str) -> list[Path]:
     Returns what was removed or restored. Folders of live processes (a concurrent writer) and of
     other hosts (a shared file system) are left alone.
     """
-    pattern = re.compile(rf"^\.{re.escape(name)}\.({'|'.join(_KINDS)})-(\d+)-([0-9a-f]{{8}})-")
+    removable = [kind for kind in _KINDS if kind != "partial"]  # `--resume` may still continue it
+    pattern = re.compile(rf"^\.{re.escape(name)}\.({'|'.join(removable)})-(\d+)-([0-9a-f]{{8}})-")
     handled = []
     if not parent.is_dir():
         return handled
@@ -188,14 +189,23 @@ def atomic_directory(
     staging = make_staging(target.parent, target.name)
     try:
         yield staging
-        _publish(staging, 0o777)
-        if not overwrite and (target.exists() or target.is_symlink()):
-            raise OutputExistsError(_appeared(target))
-        check_replaceable(target, overwrite, protect)  # again: it may have changed while the block ran
-        _move_into_place(staging, target, overwrite)
+        commit_directory(staging, target, overwrite, protect)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def commit_directory(
+    staging: Path, target: str | os.PathLike, overwrite: bool = False, protect: Iterable[str | os.PathLike] = ()
+) -> None:
+    """Rename a complete `staging` folder onto `target`, checking again what it may replace (the end of
+    `atomic_directory`, for a staging folder that outlives one process, as a resumable result does)."""
+    target = Path(target)
+    _publish(staging, 0o777)
+    if not overwrite and (target.exists() or target.is_symlink()):
+        raise OutputExistsError(_appeared(target))
+    check_replaceable(target, overwrite, protect)  # again: it may have changed while the work ran
+    _move_into_place(staging, target, overwrite)
 
 
 def _appeared(target: Path) -> str:
