@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("evaluation", {"quantlab.eval"}),
     ("library integrations", {"quantlab.integrations"}),
     ("conversion", {"quantlab.convert", "quantlab.interop"}),
-    ("checkpoints", {"quantlab.loading", "quantlab.saving"}),
+    ("checkpoints", {"quantlab.loading", "quantlab.saving", "quantlab.streaming"}),
     ("public API", {"quantlab"}),
     ("training", {"quantlab.training"}),
     ("distillation", {"quantlab.distill"}),

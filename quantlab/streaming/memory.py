@@ -1,0 +1,106 @@
+"""The peak resident memory a streamed quantization should need, from the model's shape and the config.
+
+    peak = process before loading
+         + the tables the phase holds (calibrated: the input embedding while the blocks run;
+           at the end: every tensor outside the blocks, float and quantized)
+         + one float block + its stored (quantized) tensors
+         + calibrated: the block's input statistics (one float32 `in x in` matrix per Linear
+           layer: an upper bound, layers reading one input share one) + GPTQ's working set for
+           the widest layer (3 float64 `in x in` matrices and 2 float32 copies of the weight)
+           + the calibration activations (inputs and outputs of the block:
+           2 x samples x seq_len x hidden) + one batch's forward temporaries
+           (8 x seq_len x (3 x intermediate + 2 x heads x seq_len))
+
+All in the dtype the model loads in (float32 for the statistics). It leaves out the allocator's
+slack, Python objects and the tokenizer; `benchmarks/RESULTS.md` compares it with measured peaks.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from quantlab.calibration.model import blocks_need_calibration
+from quantlab.calibration.sequential import BATCH_SIZE
+from quantlab.config import QuantlabConfig
+from quantlab.nn import QuantizedLinear
+from quantlab.nn.quantized_embedding import QuantizedTable
+
+
+@dataclass
+class MemoryPrediction:
+    total: int
+    terms: dict[str, int] = field(default_factory=dict)
+
+
+def predict_peak(shell: nn.Module, blocks_name: str, config: QuantlabConfig, before: int) -> MemoryPrediction:
+    """The predicted peak of quantizing into `shell` (the output model on the meta device, its blocks
+    under `blocks_name`) with `config`, for a process that held `before` bytes before loading."""
+    blocks = shell.get_submodule(blocks_name)
+    itemsize = shell.dtype.itemsize
+    float_block = max(_float_bytes(block, itemsize) for block in blocks)
+    stored_block = max(_stored_bytes(block) for block in blocks)
+    inside = {id(m) for m in blocks.modules()}
+    outside = [m for m in shell.modules() if id(m) not in inside]
+    outside_float = sum(_own_float_bytes(m, itemsize) for m in outside)
+    outside_stored = sum(_own_stored_bytes(m) for m in outside)
+    terms = {"before loading": before, "one float block": float_block, "its stored tensors": stored_block}
+    blocks_phase = float_block + stored_block
+    if config.needs_calibration and blocks_need_calibration(config):
+        hidden = _setting(shell, "hidden_size")
+        sizes = _linear_sizes(blocks[0])
+        terms["input embedding"] = _embedding_bytes(shell, itemsize)
+        terms["input statistics"] = sum(4 * i * i for i, _ in sizes)
+        widest = max(sizes, default=(0, 0), key=lambda s: s[0])
+        terms["solver working set"] = 3 * 8 * widest[0] ** 2 + 2 * 4 * widest[0] * widest[1]
+        samples, seq_len = config.calibration_samples, config.calibration_seq_len
+        terms["calibration activations"] = 2 * samples * seq_len * hidden * itemsize
+        wide = (
+            3 * _setting(shell, "intermediate_size", 4 * hidden)
+            + 2 * _setting(shell, "num_attention_heads", 1) * seq_len
+        )
+        terms["forward temporaries"] = BATCH_SIZE * seq_len * wide * itemsize
+        blocks_phase += sum(terms[k] for k in list(terms)[3:])
+    end_phase = outside_float + outside_stored
+    terms["tensors outside the blocks (at the end)"] = end_phase
+    return MemoryPrediction(before + max(blocks_phase, end_phase), terms)
+
+
+def _linear_sizes(block: nn.Module) -> list[tuple[int, int]]:
+    return [(m.in_features, m.out_features) for m in block.modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
+
+
+def _float_bytes(module: nn.Module, itemsize: int) -> int:
+    return sum(_own_float_bytes(m, itemsize) for m in module.modules())
+
+
+def _stored_bytes(module: nn.Module) -> int:
+    return sum(_own_stored_bytes(m) for m in module.modules())
+
+
+def _own_float_bytes(module: nn.Module, itemsize: int) -> int:
+    """What `module`'s own tensors take in float: a quantized layer's weight as the float one it replaces."""
+    total = sum(p.numel() * itemsize for p in module._parameters.values() if p is not None)
+    if isinstance(module, QuantizedLinear | QuantizedTable):
+        total += module.in_features * module.out_features * itemsize
+    return total
+
+
+def _own_stored_bytes(module: nn.Module) -> int:
+    tensors = list(module._parameters.values()) + list(module._buffers.values())
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _embedding_bytes(shell: nn.Module, itemsize: int) -> int:
+    embedding = shell.get_input_embeddings() if hasattr(shell, "get_input_embeddings") else None
+    if embedding is None:
+        return 0
+    if isinstance(embedding, QuantizedTable):
+        return embedding.in_features * embedding.out_features * itemsize
+    return sum(p.numel() for p in embedding.parameters()) * itemsize
+
+
+def _setting(shell: nn.Module, name: str, default: Any = 0) -> int:
+    config = getattr(shell, "config", None)
+    value = getattr(config, name, None)
+    return int(value) if isinstance(value, int) else int(default)
