@@ -41,6 +41,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_method_argument(parser, required=False)
     add_preset_argument(parser)
     add_output_dir_arguments(parser)
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted quantization into DIR (same model, same options) from its last finished block",
+    )
     add_eval_arguments(parser, help="measure perplexity before and after quantization")
     add_output_options(parser)
 
@@ -67,7 +72,7 @@ def report_table(report: QuantizeReport) -> str:
         ("stored bits", bits_summary(report.bits_per_quantized_weight, report.bits_per_parameter)),
         ("size on disk", sizes),
         ("time", times),
-        ("peak memory", _memory(report.peak_memory_bytes, report.memory_before_load_bytes)),
+        ("peak memory", _memory(report)),
     ]
     if report.perplexity_before is not None and report.perplexity_after is not None:
         change = 100 * (report.perplexity_after / report.perplexity_before - 1)
@@ -81,9 +86,13 @@ def report_table(report: QuantizeReport) -> str:
     return key_value_table(f"quantized {report.model} -> {report.output}", rows)
 
 
-def _memory(peak: int, before: int) -> str:
-    """Peak resident memory through load, quantize and save; mapped pages of the input file are resident too."""
-    return f"{mebibytes(peak)} peak resident ({mebibytes(before)} before loading; includes the memory-mapped input)"
+def _memory(report: QuantizeReport) -> str:
+    """Peak resident memory through load, quantize and save (streamed: with the predicted peak beside it)."""
+    peak, before = mebibytes(report.peak_memory_bytes), mebibytes(report.memory_before_load_bytes)
+    if report.predicted_peak_memory_bytes is not None:
+        predicted = mebibytes(report.predicted_peak_memory_bytes)
+        return f"{peak} peak resident, {predicted} predicted ({before} before loading; one block at a time)"
+    return f"{peak} peak resident ({before} before loading; includes the memory-mapped input)"
 
 
 def _option_text(name: str, value: Any) -> str:
@@ -109,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         evaluate=text,
         progress=console.progress,
         notify=console.note,
+        resume=args.resume,
     )
     console.report(report_table(report), {"command": "quantize", **asdict(report)})
     return 0

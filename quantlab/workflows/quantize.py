@@ -1,8 +1,11 @@
 """Quantize a model into a checkpoint folder, measured as written.
 
-The model is quantized while transformers loads it (the float model never sits in memory whole),
-saved with its tokenizer into a temporary folder beside the output, optionally evaluated from
-there, and only then renamed into place: the output is a complete checkpoint or does not exist.
+A safetensors checkpoint is quantized streamed (`quantlab.streaming`): one decoder block in float
+memory at a time, each block's stored tensors written to the output as soon as it is quantized,
+in a staging folder beside the output that `resume=True` continues after an interruption. Other
+sources (`.bin` weights, tensor names the model renames on load) are quantized while transformers
+loads them and saved whole. Either way the result is optionally evaluated from the staging folder
+and only then renamed into place: the output is a complete checkpoint or does not exist.
 `AutoModelForCausalLM.from_pretrained(output)` reloads it in any process where quantlab is installed.
 """
 
@@ -45,6 +48,9 @@ class QuantizeReport:
     perplexity_after: float | None = None
     evaluation_text: str | None = None
     tables_quantized: list[str] = field(default_factory=list)  # the vocabulary tables (embedding_bits)
+    streamed: bool = False  # one block in memory at a time (else loaded whole)
+    predicted_peak_memory_bytes: int | None = None  # streamed: `quantlab.streaming.memory.predict_peak`
+    predicted_memory_terms: dict[str, int] = field(default_factory=dict)
 
 
 def quantize_to_checkpoint(
@@ -56,11 +62,14 @@ def quantize_to_checkpoint(
     evaluate: EvaluationText | None = None,
     progress: bool = False,
     notify: Notify | None = None,
+    resume: bool = False,
 ) -> QuantizeReport:
     """Quantize `model` (a folder, a `.gguf` file, None for the embedded default) with `config` into `output`.
 
     `evaluate`: also measure the perplexity of the float model and of the checkpoint as written.
     `overwrite`: replace an existing `output`; the input model is never replaced.
+    `resume`: continue an interrupted quantization of the same model with the same config into `output`
+    from its last finished block (finished blocks are checked by hash; another model or config is refused).
     """
     note = notifier(notify)
     output = Path(output).expanduser()
@@ -70,7 +79,7 @@ def quantize_to_checkpoint(
     if output.resolve() == source.path.resolve():
         raise QuantlabError(f"--output {output} is the model being quantized; write the checkpoint somewhere else")
     check_output(output, overwrite, source.path)
-    return _quantize(source, config, output, overwrite, evaluate, progress, note)
+    return _quantize(source, config, output, overwrite, evaluate, progress, note, resume)
 
 
 def _quantize(
@@ -81,60 +90,156 @@ def _quantize(
     text: EvaluationText | None,
     progress: bool,
     note: Notify,
+    resume: bool = False,
 ) -> QuantizeReport:
-    from quantlab.eval.size import stored_bits_per_weight
-    from quantlab.saving import save_quantized
-    from quantlab.workflows.stats import layer_summary, parameter_count, peak_memory_bytes
+    from quantlab.streaming.reader import NotStreamableError
 
-    started, memory_before_load = time.perf_counter(), peak_memory_bytes()
     with open_model(source, scratch=output.parent, progress=progress) as opened:
         _check_quantizable(opened, evaluate=text is not None)
-        note(f"quantizing {source} with {config!r}")
-        model = opened.load(config)
         tokenizer = opened.tokenizer()
         if text is not None and tokenizer is None:
             raise QuantlabError(f"--eval needs a tokenizer, and {source} has none")
-        layers = layer_summary(model)
-        if not layers.quantized:
-            raise QuantlabError(f"no Linear layer of {source} was quantized; check --modules-to-not-convert")
+        note(f"quantizing {source} with {config!r}")
+        try:
+            return _quantize_streamed(opened, config, output, overwrite, text, tokenizer, progress, note, resume)
+        except NotStreamableError as error:
+            note(f"reading the whole model first: {source} cannot be streamed ({error})")
+        return _quantize_loaded(opened, config, output, overwrite, text, tokenizer, progress, note)
+
+
+def _quantize_streamed(
+    opened: OpenedModel,
+    config: QuantlabConfig,
+    output: Path,
+    overwrite: bool,
+    text: EvaluationText | None,
+    tokenizer: Any,
+    progress: bool,
+    note: Notify,
+    resume: bool,
+) -> QuantizeReport:
+    from quantlab.streaming.memory import predict_peak
+    from quantlab.streaming.quantize import StreamedQuantization, quantize_checkpoint
+    from quantlab.workflows.stats import peak_memory_bytes
+
+    started, memory_before_load = time.perf_counter(), peak_memory_bytes()
+    reports: list[QuantizeReport] = []
+
+    def finish(result: StreamedQuantization) -> None:
         quantized_at = time.perf_counter()
-        reports: list[QuantizeReport] = []
+        prediction = predict_peak(result.model, result.blocks_name, config, memory_before_load)
+        report = _report(opened, config, output, result.model, result.folder, started, quantized_at, memory_before_load)
+        report.streamed = True
+        report.predicted_peak_memory_bytes = prediction.total
+        report.predicted_memory_terms = prediction.terms
+        _evaluate_and_write(report, result.folder, opened, text, tokenizer, progress, note)
+        reports.append(report)
 
-        def report_and_evaluate(staging: Path) -> None:
-            """Runs on the complete checkpoint before it is renamed into place: measured as written."""
-            report = QuantizeReport(
-                model=str(source),
-                model_path=str(source.path.resolve()),
-                output=str(output),
-                method=config.method,
-                config=config.to_dict(),
-                layers_quantized=len(layers.quantized),
-                layers_kept=layers.kept,
-                parameters=parameter_count(model),
-                bits_per_quantized_weight=stored_bits_per_weight(model),
-                bits_per_parameter=8 * weights_size(staging) / parameter_count(model),
-                size_before_bytes=weights_size(source.path),
-                size_after_bytes=weights_size(staging),
-                load_and_quantize_seconds=quantized_at - started,
-                save_seconds=time.perf_counter() - quantized_at,
-                peak_memory_bytes=peak_memory_bytes(),
-                memory_before_load_bytes=memory_before_load,
-                tables_quantized=layers.tables,
-            )
-            if text is not None:
-                started_evaluation = time.perf_counter()
-                note(f"measuring perplexity on {text.describe()}")
-                report.perplexity_after = reloaded_perplexity(staging, text, tokenizer, progress)
-                report.perplexity_before = reloaded_perplexity(opened.folder, text, tokenizer, progress)
-                report.evaluate_seconds = time.perf_counter() - started_evaluation
-                report.evaluation_text = text.describe()
-            (staging / REPORT_FILE).write_text(report_json(asdict(report)), encoding="utf-8")
-            reports.append(report)
-
-        save_quantized(
-            model, output, tokenizer, overwrite=overwrite, protect=[source.path], before_commit=report_and_evaluate
-        )
+    quantize_checkpoint(
+        opened.folder,
+        opened.config,
+        opened.model_class,
+        config,
+        output,
+        tokenizer=tokenizer,
+        resume=resume,
+        overwrite=overwrite,
+        protect=[opened.source.path],
+        before_commit=finish,
+        progress=progress,
+        note=note,
+    )
     return reports[0]
+
+
+def _quantize_loaded(
+    opened: OpenedModel,
+    config: QuantlabConfig,
+    output: Path,
+    overwrite: bool,
+    text: EvaluationText | None,
+    tokenizer: Any,
+    progress: bool,
+    note: Notify,
+) -> QuantizeReport:
+    """Quantize while transformers loads the whole model, then save it."""
+    from quantlab.saving import save_quantized
+    from quantlab.workflows.stats import peak_memory_bytes
+
+    started, memory_before_load = time.perf_counter(), peak_memory_bytes()
+    model = opened.load(config)
+    quantized_at = time.perf_counter()
+    reports: list[QuantizeReport] = []
+
+    def report_and_evaluate(staging: Path) -> None:
+        """Runs on the complete checkpoint before it is renamed into place: measured as written."""
+        report = _report(opened, config, output, model, staging, started, quantized_at, memory_before_load)
+        _evaluate_and_write(report, staging, opened, text, tokenizer, progress, note)
+        reports.append(report)
+
+    save_quantized(
+        model, output, tokenizer, overwrite=overwrite, protect=[opened.source.path], before_commit=report_and_evaluate
+    )
+    return reports[0]
+
+
+def _report(
+    opened: OpenedModel,
+    config: QuantlabConfig,
+    output: Path,
+    model: Any,
+    staging: Path,
+    started: float,
+    quantized_at: float,
+    memory_before_load: int,
+) -> QuantizeReport:
+    """The report of the complete checkpoint in `staging` (`model`: the quantized model, or its meta-device shell)."""
+    from quantlab.eval.size import stored_bits_per_weight
+    from quantlab.workflows.stats import layer_summary, parameter_count, peak_memory_bytes
+
+    source = opened.source
+    layers = layer_summary(model)
+    if not layers.quantized:
+        raise QuantlabError(f"no Linear layer of {source} was quantized; check --modules-to-not-convert")
+    return QuantizeReport(
+        model=str(source),
+        model_path=str(source.path.resolve()),
+        output=str(output),
+        method=config.method,
+        config=config.to_dict(),
+        layers_quantized=len(layers.quantized),
+        layers_kept=layers.kept,
+        parameters=parameter_count(model),
+        bits_per_quantized_weight=stored_bits_per_weight(model),
+        bits_per_parameter=8 * weights_size(staging) / parameter_count(model),
+        size_before_bytes=weights_size(source.path),
+        size_after_bytes=weights_size(staging),
+        load_and_quantize_seconds=quantized_at - started,
+        save_seconds=time.perf_counter() - quantized_at,
+        peak_memory_bytes=peak_memory_bytes(),
+        memory_before_load_bytes=memory_before_load,
+        tables_quantized=layers.tables,
+    )
+
+
+def _evaluate_and_write(
+    report: QuantizeReport,
+    staging: Path,
+    opened: OpenedModel,
+    text: EvaluationText | None,
+    tokenizer: Any,
+    progress: bool,
+    note: Notify,
+) -> None:
+    """Measure perplexity on the checkpoint as written (when asked), then write the report beside it."""
+    if text is not None:
+        started_evaluation = time.perf_counter()
+        note(f"measuring perplexity on {text.describe()}")
+        report.perplexity_after = reloaded_perplexity(staging, text, tokenizer, progress)
+        report.perplexity_before = reloaded_perplexity(opened.folder, text, tokenizer, progress)
+        report.evaluate_seconds = time.perf_counter() - started_evaluation
+        report.evaluation_text = text.describe()
+    (staging / REPORT_FILE).write_text(report_json(asdict(report)), encoding="utf-8")
 
 
 def _check_quantizable(opened: OpenedModel, evaluate: bool) -> None:
