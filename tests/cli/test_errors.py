@@ -1,6 +1,7 @@
 """Bad input: one line on stderr starting `quantlab: error:`, exit code 2, no traceback, no output folder."""
 
 import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -133,13 +134,12 @@ def test_a_disk_that_fills_up_leaves_no_partial_output(cli, model: str, tiny_dis
 def test_a_full_disk_during_save_is_reported_in_process(
     llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Same as above where no tmpfs can be mounted: safetensors fails as it does on a full disk."""
-    from safetensors import SafetensorError
+    """Same as above where no tmpfs can be mounted: reserving the output's space fails as on a full disk."""
 
     def full_disk(*args: object, **kwargs: object) -> None:
-        raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error {errno.ENOSPC})")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("transformers.modeling_utils.safe_save_file", full_disk)
+    monkeypatch.setattr("quantlab.streaming.writer.os.posix_fallocate", full_disk)
     code = main(["quantize", str(llama_dir), "--method", "int8", "--output", str(tmp_path / "out"), "--quiet"])
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines() == [

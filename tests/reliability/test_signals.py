@@ -1,10 +1,11 @@
 """Signals at set points of quantize, save and checkpoint, in a process of their own.
 
 Each run is the real command (`quantlab.cli.main.main`) with one function wrapped so the
-process signals itself at that point: while the checkpoint is being written, or while a
-training checkpoint is. Afterwards the previous output must be intact, no temporary folder
-left behind (or, after SIGKILL, removed by the next run), a pickle planted in a run folder
-must not have run, and a resumed run must end bit-identical to an uninterrupted one. Runs
+process signals itself at that point: once a block of a streamed quantization is written, or
+while a training checkpoint is. Afterwards the previous output must be intact, nothing that
+looks finished left behind (a quantization's partial folder is hidden; the next run resumes or
+removes it), a pickle planted in a run folder must not have run, and a resumed run must end
+bit-identical to an uninterrupted one. Runs
 that nothing interrupts, and refusals that happen before anything trains, run in this process.
 """
 
@@ -53,9 +54,9 @@ def _run(script: str, *argv: str | os.PathLike, signal_number: int = 0, when: st
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
 
 
-QUANTIZE_SAVE = """
-import quantlab.saving as saving
-saving.save_checkpoint = signalling(saving.save_checkpoint)
+QUANTIZE_BLOCK = """
+from quantlab.streaming.partial import PartialOutput
+PartialOutput.complete = signalling(PartialOutput.complete)
 """
 CHECKPOINT_SAVE = """
 import quantlab.training.checkpoints as checkpoint
@@ -71,25 +72,38 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def _weights_and_configs(folder: Path) -> dict[str, bytes]:
+    """What a checkpoint holds, less its report (which records times)."""
+    return {name: data for name, data in _files(folder).items() if name != "quantlab_report.json"}
+
+
 @pytest.mark.parametrize(("signal_number", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_while_quantize_saves_leaves_the_previous_output(signal_number, exit_code, llama_dir, tmp_path):
+def test_a_signal_mid_quantize_leaves_the_previous_output_and_resumes_exactly(
+    signal_number, exit_code, llama_dir, tmp_path
+):
     output = tmp_path / "out"
     output.mkdir()
     (output / "previous").write_text("the previous checkpoint")
-    result = _run(QUANTIZE_SAVE, *_quantize_argv(llama_dir, output), signal_number=signal_number, when="out.tmp-")
+    argv = _quantize_argv(llama_dir, output)
+    result = _run(QUANTIZE_BLOCK, *argv, signal_number=signal_number, when="model.layers.0")
     assert result.returncode == exit_code, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert _files(output) == {"previous": b"the previous checkpoint"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the staging folder is gone
+    [partial] = [p for p in tmp_path.iterdir() if p.name != "out"]
+    assert partial.name.startswith(".out.partial-") and not (partial / "config.json").exists()
+    assert main([*argv, "--resume"]) == 0  # here in this process
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert main(_quantize_argv(llama_dir, tmp_path / "straight")) == 0
+    assert _weights_and_configs(output) == _weights_and_configs(tmp_path / "straight")
 
 
-def test_sigkill_leaves_a_staging_folder_that_the_next_run_removes(llama_dir, tmp_path):
+def test_sigkill_leaves_a_partial_folder_that_the_next_run_removes(llama_dir, tmp_path):
     output = tmp_path / "out"
-    result = _run(QUANTIZE_SAVE, *_quantize_argv(llama_dir, output), signal_number=signal.SIGKILL, when="out.tmp-")
+    result = _run(QUANTIZE_BLOCK, *_quantize_argv(llama_dir, output), signal_number=signal.SIGKILL, when="layers.1")
     assert result.returncode == -signal.SIGKILL
     leftovers = [p.name for p in tmp_path.iterdir()]
-    assert len(leftovers) == 1 and leftovers[0].startswith(".out.tmp-"), leftovers
-    assert main(_quantize_argv(llama_dir, output)) == 0  # the next run, here in this process
+    assert len(leftovers) == 1 and leftovers[0].startswith(".out.partial-"), leftovers
+    assert main(_quantize_argv(llama_dir, output)) == 0  # the next run (no --resume), here in this process
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert (output / "config.json").is_file()
 
