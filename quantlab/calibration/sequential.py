@@ -32,6 +32,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.formats import grouping
 from quantlab.nn import QuantizedLinear
 from quantlab.solvers import InputStats
+from quantlab.utils.allocator import return_freed_memory
 
 BATCH_SIZE = 8
 
@@ -71,6 +72,7 @@ def quantize_blocks(
         if reconstruction is not None:
             reconstruction.prepare(block, names, batches)
         stats = collect_input_stats(block, names, batches)
+        return_freed_memory()
         quantized = {}
         for relative, full_name in names.items():
             linear = block.get_submodule(relative)
@@ -78,6 +80,7 @@ def quantize_blocks(
                 linear, config.config_for(full_name), full_name, stats[relative]
             )
             linear.weight.copy_(quantized[relative].dequantize_weight(linear.weight.dtype))
+            return_freed_memory()  # the solver's temporaries: one layer's, not the heap's holes, at the next
         if reconstruction is not None:
             outputs = reconstruction.refine(block, quantized, batches, progress, f"{prefix}.{index}")
         else:

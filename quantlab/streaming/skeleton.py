@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from quantlab.streaming.reader import CheckpointReader, NotStreamableError
+from quantlab.utils.allocator import return_freed_memory
 
 
 def empty_model(cls: type, hf_config: Any, dtype: torch.dtype, folder: Path) -> Any:
@@ -88,6 +89,7 @@ class StreamedWeights:
             current = getattr(owner, attribute)
             if not current.is_meta:
                 assign(owner, attribute, torch.empty_like(current, device="meta"))
+        return_freed_memory()
 
     def _shared(self, name: str) -> torch.Tensor | None:
         """The loaded tensor `name` is tied to, if any (an output head reads the embedding's weight)."""
