@@ -6,6 +6,14 @@ as the loader streams it in (`get_quantize_ops`): the float model never exists i
 A checkpoint saved from such a model reloads through the same quantizer on its pre-quantized
 path, the stored tensors landing straight in the layers' buffers.
 
+A calibrated config (GPTQ, AWQ, mixed precision, self-calibration) loads the float model whole
+and then quantizes it block by block: transformers hands the quantizer one tensor at a time with
+no inputs to calibrate on, assigns every tensor it reads to the model, and gives the quantizer
+control again only once all of them are loaded (a weight it did not assign would be re-initialised
+in memory). Block i+1's calibration inputs come from the quantized block i, so no per-tensor
+operation can do it. `quantlab quantize` (`quantlab.workflows.quantize`) reads the checkpoint
+itself and holds one block at a time (`quantlab.streaming`); use it for models that do not fit.
+
 A causal LM loaded this way also gets quantlab's chunked cross-entropy as its `loss_function`
 (`quantlab.integrations.chunked_loss`: same loss and gradients, one logits-sized tensor fewer at
 the peak of a training step); `QUANTLAB_CHUNKED_LOSS=0` keeps transformers' own.
