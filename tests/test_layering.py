@@ -24,6 +24,7 @@ PACKAGE = ROOT / "quantlab"
 
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundation", {"quantlab.errors", "quantlab.utils"}),
+    ("process groups", {"quantlab.distributed"}),
     ("bundled assets", {"quantlab.assets"}),
     ("storage formats", {"quantlab.formats"}),
     ("kernels", {"quantlab.kernels"}),
@@ -43,7 +44,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("runtimes", {"quantlab.export", "quantlab.generation"}),
     ("test helpers", {"quantlab.testing"}),
     ("workflows", {"quantlab.workflows"}),
-    ("command line", {"quantlab.cli"}),
+    ("command line", {"quantlab.cli", "quantlab.__main__"}),
 ]
 LAYER_OF = {unit: index for index, (_, units) in enumerate(LAYERS) for unit in units}
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quantlab import distributed
 from quantlab.calibration.blocks import BlockInputs, BlockWeights, find_blocks, first_block_inputs
 from quantlab.calibration.sensitivity import output_fisher
 from quantlab.calibration.sequential import BATCH_SIZE, collect_input_stats, selected_linears
@@ -78,12 +79,14 @@ def measure_layers(
     ]
     with block_weights.whole_model():
         fisher = output_fisher(model, windows, layer_names)
-    batches = first_block_inputs(model, blocks[0], windows, BATCH_SIZE)
+    batches = first_block_inputs(model, blocks[0], distributed.share_of_windows(windows, BATCH_SIZE), BATCH_SIZE)
     measured: dict[str, list[Candidate]] = {}
     weights = 0
     options = config.allocation_candidates()
     candidates = [(o, config.for_one_layer(**o)) for o in options]
-    for index, block in enumerate(tqdm(blocks, desc="measuring layers", disable=not progress)):
+    for index, block in enumerate(
+        tqdm(blocks, desc="measuring layers", disable=not (progress and distributed.is_main()))
+    ):
         block_weights.load(index, block)
         names = selected_linears(block, f"{prefix}.{index}", selected)
         outputs: list[torch.Tensor] = []

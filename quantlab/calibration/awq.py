@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from quantlab import distributed
 from quantlab.calibration.blocks import BlockInputs, run_block
 
 ALPHAS = 20
@@ -83,8 +84,7 @@ def scale_block(
     inputs = _group_inputs(block, [group.layers[0] for group in groups], batches)
     chosen = {}
     for group in groups:
-        x = inputs[group.layers[0]]
-        scales, alpha = _search(block, group, x, fake_quantize)
+        scales, alpha = _search(block, group, inputs[group.layers[0]], fake_quantize)
         if alpha > 0:
             _fold(block, group, scales)
         chosen[group.previous] = alpha
@@ -97,9 +97,10 @@ def _foldable(previous: nn.Module, first: nn.Module) -> bool:
     return getattr(previous, "weight", None) is not None and previous.weight.numel() == first.in_features
 
 
-def _group_inputs(block: nn.Module, layers: list[str], batches: list[BlockInputs]) -> dict[str, torch.Tensor]:
-    """Up to MAX_TOKENS input rows of each named layer, spread evenly over the batches."""
-    per_batch = max(1, MAX_TOKENS // len(batches))
+def _group_inputs(block: nn.Module, layers: list[str], batches: list[BlockInputs]) -> dict[str, list[torch.Tensor]]:
+    """Up to MAX_TOKENS input rows of each named layer, spread evenly over the batches of every
+    process; one tensor per batch."""
+    per_batch = max(1, MAX_TOKENS // distributed.total(len(batches)))
     captured: dict[str, list[torch.Tensor]] = {layer: [] for layer in layers}
 
     def hook_for(layer: str) -> Callable[..., None]:
@@ -117,28 +118,41 @@ def _group_inputs(block: nn.Module, layers: list[str], batches: list[BlockInputs
     finally:
         for handle in handles:
             handle.remove()
-    return {layer: torch.cat(rows) for layer, rows in captured.items()}
+    return captured
 
 
 def _search(
-    block: nn.Module, group: ScaleGroup, x: torch.Tensor, fake_quantize: Callable[[torch.Tensor], torch.Tensor]
+    block: nn.Module,
+    group: ScaleGroup,
+    chunks: list[torch.Tensor],
+    fake_quantize: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, float]:
-    """The scales with the least output error of the group's layers, and their alpha (0: none)."""
+    """The scales with the least output error of the group's layers, and their alpha (0: none).
+
+    The channel magnitudes and each candidate's squared error are summed per batch of input rows
+    (`chunks`) in float64 and added in batch order over every process's batches, so every process
+    (and one process alone) picks the same alpha."""
     weights = [block.get_submodule(layer).weight.detach().float() for layer in group.layers]
-    reference = [x @ weight.T for weight in weights]
-    magnitude = x.abs().mean(dim=0).clamp(min=1e-8)
-    best_error, best_alpha, best_scales = float("inf"), 0.0, torch.ones_like(magnitude)
+    sums = distributed.sum_rows_in_order(
+        torch.stack([torch.cat([x.abs().sum(dim=0), torch.tensor([x.shape[0]])]).double() for x in chunks])
+    )
+    rows = float(sums[-1])
+    magnitude = (sums[:-1] / rows).float().clamp(min=1e-8)
+    candidates = []
+    errors = torch.zeros(len(chunks), ALPHAS, len(weights), dtype=torch.float64)
     for step in range(ALPHAS):
-        alpha = step / ALPHAS
-        scales = magnitude.pow(alpha)
+        scales = magnitude.pow(step / ALPHAS)
         scales = (scales / (scales.max() * scales.min()).sqrt()).clamp(min=1e-4)
-        error = sum(
-            float((x @ (fake_quantize(weight * scales) / scales).T - expected).square().mean())
-            for weight, expected in zip(weights, reference, strict=True)
-        )
-        if error < best_error:
-            best_error, best_alpha, best_scales = error, alpha, scales
-    return best_scales, best_alpha
+        candidates.append(scales)
+        for index, weight in enumerate(weights):
+            quantized = fake_quantize(weight * scales) / scales
+            for chunk, x in enumerate(chunks):
+                errors[chunk, step, index] = (x @ (quantized - weight).T).double().square().sum()
+    totals = distributed.sum_rows_in_order(errors)
+    outputs = torch.tensor([weight.shape[0] for weight in weights], dtype=torch.float64)
+    error = (totals / (rows * outputs)).sum(dim=1).tolist()
+    best = min(range(ALPHAS), key=lambda step: (error[step], step))
+    return candidates[best], best / ALPHAS
 
 
 def _fold(block: nn.Module, group: ScaleGroup, scales: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantlab import distributed
 from quantlab.calibration.allocation import allocate_bits
 from quantlab.calibration.blocks import BlockWeights
 from quantlab.calibration.data import calibration_windows, windows_from_texts
@@ -35,7 +36,9 @@ def calibrate(
 ) -> list[str]:
     """Quantize the selected Linear layers inside the model's blocks with the calibrated solver.
 
-    `weights`: where the blocks' weights are (default: in the model; streamed: read block by block)."""
+    `weights`: where the blocks' weights are (default: in the model; streamed: read block by block).
+    Under torchrun the processes share the windows (`quantlab.distributed`)."""
+    distributed.init()
     windows = windows_for(model, config, calibration, tokenizer, progress, weights)
     if config.target_bits is not None:
         config.layer_options = allocate_bits(model, config, module_class, windows, selected, progress, weights)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quantlab import distributed
 from quantlab.calibration.data import CalibrationDataError
 
 GENERATION_BATCH = 32
@@ -25,7 +26,16 @@ SEED = 0
 def self_generated_windows(
     model: nn.Module, samples: int, seq_len: int, seed: int = SEED, progress: bool = True
 ) -> torch.Tensor:
-    """`[samples, seq_len]` token ids sampled from `model` (a float causal LM), starting at its BOS token."""
+    """`[samples, seq_len]` token ids sampled from `model` (a float causal LM), starting at its BOS token.
+
+    Processes calibrating together use rank 0's windows (sampling is not bit-stable across thread counts)."""
+    _start_token(model)  # every rank refuses a model that cannot generate
+    if distributed.active() and not distributed.is_main():
+        return distributed.broadcast_(torch.zeros(samples, seq_len, dtype=torch.long))
+    return distributed.broadcast_(_generate(model, samples, seq_len, seed, progress))
+
+
+def _generate(model: nn.Module, samples: int, seq_len: int, seed: int, progress: bool) -> torch.Tensor:
     from transformers import GenerationConfig
 
     start = _start_token(model)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantlab import distributed
+
 WINDOWS = 16
 BATCH_SIZE = 2  # the logits of a batch and their gradient: 2 x 256 x 49152 floats x 3 for SmolLM2
 
@@ -24,44 +26,61 @@ def output_fisher(
     model: nn.Module, windows: torch.Tensor, names: list[str], max_windows: int = WINDOWS
 ) -> dict[str, float] | None:
     """`E_t ||dloss_t/dy_t||^2 / out_features` for each named Linear layer, or None when the
-    model computes no language-modelling loss (encoders): then no Fisher is known."""
-    sums = dict.fromkeys(names, 0.0)
-    tokens = 0
+    model computes no language-modelling loss (encoders): then no Fisher is known.
+
+    Processes calibrating together each take a share of the batches; the per-batch sums are
+    gathered and added in batch order, so every process gets the one-process values."""
+    batches = windows[:max_windows].split(BATCH_SIZE)
+    mine = distributed.batch_share(len(batches))
+    sums = torch.zeros(len(mine), len(names) + 1, dtype=torch.float64)  # per batch: each layer's sum, tokens
     frozen = [p for p in model.parameters() if p.requires_grad]
     for parameter in frozen:
         parameter.requires_grad_(False)
     handles = [model.get_input_embeddings().register_forward_hook(_track_gradients)]
-    handles += [model.get_submodule(name).register_forward_hook(_gradient_probe(name, sums)) for name in names]
+    has_loss = True
     try:
         with torch.enable_grad():
-            for batch in windows[:max_windows].split(BATCH_SIZE):
-                output = model(input_ids=batch, labels=batch, use_cache=False)
-                if getattr(output, "loss", None) is None:
-                    return None
-                predicted = batch.shape[0] * (batch.shape[1] - 1)
-                (output.loss * predicted).backward()  # summed over tokens: g_t is each token's own gradient
-                tokens += predicted
+            for row, index in enumerate(mine):
+                batch = batches[index]
+                probes = [
+                    model.get_submodule(name).register_forward_hook(_gradient_probe(sums[row], column))
+                    for column, name in enumerate(names)
+                ]
+                try:
+                    output = model(input_ids=batch, labels=batch, use_cache=False)
+                    if getattr(output, "loss", None) is None:
+                        has_loss = False
+                        break
+                    predicted = batch.shape[0] * (batch.shape[1] - 1)
+                    (output.loss * predicted).backward()  # summed over tokens: g_t is each token's own gradient
+                    sums[row, -1] = predicted
+                finally:
+                    for probe in probes:
+                        probe.remove()
     except (TypeError, ValueError):
-        return None  # no `labels` argument: not a language model
+        has_loss = False  # no `labels` argument: not a language model
     finally:
         for handle in handles:
             handle.remove()
         for parameter in frozen:
             parameter.requires_grad_(True)
-    return {name: total / tokens for name, total in sums.items()}
+    if distributed.any_rank(not has_loss):
+        return None
+    totals = distributed.sum_rows_in_order(sums)
+    return {name: float(totals[column] / totals[-1]) for column, name in enumerate(names)}
 
 
 def _track_gradients(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
     return output.detach().requires_grad_(True)
 
 
-def _gradient_probe(name: str, sums: dict[str, float]) -> Callable[..., None]:
+def _gradient_probe(sums: torch.Tensor, column: int) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
         if output.requires_grad:
-            output.register_hook(lambda grad: _add(sums, name, grad))
+            output.register_hook(lambda grad: _add(sums, column, grad))
 
     return hook
 
 
-def _add(sums: dict[str, float], name: str, grad: torch.Tensor) -> None:
-    sums[name] += float(grad.detach().float().square().sum()) / grad.shape[-1]
+def _add(sums: torch.Tensor, column: int, grad: torch.Tensor) -> None:
+    sums[column] += float(grad.detach().float().square().sum()) / grad.shape[-1]

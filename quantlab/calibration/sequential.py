@@ -25,10 +25,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quantlab import distributed
 from quantlab.calibration.awq import scale_block
 from quantlab.calibration.blocks import BlockInputs, BlockWeights, find_blocks, first_block_inputs, run_block
 from quantlab.calibration.reconstruction import BlockReconstruction
+from quantlab.calibration.solving import quantize_layers
 from quantlab.config import QuantlabConfig
+from quantlab.errors import QuantizationError
 from quantlab.formats import grouping
 from quantlab.nn import QuantizedLinear
 from quantlab.solvers import InputStats
@@ -53,10 +56,15 @@ def quantize_blocks(
     block when its turn comes and writes it out when it is quantized (`weights.store`)."""
     weights = weights or BlockWeights()
     prefix, blocks = find_blocks(model)
-    batches = first_block_inputs(model, blocks[0], windows, BATCH_SIZE)
+    batches = first_block_inputs(model, blocks[0], distributed.share_of_windows(windows, BATCH_SIZE), BATCH_SIZE)
     reconstruction = BlockReconstruction.for_config(config, batches)  # None unless the solver trains blocks
+    if reconstruction is not None and distributed.world_size() > 1:
+        raise QuantizationError(
+            f"the {config.solver} solver trains each block in one process; run it without torchrun"
+        )
     converted: list[str] = []
-    bar = tqdm(blocks, desc=f"calibrating ({config.solver}{' + awq' if config.awq else ''})", disable=not progress)
+    description = f"calibrating ({config.solver}{' + awq' if config.awq else ''})"
+    bar = tqdm(blocks, desc=description, disable=not (progress and distributed.is_main()))
     for index, block in enumerate(bar):
         weights.load(index, block)
         names = selected_linears(block, f"{prefix}.{index}", selected)
@@ -73,14 +81,11 @@ def quantize_blocks(
             reconstruction.prepare(block, names, batches)
         stats = collect_input_stats(block, names, batches)
         return_freed_memory()
-        quantized = {}
-        for relative, full_name in names.items():
+        quantized = quantize_layers(block, names, config, module_class, stats)
+        for relative, layer in quantized.items():
             linear = block.get_submodule(relative)
-            quantized[relative] = module_class.from_linear(
-                linear, config.config_for(full_name), full_name, stats[relative]
-            )
-            linear.weight.copy_(quantized[relative].dequantize_weight(linear.weight.dtype))
-            return_freed_memory()  # the solver's temporaries: one layer's, not the heap's holes, at the next
+            linear.weight.copy_(layer.dequantize_weight(linear.weight.dtype))
+        return_freed_memory()  # the solvers' temporaries
         if reconstruction is not None:
             outputs = reconstruction.refine(block, quantized, batches, progress, f"{prefix}.{index}")
         else:
@@ -96,8 +101,9 @@ def quantize_blocks(
 def collect_input_stats(
     block: nn.Module, names: dict[str, str], batches: list[BlockInputs], outputs: list[torch.Tensor] | None = None
 ) -> dict[str, InputStats]:
-    """Input statistics of each named Linear layer of `block` over all batches (shared by shared inputs);
-    the block's outputs are appended to `outputs` when given (same pass)."""
+    """Input statistics of each named Linear layer of `block` over all batches (shared by shared inputs),
+    summed over the processes calibrating together; the block's outputs are appended to `outputs`
+    when given (same pass)."""
     stats: dict[str, InputStats] = {}
     shares: dict[str, str] = {}
     seen: dict[int, tuple[str, torch.Tensor]] = {}  # the tensors are kept so their ids are not reused
@@ -124,6 +130,9 @@ def collect_input_stats(
         for handle in handles:
             handle.remove()
         seen.clear()
+    for relative in names:  # the same distinct inputs, in the same order, on every rank
+        if relative not in shares:
+            stats[relative].all_reduce()
     return {relative: stats[shares.get(relative, relative)] for relative in names}
 
 

@@ -8,13 +8,15 @@ are then added here, once `--method` is known, before the command line is parsed
 User mistakes end as one line on stderr, `quantlab: error: ...`, with exit code 2 and no
 traceback: `QuantlabError`s, argparse errors, and the operating-system errors a user causes
 or can fix (a full disk, a read-only or forbidden folder). Anything else is a bug and keeps
-its traceback.
+its traceback. Under torchrun (`torchrun -m quantlab quantize ...`, see `quantlab.distributed`)
+only rank 0 prints, and a failure is printed once, by the first rank that fails.
 """
 
 import argparse
 import contextlib
 import errno
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -22,12 +24,15 @@ from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
+from quantlab import distributed
 from quantlab.cli import options
 from quantlab.cli.console import Console
 from quantlab.errors import QuantlabError
 
 # Module names under quantlab.cli, in the order `quantlab --help` lists them; a new command adds its module here.
 COMMANDS: list[str] = ["quantize", "evaluate", "methods", "inspect", "prune", "distill", "export", "finetune"]
+# Commands that share their work between the processes torchrun starts.
+DISTRIBUTED_COMMANDS = {"quantize"}
 
 ERROR_PREFIX = "quantlab: error:"
 EXIT_USAGE = 2
@@ -117,12 +122,17 @@ def _sigterm_raises() -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command, turning user errors into one line on stderr."""
     module: ModuleType = args.command_module
-    Console.from_args(args).configure_libraries()
+    if distributed.launched() and args.command not in DISTRIBUTED_COMMANDS:
+        return _fail(
+            f"'{args.command}' runs in one process; start it without torchrun (only "
+            f"{', '.join(sorted(DISTRIBUTED_COMMANDS))} shares its work between processes)"
+        )
     try:
-        with _sigterm_raises():
+        with _sigterm_raises(), _only_rank_zero_prints(args):
+            Console.from_args(args).configure_libraries()
             return module.run(args)
     except Terminated:
-        print("quantlab: terminated", file=sys.stderr)
+        _say("quantlab: terminated")
         return 128 + signal.SIGTERM
     except QuantlabError as error:
         return _fail(str(error))
@@ -132,8 +142,25 @@ def run(args: argparse.Namespace) -> int:
             raise
         return _fail(message)
     except KeyboardInterrupt:
-        print("quantlab: interrupted", file=sys.stderr)
+        _say("quantlab: interrupted")
         return 130
+    finally:
+        distributed.finish()
+
+
+@contextlib.contextmanager
+def _only_rank_zero_prints(args: argparse.Namespace) -> Iterator[None]:
+    """Under torchrun: join the process group; ranks other than 0 run quietly with stdout discarded."""
+    if not distributed.launched():
+        yield
+        return
+    distributed.init()
+    if distributed.is_main():
+        yield
+        return
+    args.quiet = True
+    with open(os.devnull, "w", encoding="utf-8") as devnull, contextlib.redirect_stdout(devnull):
+        yield
 
 
 def os_error_message(error: OSError) -> str | None:
@@ -146,8 +173,16 @@ def os_error_message(error: OSError) -> str | None:
 
 
 def _fail(message: str) -> int:
-    print(f"{ERROR_PREFIX} {message}", file=sys.stderr)
+    if distributed.active():
+        message = f"{distributed.describe()}: {message}"
+    _say(f"{ERROR_PREFIX} {message}")
     return EXIT_USAGE
+
+
+def _say(line: str) -> None:
+    """A line on stderr that ends the command; under torchrun only the first rank to fail prints it."""
+    if distributed.claim_failure():
+        print(line, file=sys.stderr, flush=True)
 
 
 def _method_options_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser | None:

@@ -155,6 +155,15 @@ class QuantizedLinear(StoredTensorsModule):
         cls, linear: nn.Linear, config: QuantlabConfig, layer: str = "", stats: "InputStats | None" = None
     ) -> "QuantizedLinear":
         """Quantize a float `nn.Linear` (with its calibration `stats` for calibrated solvers); the bias is kept."""
+        return cls.from_stored(
+            linear, config, cls.quantize_checked(linear.weight, config, layer or type(linear).__name__, stats)
+        )
+
+    @classmethod
+    def from_stored(
+        cls, linear: nn.Linear, config: QuantlabConfig, stored: dict[str, torch.Tensor]
+    ) -> "QuantizedLinear":
+        """The layer replacing `linear` with the stored tensors `quantize_checked` made; the bias is kept."""
         weight = linear.weight
         module = cls(
             linear.in_features,
@@ -164,7 +173,7 @@ class QuantizedLinear(StoredTensorsModule):
             dtype=weight.dtype,
             device=weight.device,
         )
-        module.load_stored(cls.quantize_checked(weight, config, layer or type(linear).__name__, stats))
+        module.load_stored(stored)
         if linear.bias is not None:
             module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
         return module

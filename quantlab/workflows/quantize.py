@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantlab import distributed
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantlabError
 from quantlab.loading import ModelSource, OpenedModel, open_model, resolve_model, weights_size
@@ -51,6 +52,7 @@ class QuantizeReport:
     streamed: bool = False  # one block in memory at a time (else loaded whole)
     predicted_peak_memory_bytes: int | None = None  # streamed: `quantlab.streaming.memory.predict_peak`
     predicted_memory_terms: dict[str, int] = field(default_factory=dict)
+    processes: int = 1  # processes that calibrated together (torchrun); rank 0 wrote the checkpoint
 
 
 def quantize_to_checkpoint(
@@ -94,12 +96,17 @@ def _quantize(
 ) -> QuantizeReport:
     from quantlab.streaming.reader import NotStreamableError
 
+    distributed.init()  # under torchrun: join the other processes before loading
     with open_model(source, scratch=output.parent, progress=progress) as opened:
         _check_quantizable(opened, evaluate=text is not None)
         tokenizer = opened.tokenizer()
         if text is not None and tokenizer is None:
             raise QuantlabError(f"--eval needs a tokenizer, and {source} has none")
         note(f"quantizing {source} with {config!r}")
+        if distributed.world_size() > 1:  # each process loads the model; the streamed writer is one process's
+            if resume:
+                raise QuantlabError("--resume continues a one-process run; rerun without torchrun, or without --resume")
+            return _quantize_loaded(opened, config, output, overwrite, text, tokenizer, progress, note)
         try:
             return _quantize_streamed(opened, config, output, overwrite, text, tokenizer, progress, note, resume)
         except NotStreamableError as error:
@@ -169,6 +176,9 @@ def _quantize_loaded(
     started, memory_before_load = time.perf_counter(), peak_memory_bytes()
     model = opened.load(config)
     quantized_at = time.perf_counter()
+    if not distributed.is_main():  # every rank holds the same weights: rank 0 alone writes them
+        del model
+        return distributed.from_main(None)
     reports: list[QuantizeReport] = []
 
     def report_and_evaluate(staging: Path) -> None:
@@ -180,7 +190,7 @@ def _quantize_loaded(
     save_quantized(
         model, output, tokenizer, overwrite=overwrite, protect=[opened.source.path], before_commit=report_and_evaluate
     )
-    return reports[0]
+    return distributed.from_main(reports[0])
 
 
 def _report(
@@ -219,6 +229,7 @@ def _report(
         peak_memory_bytes=peak_memory_bytes(),
         memory_before_load_bytes=memory_before_load,
         tables_quantized=layers.tables,
+        processes=distributed.world_size(),
     )
 
 
