@@ -59,9 +59,7 @@ def quantize_blocks(
     batches = first_block_inputs(model, blocks[0], distributed.share_of_windows(windows, BATCH_SIZE), BATCH_SIZE)
     reconstruction = BlockReconstruction.for_config(config, batches)  # None unless the solver trains blocks
     if reconstruction is not None and distributed.world_size() > 1:
-        raise QuantizationError(
-            f"the {config.solver} solver trains each block in one process; run it without torchrun"
-        )
+        raise QuantizationError(f"the {config.solver} solver trains each block in one process; run it without torchrun")
     converted: list[str] = []
     description = f"calibrating ({config.solver}{' + awq' if config.awq else ''})"
     bar = tqdm(blocks, desc=description, disable=not (progress and distributed.is_main()))
