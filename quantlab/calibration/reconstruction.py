@@ -9,7 +9,7 @@ For each block, after its layers were solved one by one (GPTQ by default, `quant
    "float_block"`, what GPTQ matches layer by layer);
 2. swap each quantized layer for a `FakeQuantLinear` on its own storage layout starting from the
    solver's codes, and train the rounding offsets, scales and zero points of all of them at once
-   (signed gradient descent or Adam, step size decaying linearly to 0) on the mean squared error of
+   (Adam, or signed gradient descent; step sizes decaying linearly to 0) on the mean squared error of
    the block's output, each step on `batch_size` calibration windows taken in a seeded order;
 3. keep the step whose mini-batch error, relative to the start's error on the same windows, was the
    lowest; keep the start instead when that step is not better on all calibration windows; store

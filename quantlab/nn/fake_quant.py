@@ -73,6 +73,8 @@ class FakeQuantizedWeight(nn.Module):
     ) -> "FakeQuantizedWeight":
         """Start from a layer's stored tensors (`QuantizedLinear.stored_tensors()`) and its float weight."""
         codes, params = layout.load(stored)
+        # What the codec derived from the grids when it stored them (NF4's 8-bit absmax) is kept as stored.
+        params.stored = {name: tensor for name, tensor in stored.items() if name != "weight"}
         return cls(layout, weight, codes, params, max_offset, learn_scales)
 
     # -- the grid and the codes -------------------------------------------------------------

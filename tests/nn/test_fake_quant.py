@@ -77,6 +77,17 @@ def test_clipped_weights_get_no_gradient_and_the_scale_learns_the_clipping(probl
     assert quantizer.scale_ratio.grad[0, 0] != 0
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
+def test_a_layer_started_from_its_stored_tensors_stores_them_again(layout, problem):
+    solution, _ = _start(layout, problem)
+    stored = layout.store(solution.codes, solution.params)
+    quantizer = FakeQuantizedWeight.from_solution(layout, problem[0], stored)
+    again = quantizer.stored()
+    assert again.keys() == stored.keys()
+    for name, tensor in stored.items():
+        assert torch.equal(again[name], tensor), name
+
+
 def test_projection_keeps_offsets_and_scales_in_range(problem):
     _, quantizer = _start(LAYOUTS[0], problem)
     with torch.no_grad():
