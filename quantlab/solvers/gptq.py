@@ -72,7 +72,10 @@ class GptqSolver(Solver):
         H[dead, dead] = 1.0
         order = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(layout.in_features)
         grids = _Grids(layout, W, order, static, stats.channel_weights() if grid == "mse" else None)
-        inverse = _inverse_cholesky(H[order][:, order], damp).float()
+        permuted = H[order][:, order]
+        del H  # at most three in x in float64 matrices at once: the widest layer's Hessian is large
+        inverse = _inverse_cholesky(permuted, damp).float()
+        del permuted
         # Columns of W as contiguous rows: each step reads and updates whole rows.
         columns = W[:, order].T.contiguous()
         codes = torch.empty(columns.shape, dtype=torch.uint8)
@@ -153,8 +156,10 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
         dampened = H.clone()
         dampened.diagonal().add_(damp * (10**attempt) * mean_diagonal)
         factor, info = torch.linalg.cholesky_ex(dampened)
+        del dampened
         if info == 0:
             inverse = torch.cholesky_inverse(factor)
+            del factor
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
             if info == 0:
                 return upper
