@@ -10,6 +10,10 @@ checkpoint when the block's turn comes and written out when it is quantized (`qu
 
 import contextlib
 import dataclasses
+import os
+import tempfile
+import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +28,54 @@ class BlockInputs:
 
     hidden: torch.Tensor
     kwargs: dict[str, Any]
+
+
+class OffloadedInputs(BlockInputs):
+    """One batch whose hidden states wait in a file, read (memory-mapped) each time they are used."""
+
+    def __init__(self, path: Path, shape: tuple[int, ...], dtype: torch.dtype, kwargs: dict[str, Any]) -> None:
+        self.path, self.shape, self.dtype, self.kwargs = path, shape, dtype, kwargs
+        weakref.finalize(self, _remove, str(path))
+
+    @property
+    def hidden(self) -> torch.Tensor:  # type: ignore[override]
+        nbytes = self.dtype.itemsize * int(torch.Size(self.shape).numel())
+        raw = torch.from_file(str(self.path), shared=False, size=nbytes, dtype=torch.uint8)
+        return raw.view(self.dtype).view(self.shape)
+
+
+class Activations:
+    """Where the calibration activations wait between blocks: in memory."""
+
+    def keep(self, hidden: torch.Tensor, kwargs: dict[str, Any]) -> BlockInputs:
+        return BlockInputs(hidden, kwargs)
+
+
+class OffloadedActivations(Activations):
+    """Activations in files under `folder` (one per batch, removed once no batch refers to it), so memory
+    holds one batch of them at a time instead of two copies of all."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.folder = Path(tempfile.mkdtemp(prefix="quantlab-activations-", dir=folder))
+        weakref.finalize(self, _remove_folder, str(self.folder))
+
+    def keep(self, hidden: torch.Tensor, kwargs: dict[str, Any]) -> BlockInputs:
+        handle, name = tempfile.mkstemp(suffix=".bin", dir=self.folder)
+        with os.fdopen(handle, "wb") as file:
+            file.write(hidden.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return OffloadedInputs(Path(name), tuple(hidden.shape), hidden.dtype, kwargs)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _remove_folder(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class BlockWeights:
@@ -72,15 +124,21 @@ class _Caught(Exception):
 
 @torch.no_grad()
 def first_block_inputs(
-    model: nn.Module, first_block: nn.Module, windows: torch.Tensor, batch_size: int
+    model: nn.Module,
+    first_block: nn.Module,
+    windows: torch.Tensor,
+    batch_size: int,
+    activations: Activations | None = None,
 ) -> list[BlockInputs]:
-    """Run the model's input stage on each batch of windows and keep what `first_block` receives."""
+    """Run the model's input stage on each batch of windows and keep what `first_block` receives
+    (in memory, or where `activations` keeps it)."""
     caught: list[BlockInputs] = []
+    keep = (activations or Activations()).keep
 
     def catch(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         hidden = args[0] if args else kwargs.pop("hidden_states")
         rest = {key: value for key, value in kwargs.items() if key != "hidden_states"}
-        caught.append(BlockInputs(hidden.detach(), rest))
+        caught.append(keep(hidden.detach(), rest))
         raise _Caught
 
     handle = first_block.register_forward_pre_hook(catch, with_kwargs=True)

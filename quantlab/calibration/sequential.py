@@ -27,7 +27,14 @@ from tqdm.auto import tqdm
 
 from quantlab import distributed
 from quantlab.calibration.awq import scale_block
-from quantlab.calibration.blocks import BlockInputs, BlockWeights, find_blocks, first_block_inputs, run_block
+from quantlab.calibration.blocks import (
+    Activations,
+    BlockInputs,
+    BlockWeights,
+    find_blocks,
+    first_block_inputs,
+    run_block,
+)
 from quantlab.calibration.reconstruction import BlockReconstruction
 from quantlab.calibration.solving import quantize_layers
 from quantlab.config import QuantlabConfig
@@ -49,14 +56,18 @@ def quantize_blocks(
     selected: Callable[[str], bool],
     progress: bool = True,
     weights: BlockWeights | None = None,
+    activations: Activations | None = None,
 ) -> list[str]:
     """Quantize the selected Linear layers inside the model's blocks in place; returns their names.
 
     `weights`: where the blocks' weights are (default: in the model); a streamed model reads each
-    block when its turn comes and writes it out when it is quantized (`weights.store`)."""
-    weights = weights or BlockWeights()
+    block when its turn comes and writes it out when it is quantized (`weights.store`).
+    `activations`: where the blocks' inputs and outputs wait (default: in memory; or on disk)."""
+    weights, keep = weights or BlockWeights(), (activations or Activations()).keep
     prefix, blocks = find_blocks(model)
-    batches = first_block_inputs(model, blocks[0], distributed.share_of_windows(windows, BATCH_SIZE), BATCH_SIZE)
+    batches = first_block_inputs(
+        model, blocks[0], distributed.share_of_windows(windows, BATCH_SIZE), BATCH_SIZE, activations
+    )
     reconstruction = BlockReconstruction.for_config(config, batches)  # None unless the solver trains blocks
     if reconstruction is not None and distributed.world_size() > 1:
         raise QuantizationError(f"the {config.solver} solver trains each block in one process; run it without torchrun")
@@ -69,7 +80,7 @@ def quantize_blocks(
         if not names or weights.finished(index):
             if reconstruction is not None:
                 reconstruction.skip(block, batches, resumed=bool(names))
-            batches = [BlockInputs(run_block(block, batch), batch.kwargs) for batch in batches]
+            batches = [keep(run_block(block, batch), batch.kwargs) for batch in batches]
             weights.store(index, block)
             converted += names.values()
             continue
@@ -86,9 +97,9 @@ def quantize_blocks(
         return_freed_memory()  # the solvers' temporaries
         if reconstruction is not None:
             outputs = reconstruction.refine(block, quantized, batches, progress, f"{prefix}.{index}")
+            batches = [keep(output, batch.kwargs) for output, batch in zip(outputs, batches, strict=True)]
         else:
-            outputs = [run_block(block, batch) for batch in batches]
-        batches = [BlockInputs(output, batch.kwargs) for output, batch in zip(outputs, batches, strict=True)]
+            batches = [keep(run_block(block, batch), batch.kwargs) for batch in batches]
         for relative, layer in quantized.items():
             block.set_submodule(relative, layer)
         weights.store(index, block)

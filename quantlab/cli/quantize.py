@@ -46,6 +46,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="continue an interrupted quantization into DIR (same model, same options) from its last finished block",
     )
+    parser.add_argument(
+        "--offload-dir",
+        metavar="DIR",
+        help="keep the calibration activations in files under DIR (one batch in memory) instead of in memory",
+    )
     add_eval_arguments(parser, help="measure perplexity before and after quantization")
     add_output_options(parser)
 
@@ -119,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         progress=console.progress,
         notify=console.note,
         resume=args.resume,
+        offload_dir=args.offload_dir,
     )
     console.report(report_table(report), {"command": "quantize", **asdict(report)})
     return 0

@@ -8,7 +8,7 @@
            layer: an upper bound, layers reading one input share one) + GPTQ's working set for
            the widest layer (3 float64 `in x in` matrices and 2 float32 copies of the weight)
            + the calibration activations (inputs and outputs of the block:
-           2 x samples x seq_len x hidden) + one batch's forward temporaries
+           2 x samples x seq_len x hidden; with --offload-dir one batch of 8 windows) + one batch's forward temporaries
            (8 x seq_len x (3 x intermediate + 2 x heads x seq_len))
 
 All in the dtype the model loads in (float32 for the statistics). It leaves out the allocator's
@@ -33,9 +33,12 @@ class MemoryPrediction:
     terms: dict[str, int] = field(default_factory=dict)
 
 
-def predict_peak(shell: nn.Module, blocks_name: str, config: QuantlabConfig, before: int) -> MemoryPrediction:
+def predict_peak(
+    shell: nn.Module, blocks_name: str, config: QuantlabConfig, before: int, offloaded: bool = False
+) -> MemoryPrediction:
     """The predicted peak of quantizing into `shell` (the output model on the meta device, its blocks
-    under `blocks_name`) with `config`, for a process that held `before` bytes before loading."""
+    under `blocks_name`) with `config`, for a process that held `before` bytes before loading
+    (`offloaded`: the activations wait on disk, one batch of them in memory)."""
     blocks = shell.get_submodule(blocks_name)
     itemsize = shell.dtype.itemsize
     float_block = max(_float_bytes(block, itemsize) for block in blocks)
@@ -54,7 +57,8 @@ def predict_peak(shell: nn.Module, blocks_name: str, config: QuantlabConfig, bef
         widest = max(sizes, default=(0, 0), key=lambda s: s[0])
         terms["solver working set"] = 3 * 8 * widest[0] ** 2 + 2 * 4 * widest[0] * widest[1]
         samples, seq_len = config.calibration_samples, config.calibration_seq_len
-        terms["calibration activations"] = 2 * samples * seq_len * hidden * itemsize
+        held = min(samples, BATCH_SIZE) if offloaded else samples
+        terms["calibration activations"] = 2 * held * seq_len * hidden * itemsize
         wide = (
             3 * _setting(shell, "intermediate_size", 4 * hidden)
             + 2 * _setting(shell, "num_attention_heads", 1) * seq_len

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from quantlab.calibration.allocation import allocate_bits
-from quantlab.calibration.blocks import find_blocks
+from quantlab.calibration.blocks import Activations, OffloadedActivations, find_blocks
 from quantlab.calibration.model import blocks_need_calibration, data_free_config, windows_for
 from quantlab.calibration.sequential import quantize_blocks
 from quantlab.config import QuantlabConfig
@@ -69,13 +69,15 @@ def quantize_checkpoint(
     progress: bool = False,
     note: Note = lambda message: None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    offload_dir: Path | None = None,
 ) -> StreamedQuantization:
     """Quantize the float safetensors checkpoint in `folder` with `config` into `output`, block by block.
 
     `before_commit(result)` runs on the complete folder before it is renamed to `output`.
     `resume`: continue an interrupted run of the same source and config (its finished blocks are
-    checked by hash). Raises `NotStreamableError` before any work when the checkpoint cannot be read
-    tensor by tensor (no safetensors files, tensor names that differ from the model's).
+    checked by hash). `offload_dir`: keep the calibration activations in files there (one batch in
+    memory at a time) rather than in memory. Raises `NotStreamableError` before any work when the
+    checkpoint cannot be read tensor by tensor (no safetensors files, tensor names that differ from the model's).
     """
     reader = CheckpointReader(folder)
     with contextlib.closing(reader):
@@ -89,7 +91,19 @@ def quantize_checkpoint(
         selected = _selection(model, config)
         with PartialOutput.start(output, reader.fingerprint(), config.to_dict(), resume, note) as partial:
             try:
-                result = _run(weights, blocks, prefix, selected, config, partial, tokenizer, progress, max_shard_bytes)
+                activations = OffloadedActivations(offload_dir) if offload_dir is not None else Activations()
+                result = _run(
+                    weights,
+                    blocks,
+                    prefix,
+                    selected,
+                    config,
+                    partial,
+                    tokenizer,
+                    progress,
+                    max_shard_bytes,
+                    activations,
+                )
             except BaseException:
                 if partial.manifest["done"]:
                     finished = len(partial.manifest["done"])
@@ -116,6 +130,7 @@ def _run(
     tokenizer: Any,
     progress: bool,
     max_shard_bytes: int,
+    activations: Activations,
 ) -> StreamedQuantization:
     model = weights.model
     module_class = method_of(config).module_class
@@ -132,7 +147,7 @@ def _run(
             streamed.verify_finished()
         if config.needs_calibration and blocks_need_calibration(config):
             _input_stage(weights, model, blocks, load=True)
-            quantize_blocks(model, config, module_class, windows, selected, progress, streamed)
+            quantize_blocks(model, config, module_class, windows, selected, progress, streamed, activations)
         else:
             _data_free_blocks(streamed, config, module_class, selected, progress)
         if not partial.finished(REST):

@@ -65,6 +65,7 @@ def quantize_to_checkpoint(
     progress: bool = False,
     notify: Notify | None = None,
     resume: bool = False,
+    offload_dir: str | os.PathLike | None = None,
 ) -> QuantizeReport:
     """Quantize `model` (a folder, a `.gguf` file, None for the embedded default) with `config` into `output`.
 
@@ -72,6 +73,7 @@ def quantize_to_checkpoint(
     `overwrite`: replace an existing `output`; the input model is never replaced.
     `resume`: continue an interrupted quantization of the same model with the same config into `output`
     from its last finished block (finished blocks are checked by hash; another model or config is refused).
+    `offload_dir`: keep the calibration activations in files there instead of in memory.
     """
     note = notifier(notify)
     output = Path(output).expanduser()
@@ -81,7 +83,8 @@ def quantize_to_checkpoint(
     if output.resolve() == source.path.resolve():
         raise QuantlabError(f"--output {output} is the model being quantized; write the checkpoint somewhere else")
     check_output(output, overwrite, source.path)
-    return _quantize(source, config, output, overwrite, evaluate, progress, note, resume)
+    offload = Path(offload_dir).expanduser() if offload_dir is not None else None
+    return _quantize(source, config, output, overwrite, evaluate, progress, note, resume, offload)
 
 
 def _quantize(
@@ -93,6 +96,7 @@ def _quantize(
     progress: bool,
     note: Notify,
     resume: bool = False,
+    offload_dir: Path | None = None,
 ) -> QuantizeReport:
     from quantlab.streaming.reader import NotStreamableError
 
@@ -108,7 +112,9 @@ def _quantize(
                 raise QuantlabError("--resume continues a one-process run; rerun without torchrun, or without --resume")
             return _quantize_loaded(opened, config, output, overwrite, text, tokenizer, progress, note)
         try:
-            return _quantize_streamed(opened, config, output, overwrite, text, tokenizer, progress, note, resume)
+            return _quantize_streamed(
+                opened, config, output, overwrite, text, tokenizer, progress, note, resume, offload_dir
+            )
         except NotStreamableError as error:
             note(f"reading the whole model first: {source} cannot be streamed ({error})")
         return _quantize_loaded(opened, config, output, overwrite, text, tokenizer, progress, note)
@@ -124,6 +130,7 @@ def _quantize_streamed(
     progress: bool,
     note: Notify,
     resume: bool,
+    offload_dir: Path | None,
 ) -> QuantizeReport:
     from quantlab.streaming.memory import predict_peak
     from quantlab.streaming.quantize import StreamedQuantization, quantize_checkpoint
@@ -134,7 +141,8 @@ def _quantize_streamed(
 
     def finish(result: StreamedQuantization) -> None:
         quantized_at = time.perf_counter()
-        prediction = predict_peak(result.model, result.blocks_name, config, memory_before_load)
+        offloaded = offload_dir is not None
+        prediction = predict_peak(result.model, result.blocks_name, config, memory_before_load, offloaded)
         report = _report(opened, config, output, result.model, result.folder, started, quantized_at, memory_before_load)
         report.streamed = True
         report.predicted_peak_memory_bytes = prediction.total
@@ -155,6 +163,7 @@ def _quantize_streamed(
         before_commit=finish,
         progress=progress,
         note=note,
+        offload_dir=offload_dir,
     )
     return reports[0]
 

@@ -206,3 +206,10 @@ def test_a_full_disk_mid_run_keeps_the_finished_blocks_for_resume(sources, tmp_p
     assert not output.exists() and len(interrupted_runs(output)) == 1
     _streamed(sources["fp32"], CASES["rtn"], output, resume=True)
     _same_checkpoint(straight, output)
+
+
+def test_offloaded_activations_give_the_same_checkpoint_and_leave_no_files(sources, tmp_path):
+    expected = _streamed(sources["fp32"], CASES["awq+gptq"], tmp_path / "in-memory")
+    offload = tmp_path / "activations"
+    _same_checkpoint(expected, _streamed(sources["fp32"], CASES["awq+gptq"], tmp_path / "out", offload_dir=offload))
+    assert list(offload.iterdir()) == []

@@ -68,3 +68,30 @@ def test_the_input_model_is_never_the_output(llama_dir: Path) -> None:
     with pytest.raises(QuantlabError, match="is the model being quantized"):
         quantize_to_checkpoint(llama_dir, quantlab.NF4Config(), llama_dir, overwrite=True)
     assert (llama_dir / "config.json").is_file()
+
+
+def test_a_safetensors_model_is_quantized_streamed_with_its_predicted_peak(quantized) -> None:
+    report, _ = quantized
+    assert report.streamed
+    terms = report.predicted_memory_terms
+    assert report.predicted_peak_memory_bytes > report.memory_before_load_bytes == terms["before loading"]
+    assert terms["one float block"] > terms["its stored tensors"] > 0
+    saved = json.loads((Path(report.output) / "quantlab_report.json").read_text())
+    assert saved["predicted_peak_memory_bytes"] == report.predicted_peak_memory_bytes
+
+
+def test_a_checkpoint_in_bin_files_is_loaded_whole_instead(tmp_path: Path) -> None:
+    import torch
+
+    from quantlab.testing import byte_tokenizer, tiny_llama
+
+    source = tmp_path / "bin-model"
+    model = tiny_llama(0)
+    model.config.save_pretrained(source)
+    torch.save(model.state_dict(), source / "pytorch_model.bin")
+    byte_tokenizer().save_pretrained(source)
+    notes: list[str] = []
+    report = quantize_to_checkpoint(source, quantlab.Int8SymmetricConfig(), tmp_path / "out", notify=notes.append)
+    assert not report.streamed and report.predicted_peak_memory_bytes is None
+    assert any("reading the whole model first" in note for note in notes), notes
+    assert (tmp_path / "out" / "model.safetensors").is_file()
