@@ -31,8 +31,10 @@ from quantlab.errors import QuantlabError
 
 # Module names under quantlab.cli, in the order `quantlab --help` lists them; a new command adds its module here.
 COMMANDS: list[str] = ["quantize", "evaluate", "methods", "inspect", "prune", "distill", "export", "finetune"]
-# Commands that share their work between the processes torchrun starts.
+# Commands that share their work between the processes torchrun starts: quantize through
+# `quantlab.distributed`, the training commands through Trainer (which joins the group and prints once).
 DISTRIBUTED_COMMANDS = {"quantize"}
+TRAINER_COMMANDS = {"finetune", "distill", "prune"}
 
 ERROR_PREFIX = "quantlab: error:"
 EXIT_USAGE = 2
@@ -122,10 +124,10 @@ def _sigterm_raises() -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command, turning user errors into one line on stderr."""
     module: ModuleType = args.command_module
-    if distributed.launched() and args.command not in DISTRIBUTED_COMMANDS:
+    if distributed.launched() and args.command not in DISTRIBUTED_COMMANDS | TRAINER_COMMANDS:
         return _fail(
             f"'{args.command}' runs in one process; start it without torchrun (only "
-            f"{', '.join(sorted(DISTRIBUTED_COMMANDS))} shares its work between processes)"
+            f"{', '.join(sorted(DISTRIBUTED_COMMANDS | TRAINER_COMMANDS))} share their work between processes)"
         )
     try:
         with _sigterm_raises(), _only_rank_zero_prints(args):
@@ -150,8 +152,9 @@ def run(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _only_rank_zero_prints(args: argparse.Namespace) -> Iterator[None]:
-    """Under torchrun: join the process group; ranks other than 0 run quietly with stdout discarded."""
-    if not distributed.launched():
+    """Under torchrun: join the process group; ranks other than 0 run quietly with stdout discarded.
+    Training commands are left to Trainer, which joins the group itself and reports from rank 0."""
+    if not distributed.launched() or args.command in TRAINER_COMMANDS:
         yield
         return
     distributed.init()

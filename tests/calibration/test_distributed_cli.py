@@ -64,3 +64,14 @@ def test_a_failure_under_torchrun_is_one_line(llama_dir, tmp_path):
     assert len(errors) == 1 and "--calibration-samples 16 or more" in errors[0], result.stderr
     assert not re.search(r'File "[^"]*/quantlab/', result.stderr)  # torchrun's own summary follows, not ours
     assert not (tmp_path / "out").exists()
+
+
+def test_a_one_process_command_under_torchrun_is_refused_in_one_line(llama_dir, monkeypatch, capsys):
+    from quantlab.cli.main import main
+
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    monkeypatch.setenv("RANK", "0")
+    assert main(["inspect", str(llama_dir)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("quantlab: error: 'inspect' runs in one process") and "\n" not in error
+    assert "finetune" in error and "quantize" in error
