@@ -237,6 +237,11 @@ def _windows(
     path = partial.folder / WINDOWS
     if path.is_file() and partial.manifest.get("windows"):
         return load_file(path)["windows"]
+    if tokenizer is None and not config.self_calibration:
+        raise QuantizationError(
+            f"calibrating reads text, and {weights.model.name_or_path} has no tokenizer to read it with; save the "
+            f"tokenizer beside the checkpoint, or calibrate on the model's own text with --self-calibration"
+        )
     streamed = _WholeModel(weights, blocks, prefix)
     windows = windows_for(weights.model, config, None, tokenizer, progress, streamed)
     save_file({"windows": windows.contiguous()}, path)

@@ -213,3 +213,13 @@ def test_offloaded_activations_give_the_same_checkpoint_and_leave_no_files(sourc
     offload = tmp_path / "activations"
     _same_checkpoint(expected, _streamed(sources["fp32"], CASES["awq+gptq"], tmp_path / "out", offload_dir=offload))
     assert list(offload.iterdir()) == []
+
+
+def test_calibrating_a_model_without_a_tokenizer_says_what_to_do(sources, tmp_path):
+    source = tmp_path / "no-tokenizer"
+    tiny_llama(0).save_pretrained(source)
+    hf_config = read_config(source)
+    config = quantlab.CustomBitsConfig(**CASES["gptq"])
+    with pytest.raises(quantlab.QuantizationError, match=r"has no tokenizer .* --self-calibration"):
+        quantize_checkpoint(source, hf_config, model_class(hf_config), config, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no-tokenizer"]
