@@ -23,8 +23,27 @@ from quantlab.streaming.writer import SafetensorsWriter
 REST = "outside the blocks"  # the manifest's name for the tensors outside the blocks
 
 
-class StreamedBlocks(BlockWeights):
-    """Blocks of `weights.model` (under `prefix`) read from the checkpoint and written to `writer`."""
+class ReadBlocks(BlockWeights):
+    """Blocks of `weights.model` (under `prefix`) read from the float checkpoint, to be measured only."""
+
+    def __init__(self, weights: StreamedWeights, blocks: nn.ModuleList, prefix: str) -> None:
+        self.weights, self.blocks, self.prefix = weights, blocks, prefix
+
+    def part(self, index: int) -> str:
+        return f"{self.prefix}.{index}"
+
+    def load(self, index: int, block: nn.Module) -> None:
+        self.weights.load(block, self.part(index))
+
+    def release(self, index: int, block: nn.Module) -> None:
+        self.weights.release(block)
+
+    def whole_model(self) -> contextlib.AbstractContextManager[None]:
+        return self.weights.on_demand(self.blocks, self.prefix)
+
+
+class StreamedBlocks(ReadBlocks):
+    """Blocks read from the checkpoint, quantized, and written to `writer` (their hashes to `partial`)."""
 
     def __init__(
         self,
@@ -35,11 +54,8 @@ class StreamedBlocks(BlockWeights):
         partial: PartialOutput,
         shell: nn.Module,
     ) -> None:
-        self.weights, self.blocks, self.prefix = weights, blocks, prefix
+        super().__init__(weights, blocks, prefix)
         self.writer, self.partial, self.shell = writer, partial, shell
-
-    def part(self, index: int) -> str:
-        return f"{self.prefix}.{index}"
 
     def load(self, index: int, block: nn.Module) -> None:
         if self.finished(index):
@@ -56,12 +72,6 @@ class StreamedBlocks(BlockWeights):
             tensors = {prefix + name: tensor for name, tensor in block.state_dict().items()}
             self.partial.complete(self.part(index), write_part(self.writer, tensors, prefix))
         self.weights.release(block)
-
-    def release(self, index: int, block: nn.Module) -> None:
-        self.weights.release(block)
-
-    def whole_model(self) -> contextlib.AbstractContextManager[None]:
-        return self.weights.on_demand(self.blocks, self.prefix)
 
     def verify_finished(self) -> None:
         """Every part the manifest lists as finished must hash as it did when written."""

@@ -33,10 +33,10 @@ from quantlab.errors import QuantizationError
 from quantlab.integrations.transformers import quantizer_class_of
 from quantlab.registry import method_of
 from quantlab.replacement import raise_nothing_to_quantize, replace_linear_layers, without_vocabulary
-from quantlab.streaming.blocks import REST, StreamedBlocks, write_part
+from quantlab.streaming.blocks import REST, ReadBlocks, StreamedBlocks, write_part
 from quantlab.streaming.partial import WINDOWS, PartialOutput, ResumeError
 from quantlab.streaming.reader import CheckpointReader, NotStreamableError
-from quantlab.streaming.skeleton import OwnTensors, StreamedWeights, empty_model
+from quantlab.streaming.skeleton import StreamedWeights, empty_model, outside_blocks
 from quantlab.streaming.writer import DEFAULT_SHARD_BYTES, SafetensorsWriter, shard_plan
 from quantlab.utils.atomic import commit_directory
 from quantlab.vocabulary import replace_vocabulary
@@ -242,7 +242,7 @@ def _windows(
             f"calibrating reads text, and {weights.model.name_or_path} has no tokenizer to read it with; save the "
             f"tokenizer beside the checkpoint, or calibrate on the model's own text with --self-calibration"
         )
-    streamed = _WholeModel(weights, blocks, prefix)
+    streamed = ReadBlocks(weights, blocks, prefix)
     windows = windows_for(weights.model, config, None, tokenizer, progress, streamed)
     save_file({"windows": windows.contiguous()}, path)
     partial.manifest["windows"] = True
@@ -266,23 +266,10 @@ def _allocate(
         return
     _input_stage(weights, weights.model, blocks, load=True)
     module_class = method_of(config).module_class
-    measured = _WholeModel(weights, blocks, prefix)
+    measured = ReadBlocks(weights, blocks, prefix)
     config.layer_options = allocate_bits(weights.model, config, module_class, windows, selected, progress, measured)
     _input_stage(weights, weights.model, blocks, load=False)
     partial.set_resolved_config(config.to_dict())
-
-
-class _WholeModel(StreamedBlocks):
-    """Blocks read for measuring only (nothing is written): `load`, `release` and `whole_model`."""
-
-    def __init__(self, weights: StreamedWeights, blocks: nn.ModuleList, prefix: str) -> None:
-        self.weights, self.blocks, self.prefix = weights, blocks, prefix
-
-    def load(self, index: int, block: nn.Module) -> None:
-        self.weights.load(block, self.part(index))
-
-    def finished(self, index: int) -> bool:
-        return False
 
 
 def _data_free_blocks(
@@ -311,13 +298,13 @@ def _within(prefix: str, selected: Callable[[str], bool]) -> Callable[[str], boo
 def _input_stage(weights: StreamedWeights, model: nn.Module, blocks: nn.ModuleList, load: bool) -> None:
     """Read (or drop) the tensors outside the blocks but the output head: what runs before the first block."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    inside = {id(m) for m in blocks.modules()} | ({id(head)} if head is not None else set())
-    for name, module in model.named_modules():
-        if id(module) not in inside:
-            if load:
-                weights.load(OwnTensors(module), name)
-            else:
-                weights.release(OwnTensors(module))
+    for name, module in outside_blocks(model, blocks):
+        if module is head:
+            continue
+        if load:
+            weights.load(module, name, recurse=False)
+        else:
+            weights.release(module, recurse=False)
 
 
 def _quantize_rest(
@@ -334,9 +321,8 @@ def _quantize_rest(
     (`embedding_bits`), the rest in float."""
     model = weights.model
     inside = f"{prefix}."
-    for name, module in model.named_modules():
-        if not name.startswith(inside) and name != prefix:
-            weights.load(OwnTensors(module), name)
+    for name, module in outside_blocks(model, blocks):
+        weights.load(module, name, recurse=False)
     outside = lambda name: not name.startswith(inside) and selected(name)  # noqa: E731
     replace_linear_layers(model, data_free_config(config), module_class, outside, quantize=True)
     replace_vocabulary(model, config, quantize=True)

@@ -42,9 +42,11 @@ def empty_model(cls: type, hf_config: Any, dtype: torch.dtype, folder: Path) -> 
     return model.eval()
 
 
-def stored_entries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, str]]:
-    """(full name, owning module, attribute) of every parameter and persistent buffer under `module`."""
-    for name, owner in module.named_modules(prefix=prefix, remove_duplicate=False):
+def stored_entries(module: nn.Module, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, nn.Module, str]]:
+    """(full name, owning module, attribute) of every parameter and persistent buffer of `module`, and
+    with `recurse` of its submodules."""
+    owners = module.named_modules(prefix=prefix, remove_duplicate=False) if recurse else [(prefix, module)]
+    for name, owner in owners:
         for attribute, value in owner._parameters.items():
             if value is not None:
                 yield (f"{name}.{attribute}" if name else attribute), owner, attribute
@@ -53,8 +55,8 @@ def stored_entries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, n
                 yield (f"{name}.{attribute}" if name else attribute), owner, attribute
 
 
-def is_empty(module: nn.Module) -> bool:
-    return any(getattr(owner, attribute).is_meta for _, owner, attribute in stored_entries(module))
+def is_empty(module: nn.Module, recurse: bool = True) -> bool:
+    return any(getattr(owner, attribute).is_meta for _, owner, attribute in stored_entries(module, "", recurse))
 
 
 class StreamedWeights:
@@ -71,9 +73,10 @@ class StreamedWeights:
             if name not in self.reader and self.tied.get(name) not in self.reader:
                 raise NotStreamableError(f"the checkpoint has no tensor {name!r} (its names differ from the model's)")
 
-    def load(self, module: nn.Module, prefix: str) -> None:
-        """Read every empty parameter and buffer of `module` (named `prefix` in the model)."""
-        for name, owner, attribute in stored_entries(module, prefix):
+    def load(self, module: nn.Module, prefix: str, recurse: bool = True) -> None:
+        """Read every empty parameter and buffer of `module` (named `prefix` in the model; with `recurse`,
+        of its submodules too)."""
+        for name, owner, attribute in stored_entries(module, prefix, recurse):
             current = getattr(owner, attribute)
             if not current.is_meta:
                 continue
@@ -83,9 +86,9 @@ class StreamedWeights:
                 value = self.reader.tensor(key, self.dtype if current.is_floating_point() else None)
             assign(owner, attribute, value)
 
-    def release(self, module: nn.Module) -> None:
+    def release(self, module: nn.Module, recurse: bool = True) -> None:
         """Empty every parameter and persistent buffer of `module` (back to the meta device)."""
-        for _, owner, attribute in stored_entries(module):
+        for _, owner, attribute in stored_entries(module, "", recurse):
             current = getattr(owner, attribute)
             if not current.is_meta:
                 assign(owner, attribute, torch.empty_like(current, device="meta"))
@@ -102,10 +105,9 @@ class StreamedWeights:
     @contextlib.contextmanager
     def on_demand(self, blocks: nn.ModuleList, prefix: str) -> Iterator[None]:
         """The model runs whole with one block in memory at a time; the rest of it is read for the duration."""
-        outside = [(name, module) for name, module in _outside(self.model, blocks)]
-        was_empty = [(name, module) for name, module in outside if is_empty(module)]
+        was_empty = [(name, module) for name, module in outside_blocks(self.model, blocks) if is_empty(module, False)]
         for name, module in was_empty:
-            self.load(module, name)
+            self.load(module, name, recurse=False)
         for index, block in enumerate(blocks):
             block.forward = _streamed_forward(self, block, f"{prefix}.{index}")
         try:
@@ -115,7 +117,7 @@ class StreamedWeights:
                 del block.forward
                 self.release(block)
             for _, module in was_empty:
-                self.release(module)
+                self.release(module, recurse=False)
 
 
 def _streamed_forward(weights: StreamedWeights, block: nn.Module, name: str) -> Any:
@@ -136,27 +138,10 @@ def _streamed_forward(weights: StreamedWeights, block: nn.Module, name: str) -> 
     return forward
 
 
-def _outside(model: nn.Module, blocks: nn.ModuleList) -> list[tuple[str, nn.Module]]:
-    """The leaf-most modules holding tensors that are not inside `blocks` (one entry per owner)."""
+def outside_blocks(model: nn.Module, blocks: nn.ModuleList) -> list[tuple[str, nn.Module]]:
+    """Name and module of every module outside `blocks` (each to be read for its own tensors only)."""
     inside = {id(m) for m in blocks.modules()}
-    owners = []
-    for name, module in model.named_modules():
-        if id(module) in inside:
-            continue
-        if module._parameters or any(a not in module._non_persistent_buffers_set for a in module._buffers):
-            owners.append((name, OwnTensors(module)))
-    return owners
-
-
-class OwnTensors(nn.Module):
-    """A view of one module's own tensors only (not its children's), for `load` and `release`."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        object.__setattr__(self, "target", module)
-
-    def named_modules(self, memo: Any = None, prefix: str = "", remove_duplicate: bool = True) -> Iterator[Any]:
-        yield prefix, self.target
+    return [(name, module) for name, module in model.named_modules() if id(module) not in inside]
 
 
 def assign(owner: nn.Module, attribute: str, value: torch.Tensor) -> None:
