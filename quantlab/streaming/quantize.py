@@ -145,7 +145,9 @@ def _run(
         streamed = StreamedBlocks(weights, blocks, prefix, writer, partial, shell)
         if partial.manifest["done"]:
             streamed.verify_finished()
-        if config.needs_calibration and blocks_need_calibration(config):
+        if all(streamed.finished(index) for index in range(len(blocks))):
+            pass  # resumed after the last block: nothing to recompute
+        elif config.needs_calibration and blocks_need_calibration(config):
             _input_stage(weights, model, blocks, load=True)
             quantize_blocks(model, config, module_class, windows, selected, progress, streamed, activations)
         else:

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import quantlab
 from quantlab.loading import load_tokenizer, model_class, read_config
 from quantlab.saving import save_quantized
+from quantlab.streaming.blocks import REST
 from quantlab.streaming.partial import PartialOutput, ResumeError, interrupted_runs
 from quantlab.streaming.quantize import quantize_checkpoint
 from quantlab.testing import byte_tokenizer, tiny_llama, tiny_llama_checkpoint
@@ -114,12 +115,15 @@ def _interrupt_after(monkeypatch: pytest.MonkeyPatch, part: str) -> None:
     monkeypatch.setattr(PartialOutput, "complete", stopping)
 
 
-@pytest.mark.parametrize("case", ["rtn", "awq+gptq", "mixed precision"])
-def test_an_interrupted_run_resumes_to_the_uninterrupted_result(case, sources, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("case", "stop_after"),
+    [("rtn", "model.layers.0"), ("awq+gptq", "model.layers.0"), ("mixed precision", "model.layers.0"), ("gptq", REST)],
+)
+def test_an_interrupted_run_resumes_to_the_uninterrupted_result(case, stop_after, sources, tmp_path, monkeypatch):
     straight = _streamed(sources["fp32"], CASES[case], tmp_path / "straight")
     output = tmp_path / "out"
     with monkeypatch.context() as patch:
-        _interrupt_after(patch, "model.layers.0")
+        _interrupt_after(patch, stop_after)
         with pytest.raises(_Stop):
             _streamed(sources["fp32"], CASES[case], output)
     assert not output.exists()  # nothing that looks finished
@@ -127,7 +131,8 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(case, sources, t
     assert left.name.startswith(".out.partial-") and not (left / "config.json").exists()
     notes: list[str] = []
     _streamed(sources["fp32"], CASES[case], output, resume=True, note=notes.append)
-    assert any("1 part(s) finished" in note for note in notes), notes
+    finished = 1 if stop_after != REST else 3  # two blocks and the rest
+    assert any(f"{finished} part(s) finished" in note for note in notes), notes
     _same_checkpoint(straight, output)
     assert interrupted_runs(output) == []
 
