@@ -14,6 +14,7 @@ from quantlab import distributed
 from quantlab.config import QuantlabConfig
 from quantlab.nn import QuantizedLinear
 from quantlab.solvers import InputStats
+from quantlab.utils.allocator import return_freed_memory
 
 
 def quantize_layers(
@@ -34,6 +35,7 @@ def quantize_layers(
             stored[relative] = module_class.quantize_checked(
                 linear.weight, configs[relative], full_name, stats[relative]
             )
+            return_freed_memory()  # this solver's temporaries, before the next one's
     quantized = {}
     for relative, owner in zip(names, owners, strict=True):
         linear = linears[relative]
