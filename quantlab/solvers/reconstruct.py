@@ -27,6 +27,7 @@ Options (`solver_options`):
 | `scale_lr` | 0.002 | step size of the scales, as a ratio to the start |
 | `optimizer` | `"adam"` | `"adam"`, or `"signsgd"` (AutoRound's signed gradient descent) |
 | `target` | `"float_model"` | what the block's output must match (below) |
+| `loss` | `"relative"` | each token's squared error relative to its target's mean square, or plain `"mse"` |
 | `max_offset` | 0.5 | bound of a weight's rounding offset in grid steps; `null`: unbounded (Block-AP) |
 | `learn_scales` | true | also train each group's scale (clipping) and zero point |
 | `seed` | 0 | the order of the mini-batches |
@@ -48,6 +49,7 @@ from quantlab.solvers.base import InputStats, Solution, Solver
 
 OPTIMIZERS = ("signsgd", "adam")
 TARGETS = ("float_model", "float_block")
+LOSSES = ("relative", "mse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,7 @@ class ReconstructOptions:
     scale_lr: float = 0.002
     optimizer: str = "adam"
     target: str = "float_model"
+    loss: str = "relative"
     max_offset: float | None = 0.5
     learn_scales: bool = True
     seed: int = 0
@@ -102,6 +105,8 @@ class ReconstructOptions:
             raise ConfigError(f"reconstruct solver: optimizer={self.optimizer!r} must be one of {list(OPTIMIZERS)}")
         if self.target not in TARGETS:
             raise ConfigError(f"reconstruct solver: target={self.target!r} must be one of {list(TARGETS)}")
+        if self.loss not in LOSSES:
+            raise ConfigError(f"reconstruct solver: loss={self.loss!r} must be one of {list(LOSSES)}")
         if not isinstance(self.learn_scales, bool):
             raise ConfigError(f"reconstruct solver: learn_scales={self.learn_scales!r} must be true or false")
 

@@ -111,12 +111,15 @@ def _block_setup(config: quantlab.QuantlabConfig, **options):
     return block, batches, layers, reconstruction
 
 
-@pytest.mark.parametrize("target", ["float_model", "float_block"])
-@pytest.mark.parametrize("optimizer", ["signsgd", "adam"])
-def test_the_block_outputs_are_those_of_the_stored_weights(target, optimizer):
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"target": "float_block"}, {"optimizer": "signsgd", "lr": 0.005}, {"loss": "mse", "max_offset": None}],
+    ids=["defaults", "float-block", "signsgd", "mse-unbounded"],
+)
+def test_the_block_outputs_are_those_of_the_stored_weights(options):
     """What refine returns (computed through the fake quantizers) is the block with the stored weights, exactly."""
     config = quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=True)
-    block, batches, layers, reconstruction = _block_setup(config, target=target, optimizer=optimizer)
+    block, batches, layers, reconstruction = _block_setup(config, **options)
     outputs = reconstruction.refine(block, layers, batches, progress=False)
     result = reconstruction.results[-1]
     assert result.best_step is not None and result.final_error < result.start_error
@@ -251,6 +254,7 @@ def test_a_lora_step_trains_on_a_reconstructed_model():
         ({"start": "optq"}, "unknown solver 'optq'"),
         ({"target": "float"}, "target='float' must be one of"),
         ({"optimizer": "sgd"}, "optimizer='sgd' must be one of"),
+        ({"loss": "l1"}, "loss='l1' must be one of"),
         ({"learn_scales": "yes"}, "learn_scales='yes' must be true or false"),
     ],
 )
