@@ -1,15 +1,17 @@
 """The peak resident memory a streamed quantization should need, from the model's shape and the config.
 
-    peak = process before loading
-         + the tables the phase holds (calibrated: the input embedding while the blocks run;
-           at the end: every tensor outside the blocks, float and quantized)
-         + one float block + its stored (quantized) tensors
-         + calibrated: the block's input statistics (one float32 `in x in` matrix per Linear
-           layer: an upper bound, layers reading one input share one) + GPTQ's working set for
-           the widest layer (3 float64 `in x in` matrices and 2 float32 copies of the weight)
-           + the calibration activations (inputs and outputs of the block:
-           2 x samples x seq_len x hidden; with --offload-dir one batch of 8 windows) + one batch's forward temporaries
-           (8 x seq_len x (3 x intermediate + 2 x heads x seq_len))
+    peak = memory before loading + max(blocks phase, end phase)
+    blocks phase = one float block + its stored (quantized) tensors
+                   [calibrated: + the input embedding
+                                + the block's input statistics: one float32 `in x in` matrix per Linear
+                                  layer (an upper bound: layers reading one input share one)
+                                + GPTQ's working set for the widest layer: 3 float64 `in x in` matrices
+                                  and 2 float32 copies of its weight
+                                + the calibration activations, the block's inputs and outputs:
+                                  2 x samples x seq_len x hidden (with --offload-dir, one batch of 8)
+                                + one batch's forward temporaries: 8 x seq_len x (3 x intermediate
+                                  + 2 x heads x seq_len)]
+    end phase = every tensor outside the blocks in float + the quantized ones among them
 
 All in the dtype the model loads in (float32 for the statistics). It leaves out the allocator's
 slack, Python objects and the tokenizer; `benchmarks/RESULTS.md` compares it with measured peaks.
@@ -46,7 +48,7 @@ def predict_peak(
     inside = {id(m) for m in blocks.modules()}
     outside = [m for m in shell.modules() if id(m) not in inside]
     outside_float = sum(_own_float_bytes(m, itemsize) for m in outside)
-    outside_stored = sum(_own_stored_bytes(m) for m in outside)
+    outside_stored = sum(_own_stored_bytes(m) for m in outside if isinstance(m, QuantizedLinear | QuantizedTable))
     terms = {"before loading": before, "one float block": float_block, "its stored tensors": stored_block}
     blocks_phase = float_block + stored_block
     if config.needs_calibration and blocks_need_calibration(config):
@@ -66,7 +68,7 @@ def predict_peak(
         terms["forward temporaries"] = BATCH_SIZE * seq_len * wide * itemsize
         blocks_phase += sum(terms[k] for k in list(terms)[3:])
     end_phase = outside_float + outside_stored
-    terms["tensors outside the blocks (at the end)"] = end_phase
+    terms["tensors outside the blocks, float and quantized (at the end)"] = end_phase
     return MemoryPrediction(before + max(blocks_phase, end_phase), terms)
 
 

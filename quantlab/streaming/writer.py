@@ -122,7 +122,9 @@ class SafetensorsWriter:
         if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
             raise ValueError(f"{name} is {tensor.dtype} {list(tensor.shape)}, its slot {slot.dtype} {list(slot.shape)}")
         data = _bytes(tensor)
-        os.pwrite(self._handle(slot.file), data, slot.start)
+        done = 0
+        while done < len(data):  # a large write may be cut short
+            done += os.pwrite(self._handle(slot.file), data[done:], slot.start + done)
         return hashlib.sha256(data).hexdigest()
 
     def read_digest(self, name: str) -> str:
@@ -182,11 +184,12 @@ def _reserve(handle: int, size: int) -> None:
         os.ftruncate(handle, size)
 
 
-def _bytes(tensor: torch.Tensor) -> bytes:
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (a contiguous CPU tensor's own memory)."""
     tensor = tensor.detach().contiguous().cpu()
     if tensor.numel() == 0:
-        return b""
-    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return memoryview(b"")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
