@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from quantlab.errors import ConfigError, QuantizationError
+from quantlab.formats import grouping
 from quantlab.formats.layout import StorageLayout
 from quantlab.solvers import InputStats, get_solver, list_solvers
 
@@ -109,17 +110,24 @@ def test_gptq_refuses_a_hessian_that_dampening_cannot_fix():
         get_solver("gptq").solve(torch.randn(8, 64), StorageLayout("int8", 8, None, 64, 8), stats, {})
 
 
-def test_gptq_handles_dead_input_channels():
+def test_gptq_rounds_dead_input_channels_as_they_stand():
+    """A channel never active in calibration takes no error from the others: its codes are the nearest
+    points of the grid GPTQ chose (which may clip it: the mse grid search gives it no weight)."""
+    generator = torch.Generator().manual_seed(0)
     stats = InputStats(64)
-    inputs = torch.randn(256, 64)
+    inputs = torch.randn(256, 64, generator=generator)
     inputs[:, 10:20] = 0
     stats.add(inputs)
-    weight = torch.randn(8, 64)
+    weight = torch.randn(8, 64, generator=generator)
     layout = StorageLayout("affine", 4, None, 64, 8, symmetric=False, scale_dtype=torch.float16)
     solution = get_solver("gptq").solve(weight, layout, stats, {})
-    dead_error = layout.dequantize(layout.store(solution.codes, solution.params))[:, 10:20] - weight[:, 10:20]
-    assert torch.isfinite(dead_error).all()
-    assert dead_error.abs().max() <= solution.params.scale.max() / 2 + 1e-6
+    codes = grouping.ungroup(solution.codes, 64)
+    scale, zero = solution.params.scale[:, 0], solution.params.zero[:, 0]
+    assert torch.isfinite(layout.dequantize(layout.store(solution.codes, solution.params))).all()
+    for column in range(10, 20):
+        assert torch.equal(codes[:, column], layout.encode(weight[:, column], scale, zero)), column
+    live = [column for column in range(64) if not 10 <= column < 20]
+    assert not all(torch.equal(codes[:, c], layout.encode(weight[:, c], scale, zero)) for c in live)
 
 
 @pytest.mark.parametrize(
