@@ -353,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     output = args.output.resolve()
     output.mkdir(parents=True, exist_ok=True)
+    if args.scratch is not None:
+        args.scratch.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="scale-", dir=args.scratch or output))
     runs: list[Run] = []
     dtype = getattr(torch, args.dtype)
