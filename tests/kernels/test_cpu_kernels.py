@@ -35,8 +35,9 @@ CONFIGS = [
 # (in_features, out_features): odd output counts, inputs that no group size divides.
 SHAPES = [(256, 64), (200, 37), (577, 33)]
 # Rows: one-row kernels (1, 3); AVX2's 4-feature blocks of 3 rows, the last block of 1 or 2 (16, 17);
-# its panels of 6 rows, the last of 2 or 4 (50, 128).
-ROWS = [1, 3, 16, 17, 50, 128]
+# its panels of 6 rows, the last of 2, 3 or 4 (50, 45, 128); AVX-512's panels of 32 features from 32
+# rows, 8 rows a step, the last of 5 or 2 (45, 50), none left (32, 128).
+ROWS = [1, 3, 16, 17, 32, 45, 50, 128]
 # Relative to the largest output: fp32 sums in another order; bf16/fp16 round the weights too.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -163,9 +164,11 @@ def test_half_scales_convert_exactly_including_subnormals(library):
     assert torch.equal(native_dequantize(native_weight(layer)), layer.dequantize_weight(torch.float32))
 
 
-def test_one_and_two_threads_agree(library):
-    layer = quantized(CustomBitsConfig(bits=4, group_size=64), 512, 1024)
-    x = torch.randn(3, 512)
+@pytest.mark.parametrize("rows", [3, 64])
+def test_one_and_two_threads_agree(rows, isa):
+    """Threads split the features in whole blocks and panels: every output is computed as on one thread."""
+    layer = quantized(CustomBitsConfig(bits=4, group_size=64), 512, 1000)
+    x = torch.randn(rows, 512)
     previous = torch.get_num_threads()
     try:
         outputs = []

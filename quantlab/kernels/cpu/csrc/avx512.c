@@ -217,6 +217,100 @@ QL_INLINE QL_AVX512 void ql_dot4_512(const int R, const float *decoded, const fl
         for (int r = 0; r < R; r++) y[r * y_stride + n0 + j] = _mm512_reduce_add_ps(acc[j][r]);
 }
 
+/* ---- many rows: panels of 32 decoded features ----------------------------------------------
+ * From QL_AVX512_PANEL_ROWS rows on, features go in panels of 32: each feature decoded once a call
+ * (ql_decode4_512, the layout of x), the panel transposed input-major and multiplied by every row of
+ * x, 8 rows at a time, in the outer-product form of BLAS kernels (ql_panel512): per input 2 weight
+ * loads and 8 broadcasts of x for 16 FMAs, and no horizontal sums. Decoding in registers per block of
+ * 4 rows (ql_block512) pays the decode once per 4 rows and 16 horizontal sums per block; the panel
+ * is faster at many rows for every format (benchmarks/RESULTS.md). A pass covers QL_PANEL512_INPUTS
+ * inputs, so that its part of the panel stays in L1 while the rows go by. */
+#define QL_PANEL512_INPUTS 192
+
+/* 8 rows of 8 floats (row stride `stride`) transposed into out[i * out_stride + j] = in[j][i]. */
+QL_INLINE QL_AVX512 void ql_transpose8x8_512(const float *in, int64_t stride, float *out, int64_t out_stride) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(in + i * stride);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(out + i * out_stride, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
+        _mm256_storeu_ps(out + (4 + i) * out_stride, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
+    }
+}
+
+/* y[r, n0..n0+31] (added to its value so far unless k0 is 0) for R rows (at most 8) of x times a panel
+ * of 32 decoded features (panel[k * 32 + j]) over inputs [k0, k1). */
+QL_INLINE QL_AVX512 void ql_panel512(const int R, const float *panel, int64_t k0, int64_t k1, const float *xr,
+                                     int64_t x_stride, int64_t n0, float *yr, int64_t y_stride) {
+    __m512 acc[8][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; k++) {
+        const __m512 w0 = _mm512_loadu_ps(panel + k * 32), w1 = _mm512_loadu_ps(panel + k * 32 + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = _mm512_set1_ps(xr[r * x_stride + k]);
+            acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *out = yr + r * y_stride + n0;
+        if (k0) {
+            acc[r][0] = _mm512_add_ps(_mm512_loadu_ps(out), acc[r][0]);
+            acc[r][1] = _mm512_add_ps(_mm512_loadu_ps(out + 16), acc[r][1]);
+        }
+        _mm512_storeu_ps(out, acc[r][0]);
+        _mm512_storeu_ps(out + 16, acc[r][1]);
+    }
+}
+
+/* Features [n, n1) in whole panels of 32 for m rows; returns the first feature left over (fewer than
+ * 32). `decoded` holds QL_AVX512_PANEL_FLOATS(row_length) floats. */
+QL_INLINE QL_AVX512 int64_t ql_panels512(const int mode, const int use_table, const int B, const ql_weight *w,
+                                         const ql_bits512 *bits, const ql_layout *layout, const float *xp,
+                                         int64_t m, int64_t n, int64_t n1, float *y, int64_t y_stride,
+                                         float *params, float *decoded) {
+    const int64_t row_length = w->groups * layout->padded_group;
+    const int64_t passes = (row_length + QL_PANEL512_INPUTS - 1) / QL_PANEL512_INPUTS;
+    const int64_t pass = ql_round_up((row_length + passes - 1) / passes, 8); /* equal passes */
+    float *panel = decoded + 32 * row_length;
+    for (; n + 32 <= n1; n += 32) {
+        for (int64_t j = 0; j < 32; j += 4) {
+            ql_params4_512(w, n + j, params);
+            ql_decode4_512(mode, use_table, B, w, bits, layout, n + j, params, decoded + j * row_length, row_length);
+        }
+        for (int64_t k = 0; k < row_length; k += 8)
+            for (int64_t j = 0; j < 32; j += 8)
+                ql_transpose8x8_512(decoded + j * row_length + k, row_length, panel + k * 32 + j, 32);
+        for (int64_t k0 = 0; k0 < row_length; k0 += pass) {
+            const int64_t k1 = row_length - k0 <= pass ? row_length : k0 + pass;
+            int64_t r = 0;
+            for (; r + 8 <= m; r += 8) ql_panel512(8, panel, k0, k1, xp + r * row_length, row_length, n, y + r * y_stride, y_stride);
+            const float *xr = xp + r * row_length;
+            float *yr = y + r * y_stride;
+            switch (m - r) {
+            case 7: ql_panel512(7, panel, k0, k1, xr, row_length, n, yr, y_stride); break;
+            case 6: ql_panel512(6, panel, k0, k1, xr, row_length, n, yr, y_stride); break;
+            case 5: ql_panel512(5, panel, k0, k1, xr, row_length, n, yr, y_stride); break;
+            case 4: ql_panel512(4, panel, k0, k1, xr, row_length, n, yr, y_stride); break;
+            case 3: ql_panel512(3, panel, k0, k1, xr, row_length, n, yr, y_stride); break;
+            case 2: ql_panel512(2, panel, k0, k1, xr, row_length, n, yr, y_stride); break;
+            case 1: ql_panel512(1, panel, k0, k1, xr, row_length, n, yr, y_stride); break;
+            default: break;
+            }
+        }
+    }
+    return n;
+}
+
 /* Features in blocks of 4, and for each, rows in blocks of 4, 2, 1: a block's codes are read
  * from memory once and stay in cache while every block of rows uses them. */
 
@@ -246,6 +340,7 @@ QL_INLINE QL_AVX512 void ql_gemm512_mode(const int mode, const int use_table, co
     int64_t row_length = w->groups * layout->padded_group, G = w->groups;
     const uint8_t *end = w->codes + w->n * G * w->group_bytes;
     int64_t n = n0;
+    if (m >= QL_AVX512_PANEL_ROWS) n = ql_panels512(mode, use_table, B, w, bits, layout, xp, m, n, n1, y, y_stride, params, decoded);
     for (; n + 4 <= n1; n += 4) {
         ql_params4_512(w, n, params);
         if (mode == QL_MODE_BITS && m >= QL_DECODE_ROWS) {

@@ -25,6 +25,8 @@
 #define QL_ABI_VERSION 9
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 #define QL_DECODED_FEATURES 32 /* AVX2 at many rows: 16 features decoded, and their input-major panel (avx2.c) */
+#define QL_AVX512_PANEL_ROWS 32 /* from this many rows on, AVX-512 multiplies panels of 32 decoded features (avx512.c) */
+#define QL_AVX512_PANEL_FLOATS(row_length) (64 * (row_length)) /* its buffer: 32 decoded features, then their panel */
 
 enum { QL_AFFINE = 0, QL_INT8 = 1, QL_NF4 = 2, QL_IQ4_NL = 3 };
 #define QL_KINDS 4
