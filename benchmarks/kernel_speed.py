@@ -2,10 +2,14 @@
 
     python benchmarks/kernel_speed.py                      # every shape, rows 1/16/128/512, 5 rounds
     python benchmarks/kernel_speed.py --shapes 2048x8192 --rows 1 --rounds 9 --json
+    python benchmarks/kernel_speed.py --isa avx2           # the AVX2 kernels on an AVX-512 CPU
 
-Candidates: torch fp32 `nn.Linear`; quantlab's reference kernel (dequantize then matmul, 4-bit);
-quantlab's layers as users run them (int8 per channel, 4-bit asymmetric and symmetric, 3-bit
-and 8-bit with groups of 64, NF4 with double quantization); the many-row alternative to the
+Candidates: torch fp32, `torch.nn.functional.linear` on the float32 weight (what an fp32 layer
+computes, without `nn.Module.__call__`'s cost, which every quantlab layer call pays); quantlab's
+reference kernel (dequantize then matmul, 4-bit); quantlab's layers as users run them (int8 per
+channel, 4-bit asymmetric and symmetric, 3-bit and 8-bit with groups of 64, NF4 with double
+quantization, IQ4_NL), and each of them as the bare `quantlab::linear` operator that a compiled
+graph calls (`ql op ...`); the many-row alternative to the
 fused kernel, native dequantize then torch's GEMM (`ql dq+mm 4b`); torch fp32 through oneDNN
 (`onednn fp32`, `torch._C._nn.mkldnn_linear`: on AMD CPUs MKL's GEMM, which `nn.Linear` uses,
 takes its AVX2 path, oneDNN its AVX-512 one, so this shows the headroom at many rows);
@@ -36,12 +40,13 @@ from dataclasses import dataclass, field
 import torch
 
 import quantlab
-from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
+from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, NF4Config
 from quantlab.kernels.cpu import native, ops
 from quantlab.kernels.reference import dequantize_matmul
 
 SHAPES = [(2048, 8192), (576, 576), (576, 192), (576, 1536), (1536, 576)]
 ROWS = [1, 16, 128, 512]
+ISA_CODES = {"native", "avx512", "avx2", "scalar"}
 Forward = Callable[[torch.Tensor], object]
 
 
@@ -94,6 +99,7 @@ QUANTLAB = {
     "ql 3b": CustomBitsConfig(bits=3, group_size=64),
     "ql 4b sym": CustomBitsConfig(bits=4, group_size=64, symmetric=True),
     "ql 8b": CustomBitsConfig(bits=8, group_size=64),
+    "ql iq4_nl": IQ4NLConfig(),
 }
 
 
@@ -103,7 +109,8 @@ def quantlab_layer(linear: torch.nn.Linear, config) -> quantlab.QuantizedLinear:
 
 def build_candidates(linear: torch.nn.Linear, threads: int) -> tuple[dict[str, Forward], dict[str, int]]:
     """name -> forward(x), and name -> stored weight bytes."""
-    forwards: dict[str, Forward] = {"torch fp32": linear}
+    weight = linear.weight
+    forwards: dict[str, Forward] = {"torch fp32": lambda x: torch.nn.functional.linear(x, weight)}
     sizes = {"torch fp32": linear.weight.numel() * 4}
     reference = quantlab_layer(linear, QUANTLAB["ql 4b"])
     forwards["ql ref 4b"] = lambda x: dequantize_matmul(reference, x)
@@ -111,7 +118,7 @@ def build_candidates(linear: torch.nn.Linear, threads: int) -> tuple[dict[str, F
         layer = quantlab_layer(linear, config)
         forwards[name] = layer
         sizes[name] = layer.stored_bytes()
-    forwards.update(bare_operators(quantlab_layer(linear, QUANTLAB["ql 4b"])))
+        forwards.update(bare_operators(name, layer))
     dequantize_then_mm = dequantize_then_gemm(quantlab_layer(linear, QUANTLAB["ql 4b"]))
     if dequantize_then_mm is not None:
         forwards["ql dq+mm 4b"] = dequantize_then_mm
@@ -125,15 +132,16 @@ def build_candidates(linear: torch.nn.Linear, threads: int) -> tuple[dict[str, F
     return forwards, sizes
 
 
-def bare_operators(layer: quantlab.QuantizedLinear) -> dict[str, Forward]:
-    """The 4-bit layer as a compiled graph calls it: the bare `quantlab::linear` operator (`ql op 4b`),
-    and `quantlab::linear_group` on int8 activations (`ql op 4b i8act`, the fast path's
+def bare_operators(name: str, layer: quantlab.QuantizedLinear) -> dict[str, Forward]:
+    """A layer as a compiled graph calls it: the bare `quantlab::linear` operator (`ql op 4b` for `ql 4b`),
+    and for the 4-bit layer `quantlab::linear_group` on int8 activations (`ql op 4b i8act`, the fast path's
     `int8_activations=True`: not bit-exact) where this CPU has the kernel for it."""
     if not ops.available():
         return {}
     arguments = ops.linear_arguments(layer)
-    forwards = {"ql op 4b": lambda x: ops.linear_op(x, *arguments)}
-    if native.int8_activations_supported():
+    op_name = name.replace("ql ", "ql op ", 1)
+    forwards = {op_name: lambda x: ops.linear_op(x, *arguments)}
+    if name == "ql 4b" and native.int8_activations_supported():
         group = ops.group_arguments([layer])
         forwards["ql op 4b i8act"] = lambda x: ops.linear_group_op(x, *group, 8)
     return forwards
@@ -224,6 +232,8 @@ RATIOS = {  # label -> (numerator, denominator): > 1 means the quantlab kernel i
     "fp32 / ql 3b": ("torch fp32", "ql 3b"),
     "fp32 / ql 4b sym": ("torch fp32", "ql 4b sym"),
     "fp32 / ql 8b": ("torch fp32", "ql 8b"),
+    "fp32 / ql iq4_nl": ("torch fp32", "ql iq4_nl"),
+    **{f"fp32 / ql op {f}": ("torch fp32", f"ql op {f}") for f in ("int8", "nf4", "3b", "4b sym", "8b", "iq4_nl")},
     "fp32 / ql dq+mm 4b": ("torch fp32", "ql dq+mm 4b"),
     "onednn fp32 / ql 4b": ("onednn fp32", "ql 4b"),
 }
@@ -266,8 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument(
+        "--isa", choices=sorted(ISA_CODES), default="native", help="quantlab's kernels on this instruction set or lower"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.isa != "native":
+        native.force_isa(args.isa)
     torch.manual_seed(0)
 
     bandwidth = copy_bandwidth()

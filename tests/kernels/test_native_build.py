@@ -151,3 +151,17 @@ def test_both_thread_pools_compute_the_same_result(threads_restored, rows):
         threads_restored.ql_use_openmp(gomp_parallel)
         assert torch.equal(_gemm(module, x, threads=2), alone)  # each output is written by one thread
         assert torch.equal(native_dequantize(native_weight(module)), decoded)
+
+
+def test_force_isa_runs_a_lower_instruction_set_and_refuses_unknown_names(library):
+    best = native.isa()
+    try:
+        native.force_isa("scalar")
+        assert native.isa() == "scalar"
+        native.force_isa("avx512")  # never above what the CPU has
+        assert native.isa() == best
+    finally:
+        native.force_isa("native")
+    assert native.isa() == best
+    with pytest.raises(ValueError, match="unknown instruction set 'sse9'"):
+        native.force_isa("sse9")

@@ -269,6 +269,17 @@ def isa() -> str | None:
     return None if lib is None else ISA_NAMES[lib.ql_isa()]
 
 
+def force_isa(name: str) -> None:
+    """Run the kernels on instruction set `name` (`avx512`, `avx2`, `scalar`; `native`: the best this CPU
+    has), or on the best one below it this CPU has: to measure and test a lower path on a newer CPU."""
+    codes = {value: key for key, value in ISA_NAMES.items()} | {"native": -1}
+    if name not in codes:
+        raise ValueError(f"unknown instruction set {name!r}: choose one of {', '.join(sorted(codes))}")
+    lib = library()
+    if lib is not None:
+        lib.ql_force_isa(codes[name])
+
+
 def int8_activations_supported() -> bool:
     """Whether this CPU runs an int8-activation kernel (AVX2, or AVX-512 with VNNI) that
     `compile_for_decoding(int8_activations=True)` asks for; elsewhere those layers compute in float."""
