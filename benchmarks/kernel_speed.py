@@ -269,6 +269,18 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)) + " |")
 
 
+def pool_report() -> str:
+    """Whose threads quantlab's calls ran on. Calls move to the library's own pool when joins on torch's
+    OpenMP team stall (a busy machine): torch fp32 then pays those stalls and quantlab does not, so the
+    ratios of such a run overstate quantlab against a quiet machine."""
+    lib = native.library()
+    if lib is None:
+        return "quantlab kernels unavailable"
+    team, own = lib.ql_pool_calls(1), lib.ql_pool_calls(0)
+    note = " (torch's team stalled: a busy machine, fp32 figures include stalls)" if own > team / 20 else ""
+    return f"multi-threaded quantlab calls on torch's OpenMP team {team}, on the library's own pool {own}{note}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES], help="INxOUT")
@@ -325,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         [[r["shape"], r["rows"], *(r["ratios"][label].range_text() for label in labels)] for r in results],
     )
     print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+    print(pool_report())
     if args.json:
         summary = {
             "threads": args.threads,

@@ -168,11 +168,11 @@ QL_INLINE QL_AVX512 void ql_block512(const int mode, const int use_table, const 
     }
 }
 
-/* Many rows of an odd width: the 4 features of a block are decoded once into `decoded` (the
- * layout of x), then every block of 4 rows is a plain float dot product, so the decoding is
- * paid once per feature instead of once per block of rows. Measured at many rows: 3-bit faster;
- * 4-bit and 8-bit, whose decoding is cheap, slower (the buffer and 4 rows of x no longer fit in
- * L1), so they decode in registers (benchmarks/RESULTS.md). */
+/* The 4 features of a block decoded into `decoded` (4 rows in the layout of x): for the panels
+ * (ql_panels512), and below them, from QL_DECODE_ROWS rows, for odd widths, where every block of 4 rows
+ * is then a plain float dot product (ql_dot4_512), the decoding paid once per feature instead of once
+ * per block of rows. Measured there: 3-bit faster; 4-bit and 8-bit, whose decoding is cheap, slower
+ * (the buffer and 4 rows of x no longer fit in L1), so they decode in registers (benchmarks/RESULTS.md). */
 QL_INLINE QL_AVX512 void ql_decode4_512(const int mode, const int use_table, const int B, const ql_weight *w,
                                         const ql_bits512 *bits, const ql_layout *layout, int64_t n0,
                                         const float *params, float *decoded, int64_t row_length) {

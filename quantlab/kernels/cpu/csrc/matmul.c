@@ -50,7 +50,8 @@ QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
 
 /* From how many rows of x on the product is faster as the weight decoded (ql_dequantize) and
  * multiplied by a BLAS GEMM (torch's) than through the fused kernels here, on this CPU; 0: never.
- * AVX-512's fused kernel stays ahead at every row count measured, and so does AVX2's (from
+ * AVX-512's fused kernel stays ahead at every row count measured (from QL_AVX512_PANEL_ROWS rows on
+ * panels of 32 decoded features, avx512.c), and so does AVX2's (from
  * QL_AVX2_DECODE_ROWS rows on: features decoded 4 at a time, then 3 rows x 4 features a step, or from 48
  * rows on panels of 16 features, 6 rows x 16 features a step, avx2.c), for 4-bit, 3-bit, NF4 and int8
  * (timings in benchmarks/RESULTS.md). The portable C kernel decodes each weight once per 4 rows: behind
