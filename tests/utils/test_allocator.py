@@ -6,8 +6,6 @@ import sys
 
 import pytest
 
-from quantlab.utils.allocator import return_freed_memory
-
 _SET = "from quantlab.utils.allocator import map_large_allocations; print(map_large_allocations())"
 
 
@@ -21,8 +19,3 @@ def test_large_allocations_get_their_own_maps_unless_the_user_chose_a_threshold(
     environment = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
     assert _run(environment) == "True"
     assert _run({**environment, "MALLOC_MMAP_THRESHOLD_": "131072"}) == "False"
-
-
-def test_returning_freed_memory_is_safe_to_call_any_time():
-    return_freed_memory()
-    return_freed_memory()

@@ -1,5 +1,6 @@
 /* The AVX-512 kernels (AVX512F/BW/VL/DQ): decoding codes in registers, 16 weights a step. */
 #include "quantlab_cpu.h"
+#include "transpose8x8.h"
 
 #ifdef QL_X86
 /* ---- AVX-512 --------------------------------------------------------------------------------- */
@@ -227,26 +228,6 @@ QL_INLINE QL_AVX512 void ql_dot4_512(const int R, const float *decoded, const fl
  * inputs, so that its part of the panel stays in L1 while the rows go by. */
 #define QL_PANEL512_INPUTS 192
 
-/* 8 rows of 8 floats (row stride `stride`) transposed into out[i * out_stride + j] = in[j][i]. */
-QL_INLINE QL_AVX512 void ql_transpose8x8_512(const float *in, int64_t stride, float *out, int64_t out_stride) {
-    __m256 r[8], t[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(in + i * stride);
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {
-        r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(out + i * out_stride, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
-        _mm256_storeu_ps(out + (4 + i) * out_stride, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
-    }
-}
-
 /* y[r, n0..n0+31] (added to its value so far unless k0 is 0) for R rows (at most 8) of x times a panel
  * of 32 decoded features (panel[k * 32 + j]) over inputs [k0, k1). */
 QL_INLINE QL_AVX512 void ql_panel512(const int R, const float *panel, int64_t k0, int64_t k1, const float *xr,
@@ -289,7 +270,7 @@ QL_INLINE QL_AVX512 int64_t ql_panels512(const int mode, const int use_table, co
         }
         for (int64_t k = 0; k < row_length; k += 8)
             for (int64_t j = 0; j < 32; j += 8)
-                ql_transpose8x8_512(decoded + j * row_length + k, row_length, panel + k * 32 + j, 32);
+                ql_transpose8x8(decoded + j * row_length + k, row_length, panel + k * 32 + j, 32);
         for (int64_t k0 = 0; k0 < row_length; k0 += pass) {
             const int64_t k1 = row_length - k0 <= pass ? row_length : k0 + pass;
             int64_t r = 0;
