@@ -1,25 +1,31 @@
-"""Giving the memory the C allocator keeps free back to the system, between phases of a long computation.
+"""Keeping a long computation's resident memory at what its live tensors need (glibc on Linux).
 
 glibc serves allocations below its mmap threshold (128 KiB, raised up to 32 MiB as large blocks
 are freed) from its heaps, and a freed chunk stays part of the process's resident memory until
 the heap's top is free. Quantizing block after block frees and allocates many tensors of a few
 MiB in slightly different orders, so the holes left behind add up and the resident size creeps.
-`malloc_trim(0)` returns every free page of every heap (`madvise(MADV_DONTNEED)`): cheap, and
-called between phases it keeps the peak at what the live tensors need. It cannot return pages a
-few live chunks still pin, so a calibrated run over many blocks still creeps (about one copy of
-the calibration activations per block); `map_large_allocations` gives every tensor above a small
-threshold its own mapping, returned whole when freed, and the peak stays flat. Elsewhere no-ops.
+
+- `return_freed_memory` (`malloc_trim(0)`) returns every free page of every heap: cheap, and called
+  between phases it keeps the peak at what the live tensors need. It cannot return pages a few
+  live chunks still pin.
+- `copy_to_own_mapping` moves a tensor that outlives the phase that made it (the calibration
+  activations carried from block to block) into an anonymous memory map of its own, returned
+  whole when the tensor dies, so the long-lived data never pins heap pages. Lowering the mmap
+  threshold for the whole process does the same for every tensor, but then each temporary of the
+  solvers is a fresh mapping whose pages fault in and are zeroed again at every use: GPTQ ran
+  about 1.8x slower that way (benchmarks/RESULTS.md).
 """
 
 import ctypes
 import ctypes.util
 import functools
-import os
+import mmap
 import sys
 from typing import Any
 
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
-LARGE_ALLOCATION_BYTES = 64 * 1024
+import torch
+
+OWN_MAPPING_BYTES = 1 << 20  # smaller tensors stay where they are: a mapping per small tensor costs more than it saves
 
 
 def return_freed_memory() -> None:
@@ -29,16 +35,14 @@ def return_freed_memory() -> None:
         trim(0)
 
 
-def map_large_allocations(threshold: int = LARGE_ALLOCATION_BYTES) -> bool:
-    """Serve every allocation of `threshold` bytes or more from its own memory map (glibc only), so a
-    freed tensor's pages go back to the system at once; returns whether the setting was made.
-
-    Process-wide and permanent (it also stops glibc's own threshold from rising). A threshold the
-    user set (`MALLOC_MMAP_THRESHOLD_`) is kept."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    mallopt = _libc_function("mallopt")
-    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+def copy_to_own_mapping(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor of at least `OWN_MAPPING_BYTES` in an anonymous memory map of its
+    own (unmapped when the copy and every view of it are gone); other tensors are returned as they are."""
+    if tensor.device.type != "cpu" or tensor.nbytes < OWN_MAPPING_BYTES or tensor.requires_grad:
+        return tensor
+    mapping = mmap.mmap(-1, tensor.nbytes)
+    copy = torch.frombuffer(mapping, dtype=tensor.dtype, count=tensor.numel()).view(tensor.shape)
+    return copy.copy_(tensor)
 
 
 @functools.cache
