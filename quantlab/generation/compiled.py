@@ -24,7 +24,7 @@ from transformers import CompileConfig, GenerationConfig
 from quantlab.errors import ConfigError
 from quantlab.generation.attention import stop_grouped_query_sdpa, use_grouped_query_sdpa
 from quantlab.generation.counters import CompileCounts, count_compilations
-from quantlab.generation.fusion import FuseProjections
+from quantlab.generation.fusion import FuseProjections, mark_int8_activations
 from quantlab.generation.loop import NativeGenerate
 from quantlab.generation.native import NativeDecodeStep, SkipMaskForNativeSteps
 
@@ -91,7 +91,9 @@ def compile_for_decoding(
     activations rounded to int8 per block of 64 inputs, with integer dot products on CPUs with AVX2
     or AVX512-VNNI (llama.cpp's Q4_0 x Q8_0 and Q8_0 x Q8_0 schemes): faster at one row, not bit-exact
     (each layer's output carries a small relative error, benchmarks/RESULTS.md, so greedy tokens can
-    differ from the eager path's); other formats, and CPUs without AVX2, compute in float as before. Off by default.
+    differ from the eager path's); other formats, and CPUs without AVX2, compute in float as before. The
+    model's eager forwards (the prompt's prefill, a teacher-forced evaluation) run those layers the same
+    way, on many-row integer kernels, until `disable_compiled_decoding`. Off by default.
 
     `native_step=True` runs each one-token step of one sequence as a single call into quantlab's C
     library for the whole model (quantlab.generation.native: Llama and Qwen2 blocks whose projections
@@ -144,6 +146,7 @@ def fast_decoding_config(
     generation_config.max_cache_len = max_cache_len
     generation_config.compile_config = compile_config
     use_grouped_query_sdpa(model)
+    mark_int8_activations(model, 8 if int8_activations else 0)
     _install_decode_step(model, compile_config)
     if native_step:
         model._compiled_call = NativeDecodeStep(model, model._compiled_call, 8 if int8_activations else 0)
@@ -189,6 +192,7 @@ def disable_compiled_decoding(model: Any) -> Any:
     for name in ("_compiled_call", "_last_compile_config", "create_masks_for_generate", "generate"):
         model.__dict__.pop(name, None)
     stop_grouped_query_sdpa(model)
+    mark_int8_activations(model, 0)
     return model
 
 

@@ -29,6 +29,8 @@ from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, get
 
 from quantlab.formats.layout import parse_descriptor
 from quantlab.kernels.cpu import ops
+from quantlab.kernels.cpu.weights import describable
+from quantlab.nn import QuantizedLinear
 
 # quantlab::linear(x, bias, descriptor, codes, scale, zero, absmax_codes, absmax_scale, absmax_offset): a
 # node holds the arguments it was given, the trailing absent tensors left out.
@@ -87,6 +89,25 @@ def int8_ready(node: torch.fx.Node) -> bool:
     or int8 codes in groups of 64 or a multiple, a per-channel group being the row (on a CPU without AVX2 the
     kernel computes it in float instead)."""
     descriptor = parse_descriptor(node.args[2])
+    return descriptor.codec_object.int8_activations(descriptor)
+
+
+def mark_int8_activations(model: torch.nn.Module, bits: int) -> int:
+    """Set `activation_bits` of every quantized layer of `model` the int8-activation kernel takes (8), or of
+    every one back to float inputs (0), so the model's eager forwards (a prompt's prefill, a teacher-forced
+    evaluation) compute as the compiled steps with `activation_bits` do; returns how many layers were set."""
+    marked = 0
+    for module in model.modules():
+        if not isinstance(module, QuantizedLinear):
+            continue
+        ready = bits and describable(module.layout) and _module_int8_ready(module)
+        module.activation_bits = bits if ready else 0
+        marked += bool(ready)
+    return marked
+
+
+def _module_int8_ready(module: torch.nn.Module) -> bool:
+    descriptor = parse_descriptor(ops.weight_arguments(module)[0])
     return descriptor.codec_object.int8_activations(descriptor)
 
 

@@ -35,6 +35,10 @@ class QuantizedLinear(StoredTensorsModule):
     """A Linear layer whose weight is stored quantized; `bias` stays a float parameter."""
 
     config_class: ClassVar[type[QuantlabConfig]]
+    # 8: the native CPU kernel rounds this layer's inputs to int8 blocks of 64 and multiplies them by the codes
+    # in integers (faster, not bit-exact; `compile_for_decoding(int8_activations=True)` sets it where the
+    # layer's format allows); 0: float inputs, exact. Not used with gradients.
+    activation_bits: int = 0
 
     def __init__(
         self,

@@ -133,11 +133,18 @@ def native_linear(module, x: torch.Tensor) -> torch.Tensor:
 
     The kernels run as the torch operator `quantlab::linear` when its extension is available
     (one dispatcher call, traced by torch.compile), else through ctypes: directly in eager mode,
-    under torch.compile as the Python operator `quantlab_ctypes::linear` (traced.py).
+    under torch.compile as the Python operator `quantlab_ctypes::linear` (traced.py). A layer whose
+    `activation_bits` is 8 runs as a group of one on `quantlab::linear_group` with int8 activations
+    (eager calls on the extension; with gradients it stays on float inputs; compiled graphs get
+    int8 activations from the fusion pass, generation/fusion.py).
     """
     if not x.is_cpu or not x.is_floating_point() or not describable(module.layout):
         return dequantize_matmul(module, x)
     if ops.available():
+        # eager calls only: a compiled graph gets int8 activations from the fusion pass (generation/fusion.py)
+        bits = getattr(module, "activation_bits", 0)  # quantized tables used as an output head have none
+        if bits and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
+            return ops.linear_group_op(x, *ops.group_arguments([module]), bits)
         return ops.linear_op(x, *ops.linear_arguments(module))
     if torch.compiler.is_compiling():  # dynamo must not trace the ctypes call nor its per-layer cache
         out = traced.linear(module, x) if traced.available() else None
