@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from quantlab.errors import QuantizationError
-from quantlab.utils.allocator import copy_to_own_mapping
 
 
 @dataclasses.dataclass
@@ -46,12 +45,10 @@ class OffloadedInputs(BlockInputs):
 
 
 class Activations:
-    """Where the calibration activations wait between blocks: in memory, each batch's hidden states in
-    a memory map of their own (`copy_to_own_mapping`), so data that lives across blocks never pins the
-    heap pages the blocks' temporaries come and go in, and the peak does not creep with the blocks."""
+    """Where the calibration activations wait between blocks: in memory."""
 
     def keep(self, hidden: torch.Tensor, kwargs: dict[str, Any]) -> BlockInputs:
-        return BlockInputs(copy_to_own_mapping(hidden), kwargs)
+        return BlockInputs(hidden, kwargs)
 
 
 class OffloadedActivations(Activations):

@@ -14,7 +14,7 @@ from quantlab import distributed
 from quantlab.config import QuantlabConfig
 from quantlab.nn import QuantizedLinear
 from quantlab.solvers import InputStats
-from quantlab.utils.allocator import return_freed_memory
+from quantlab.utils.allocator import heap_for_temporaries, return_freed_memory
 
 
 def quantize_layers(
@@ -32,9 +32,10 @@ def quantize_layers(
     for (relative, full_name), owner in zip(names.items(), owners, strict=True):
         if owner == distributed.rank():
             linear = linears[relative]
-            stored[relative] = module_class.quantize_checked(
-                linear.weight, configs[relative], full_name, stats[relative]
-            )
+            with heap_for_temporaries():  # the solver's temporaries from warm heap pages, returned after
+                stored[relative] = module_class.quantize_checked(
+                    linear.weight, configs[relative], full_name, stats[relative]
+                )
             return_freed_memory()  # this solver's temporaries, before the next one's
     quantized = {}
     for relative, owner in zip(names, owners, strict=True):

@@ -38,6 +38,7 @@ from quantlab.streaming.partial import WINDOWS, PartialOutput, ResumeError
 from quantlab.streaming.reader import CheckpointReader, NotStreamableError
 from quantlab.streaming.skeleton import StreamedWeights, empty_model, outside_blocks
 from quantlab.streaming.writer import DEFAULT_SHARD_BYTES, SafetensorsWriter, shard_plan
+from quantlab.utils.allocator import map_large_allocations
 from quantlab.utils.atomic import commit_directory
 from quantlab.vocabulary import replace_vocabulary
 
@@ -78,7 +79,10 @@ def quantize_checkpoint(
     checked by hash). `offload_dir`: keep the calibration activations in files there (one batch in
     memory at a time) rather than in memory. Raises `NotStreamableError` before any work when the
     checkpoint cannot be read tensor by tensor (no safetensors files, tensor names that differ from the model's).
+    Large allocations are served by their own memory maps from here on (`map_large_allocations`), so
+    the peak does not creep with the number of blocks.
     """
+    map_large_allocations()
     reader = CheckpointReader(folder)
     with contextlib.closing(reader):
         dtype = load_dtype(hf_config, reader)

@@ -7,25 +7,28 @@ MiB in slightly different orders, so the holes left behind add up and the reside
 
 - `return_freed_memory` (`malloc_trim(0)`) returns every free page of every heap: cheap, and called
   between phases it keeps the peak at what the live tensors need. It cannot return pages a few
-  live chunks still pin.
-- `copy_to_own_mapping` moves a tensor that outlives the phase that made it (the calibration
-  activations carried from block to block) into an anonymous memory map of its own, returned
-  whole when the tensor dies, so the long-lived data never pins heap pages. Lowering the mmap
-  threshold for the whole process does the same for every tensor, but then each temporary of the
-  solvers is a fresh mapping whose pages fault in and are zeroed again at every use: GPTQ ran
-  about 1.8x slower that way (benchmarks/RESULTS.md).
+  live chunks still pin, so a calibrated run over many blocks still creeps (about one copy of the
+  calibration activations per block).
+- `map_large_allocations` gives every tensor above 64 KiB its own mapping, returned whole when
+  freed, and the peak stays flat. But a solver's temporaries, allocated and freed many times a
+  layer, then fault their pages in afresh at every allocation (GPTQ about 1.8x slower), so
+  `heap_for_temporaries` lets them come from the heap again while a solver runs.
+Elsewhere these are no-ops.
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
-import mmap
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
-import torch
-
-OWN_MAPPING_BYTES = 1 << 20  # smaller tensors stay where they are: a mapping per small tensor costs more than it saves
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
+LARGE_ALLOCATION_BYTES = 64 * 1024
+TEMPORARY_ALLOCATION_BYTES = 32 * 1024 * 1024  # the highest threshold glibc's own adjustment reaches
+_mapping_large = False  # whether map_large_allocations made the setting (so the heap may be lent back)
 
 
 def return_freed_memory() -> None:
@@ -35,14 +38,39 @@ def return_freed_memory() -> None:
         trim(0)
 
 
-def copy_to_own_mapping(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor of at least `OWN_MAPPING_BYTES` in an anonymous memory map of its
-    own (unmapped when the copy and every view of it are gone); other tensors are returned as they are."""
-    if tensor.device.type != "cpu" or tensor.nbytes < OWN_MAPPING_BYTES or tensor.requires_grad:
-        return tensor
-    mapping = mmap.mmap(-1, tensor.nbytes)
-    copy = torch.frombuffer(mapping, dtype=tensor.dtype, count=tensor.numel()).view(tensor.shape)
-    return copy.copy_(tensor)
+def map_large_allocations(threshold: int = LARGE_ALLOCATION_BYTES) -> bool:
+    """Serve every allocation of `threshold` bytes or more from its own memory map (glibc only), so a
+    freed tensor's pages go back to the system at once; returns whether the setting was made.
+
+    Process-wide and permanent (it also stops glibc's own threshold from rising). A threshold the
+    user set (`MALLOC_MMAP_THRESHOLD_`) is kept."""
+    global _mapping_large
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    _mapping_large = _set_threshold(threshold)
+    return _mapping_large
+
+
+@contextlib.contextmanager
+def heap_for_temporaries() -> Iterator[None]:
+    """Within: allocations up to 32 MiB come from the heap (glibc's threshold once it has adapted), so
+    the many short-lived temporaries of a solver reuse warm pages; on leaving, the heap's free pages are
+    returned and large allocations are mapped again. Does nothing unless `map_large_allocations` set
+    the threshold. Tensors that outlive the block (the calibration activations) must not be made here."""
+    if not _mapping_large:
+        yield
+        return
+    _set_threshold(TEMPORARY_ALLOCATION_BYTES)
+    try:
+        yield
+    finally:
+        return_freed_memory()
+        _set_threshold(LARGE_ALLOCATION_BYTES)
+
+
+def _set_threshold(threshold: int) -> bool:
+    mallopt = _libc_function("mallopt")
+    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, threshold) == 1
 
 
 @functools.cache

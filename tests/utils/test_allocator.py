@@ -1,42 +1,46 @@
-"""How quantlab keeps long-lived tensors out of the C allocator's heaps."""
+"""The C allocator settings quantlab makes between and before long phases (glibc on Linux)."""
 
-import gc
+import os
+import subprocess
 import sys
 
 import pytest
+
+_SET = "from quantlab.utils.allocator import map_large_allocations; print(map_large_allocations())"
+
+
+def _run(environment: dict[str, str]) -> str:
+    done = subprocess.run([sys.executable, "-c", _SET], env=environment, capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_large_allocations_get_their_own_maps_unless_the_user_chose_a_threshold():
+    environment = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
+    assert _run(environment) == "True"
+    assert _run({**environment, "MALLOC_MMAP_THRESHOLD_": "131072"}) == "False"
+
+
+_WHERE = """
 import torch
+from quantlab.utils import allocator
 
-from quantlab.utils.allocator import OWN_MAPPING_BYTES, copy_to_own_mapping
+def on_the_heap(tensor):
+    with open('/proc/self/maps') as maps:
+        spans = [line.split()[0].split('-') for line in maps if line.rstrip().endswith('[heap]')]
+    return any(int(low, 16) <= tensor.data_ptr() < int(high, 16) for low, high in spans)
 
-
-def _resident_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096 / 2**20
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_large_tensor_is_copied_into_a_mapping_of_its_own(dtype):
-    source = torch.randn(4, 256, 1024).to(dtype)
-    copy = copy_to_own_mapping(source)
-    assert torch.equal(copy, source) and copy.dtype == dtype and copy.shape == source.shape
-    assert copy.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
-    assert copy.data_ptr() % 4096 == 0  # the start of a mapping, not a chunk of a heap
+allocator.map_large_allocations()
+mapped = torch.empty(1 << 18)  # 1 MiB: its own mapping above 64 KiB
+with allocator.heap_for_temporaries():
+    lent = torch.empty(1 << 18)
+after = torch.empty(1 << 18)
+print(on_the_heap(mapped), on_the_heap(lent), on_the_heap(after))
+"""
 
 
-def test_small_tensors_and_tensors_autograd_tracks_stay_as_they_are():
-    small = torch.ones(OWN_MAPPING_BYTES // 8)
-    tracked = torch.ones(OWN_MAPPING_BYTES, requires_grad=True)
-    assert copy_to_own_mapping(small) is small
-    assert copy_to_own_mapping(tracked) is tracked
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_the_mapping_is_returned_when_the_last_view_is_gone():
-    copy = copy_to_own_mapping(torch.ones(64, 1024, 1024))  # 256 MiB
-    view = copy[1:3]
-    del copy
-    gc.collect()
-    held = _resident_mib()
-    del view
-    gc.collect()
-    assert held - _resident_mib() > 200
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_temporaries_come_from_the_heap_while_a_solver_runs_and_large_ones_are_mapped_again_after():
+    environment = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
+    done = subprocess.run([sys.executable, "-c", _WHERE], env=environment, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "True", "False"]
