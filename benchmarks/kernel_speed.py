@@ -3,6 +3,7 @@
     python benchmarks/kernel_speed.py                      # every shape, rows 1/16/128/512, 5 rounds
     python benchmarks/kernel_speed.py --shapes 2048x8192 --rows 1 --rounds 9 --json
     python benchmarks/kernel_speed.py --isa avx2           # the AVX2 kernels on an AVX-512 CPU
+    python benchmarks/kernel_speed.py --activation-bits 8  # int8 activations against fp32 and the float kernels
 
 Candidates: torch fp32, `torch.nn.functional.linear` on the float32 weight (what an fp32 layer
 computes, without `nn.Module.__call__`'s cost, which every quantlab layer call pays); quantlab's
@@ -14,7 +15,9 @@ fused kernel, native dequantize then torch's GEMM (`ql dq+mm 4b`); torch fp32 th
 (`onednn fp32`, `torch._C._nn.mkldnn_linear`: on AMD CPUs MKL's GEMM, which `nn.Linear` uses,
 takes its AVX2 path, oneDNN its AVX-512 one, so this shows the headroom at many rows);
 bitsandbytes NF4 (double quant) and int8 (LLM.int8); onnxruntime `MatMulNBits` at 4 and 8 bits,
-blocks of 64, each a one-node model.
+blocks of 64, each a one-node model. `--activation-bits 8` times only torch fp32 and the `quantlab::linear_group`
+operator on 4-bit (groups of 64) and int8 (per channel) layers, on float activations (`ql op 4b`, `ql op int8`) and on
+activations rounded to int8 blocks of 64 (`... i8act`), where this CPU has the kernels for it.
 
 The machine is shared and noisy, so every candidate is timed in every round, in rotated
 order. A round's figure is its fastest call: on a loaded machine any call longer than a
@@ -132,6 +135,22 @@ def build_candidates(linear: torch.nn.Linear, threads: int) -> tuple[dict[str, F
     return forwards, sizes
 
 
+def int8_activation_candidates(linear: torch.nn.Linear) -> tuple[dict[str, Forward], dict[str, int]]:
+    """torch fp32 and the grouped operator on float and on int8 activations, 4-bit g64 and int8 layers."""
+    weight = linear.weight
+    forwards: dict[str, Forward] = {"torch fp32": lambda x: torch.nn.functional.linear(x, weight)}
+    sizes = {"torch fp32": weight.numel() * 4}
+    if not ops.available() or not native.int8_activations_supported():
+        raise SystemExit("--activation-bits 8 needs quantlab's operators and an AVX2 or AVX512-VNNI CPU")
+    for name, config in (("4b", QUANTLAB["ql 4b"]), ("int8", QUANTLAB["ql int8"])):
+        layer = quantlab_layer(linear, config)
+        group = ops.group_arguments([layer])
+        forwards[f"ql op {name}"] = lambda x, group=group: ops.linear_group_op(x, *group, 0)
+        forwards[f"ql op {name} i8act"] = lambda x, group=group: ops.linear_group_op(x, *group, 8)
+        sizes[f"ql op {name}"] = sizes[f"ql op {name} i8act"] = layer.stored_bytes()
+    return forwards, sizes
+
+
 def bare_operators(name: str, layer: quantlab.QuantizedLinear) -> dict[str, Forward]:
     """A layer as a compiled graph calls it: the bare `quantlab::linear` operator (`ql op 4b` for `ql 4b`),
     and for the 4-bit layer `quantlab::linear_group` on int8 activations (`ql op 4b i8act`, the fast path's
@@ -223,6 +242,9 @@ RATIOS = {  # label -> (numerator, denominator): > 1 means the quantlab kernel i
     "fp32 / ql 4b": ("torch fp32", "ql 4b"),
     "fp32 / ql op 4b": ("torch fp32", "ql op 4b"),
     "fp32 / ql op 4b i8act": ("torch fp32", "ql op 4b i8act"),
+    "fp32 / ql op int8 i8act": ("torch fp32", "ql op int8 i8act"),
+    "ql op 4b / ql op 4b i8act": ("ql op 4b", "ql op 4b i8act"),
+    "ql op int8 / ql op int8 i8act": ("ql op int8", "ql op int8 i8act"),
     "fp32 / ql int8": ("torch fp32", "ql int8"),
     "bnb nf4 / ql 4b": ("bnb nf4", "ql 4b"),
     "bnb int8 / ql int8": ("bnb int8", "ql int8"),
@@ -291,6 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--isa", choices=sorted(ISA_CODES), default="native", help="quantlab's kernels on this instruction set or lower"
     )
+    parser.add_argument(
+        "--activation-bits",
+        type=int,
+        choices=(0, 8),
+        default=0,
+        help="8: time int8 activations (4-bit g64 and int8 layers) against torch fp32 and the float kernels",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.isa != "native":
@@ -309,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         linear = torch.nn.Linear(in_features, out_features, bias=False)
         torch.nn.init.normal_(linear.weight, std=0.02)
         linear.requires_grad_(False)
-        forwards, sizes = build_candidates(linear, args.threads)
+        if args.activation_bits == 8:
+            forwards, sizes = int8_activation_candidates(linear)
+        else:
+            forwards, sizes = build_candidates(linear, args.threads)
         for rows in args.rows:
             times = run_case(forwards, in_features, rows, args.rounds)
             bounds = {name: size / bandwidth * 1e3 for name, size in sizes.items()}

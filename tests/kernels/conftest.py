@@ -2,7 +2,7 @@
 
 import pytest
 
-from quantlab.kernels.cpu import native
+from quantlab.kernels.cpu import native, ops
 
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 
@@ -23,3 +23,23 @@ def isa(request, library):
     library.ql_force_isa(ISAS[request.param])
     yield request.param
     library.ql_force_isa(-1)
+
+
+INT8_KERNELS = {"avx2": 1, "avx512_vnni": 2}  # the instruction set each int8-activation kernel runs at
+
+
+@pytest.fixture(scope="module", params=list(INT8_KERNELS))
+def operators(request):
+    """The torch operators, with the kernels held to one int8-activation kernel's instruction set."""
+    lib = native.library()
+    if not ops.available() or lib is None:
+        pytest.skip("quantlab's torch operators could not be built here (no C/C++ compiler?)")
+    if INT8_KERNELS[request.param] > lib.ql_isa():
+        pytest.skip(f"this CPU has no {request.param.split('_')[0]}")
+    lib.ql_force_isa(INT8_KERNELS[request.param])
+    try:
+        if not native.int8_activations_supported():
+            pytest.skip(f"this CPU has no {request.param}")
+        yield ops
+    finally:
+        lib.ql_force_isa(-1)

@@ -1,34 +1,16 @@
 """`quantlab::linear_group(..., activation_bits=8)`: 4-bit affine and int8 layers on activations rounded to
 int8 per block of 64 inputs (int8_activations.c; kernels for AVX2 and AVX512-VNNI, each tested where the CPU
-has it). The kernel must equal, up to float summation order, the float product of the *rounded* activations
-with the dequantized weight; formats it does not take compute in float."""
+has it; the many-row kernels in test_int8_activation_rows.py). The kernel must equal, up to float summation
+order, the float product of the *rounded* activations with the dequantized weight; formats it does not take
+compute in float."""
 
 import pytest
 import torch
 
 import quantlab
 from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
-from quantlab.kernels.cpu import native, ops
+from quantlab.kernels.cpu import ops
 from quantlab.nn.quantized_embedding import QuantizedOutputHead
-
-KERNELS = {"avx2": 1, "avx512_vnni": 2}  # the instruction set each kernel runs at (ql_force_isa)
-
-
-@pytest.fixture(scope="module", params=list(KERNELS))
-def operators(request):
-    """The torch operators, with the kernels held to one int8-activation kernel's instruction set."""
-    lib = native.library()
-    if not ops.available() or lib is None:
-        pytest.skip("quantlab's torch operators could not be built here (no C/C++ compiler?)")
-    if KERNELS[request.param] > lib.ql_isa():
-        pytest.skip(f"this CPU has no {request.param.split('_')[0]}")
-    lib.ql_force_isa(KERNELS[request.param])
-    try:
-        if not native.int8_activations_supported():
-            pytest.skip(f"this CPU has no {request.param}")
-        yield ops
-    finally:
-        lib.ql_force_isa(-1)
 
 
 def layer(config, in_features: int, out_features: int, bias: bool = False) -> torch.nn.Module:
@@ -80,7 +62,7 @@ def activations(rows: int, k: int = 576) -> torch.Tensor:
 
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("group_size", [64, 128])
-@pytest.mark.parametrize("rows", [1, 3, 7])  # AVX2: below the float panels' 8 rows
+@pytest.mark.parametrize("rows", [1, 3, 7])  # one-row kernels (7: VNNI's many-row one, from 6 rows)
 # groups a row at 64 / 128: 9 / 5 (scales in one register), 24 / 12 (two), 33 / 17 (through memory above 32)
 @pytest.mark.parametrize("in_features", [576, 1536, 2112])
 def test_int8_activations_equal_the_rounded_activations_times_the_weight(
@@ -92,13 +74,13 @@ def test_int8_activations_equal_the_rounded_activations_times_the_weight(
 
 
 @pytest.mark.parametrize("group_size", [None, 64, 128])  # None: one group per row, 576 = 9 blocks of 64
-@pytest.mark.parametrize("rows", [1, 3, 7])  # AVX2: below the float panels' 8 rows
+@pytest.mark.parametrize("rows", [1, 3, 7])  # one-row kernels (7: VNNI's many-row one, from 6 rows)
 def test_int8_weights_on_int8_activations_equal_the_rounded_activations_times_the_weight(operators, group_size, rows):
     layers = [layer(Int8SymmetricConfig(group_size=group_size), 576, n) for n in (192, 130)]
     assert_int8_kernel_ran(layers, activations(rows))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7])  # AVX2: below the float panels' 8 rows
+@pytest.mark.parametrize("rows", [1, 3, 7])  # one-row kernels (7: VNNI's many-row one, from 6 rows)
 def test_an_int8_output_head_on_int8_activations_equals_the_rounded_activations_times_the_table(operators, rows):
     assert_int8_kernel_ran([head(576, 130)], activations(rows))  # float16 scales, groups of 64
 
@@ -125,17 +107,6 @@ def test_formats_the_int8_kernel_does_not_take_compute_in_float(operators):
     for module in [*(layer(config, 96, 64) for config in configs), head(96, 64, embedding_group_size=32)]:
         x = torch.randn(2, 96)
         assert torch.equal(run([module], x, 8), run([module], x, 0)), module
-
-
-@pytest.mark.parametrize("rows", [8, 17])
-def test_from_8_rows_on_avx2_keeps_activations_float_and_vnni_rounds_them(operators, rows):
-    """AVX2's int8 kernel is a one-row kernel: from 8 rows on the float panels are faster, and exact."""
-    layers = [layer(CustomBitsConfig(bits=4, group_size=64), 576, n) for n in (192, 130)]
-    x = activations(rows)
-    if native.library().ql_isa() == KERNELS["avx2"]:
-        assert torch.equal(run(layers, x, 8), run(layers, x, 0))
-    else:
-        assert_int8_kernel_ran(layers, x)
 
 
 def test_activation_bits_other_than_0_or_8_are_refused(operators):

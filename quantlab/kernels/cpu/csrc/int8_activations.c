@@ -9,8 +9,10 @@
  * That reads a 64-weight block with a fraction of the instructions of decoding it to floats, which is
  * what one row (decoding) is bound by. It is not bit-exact: x is rounded to 8 bits (the relative error
  * of a dot product is in benchmarks/RESULTS.md), so it is an option, never the default.
- * Two kernels: avx512_vnni.c (vpdpbusd) and avx2_int8.c (vpmaddubsw + vpmaddwd, llama.cpp's AVX2
- * scheme); this file chooses between them and holds what they share. */
+ * Two one-row kernels: avx512_vnni.c (vpdpbusd) and avx2_int8.c (vpmaddubsw + vpmaddwd, llama.cpp's
+ * AVX2 scheme); at many rows (a prompt) the arithmetic is the bound, and avx512_vnni_rows.c and
+ * avx2_int8_rows.c repack panels of features once a call so that lanes run across features and the
+ * float epilogue is paid once per block. This file chooses the instruction set and holds what they share. */
 #include "quantlab_cpu.h"
 
 /* The int8-activation kernel of this CPU (at the instruction set ql_isa allows). */
@@ -42,3 +44,37 @@ void ql_zero_terms(const ql_weight *w, const float *xd, const int32_t *xs, float
         xz[g] = sum;
     }
 }
+
+/* One allocation, 64-byte aligned parts: xz [m, groups], then scales and shares [groups, panel], the panel's
+ * scales and zeros as stored [panel, groups] each, then its codes [groups x group_codes, panel] as bytes. */
+int ql_a8_scratch_make(const ql_weight *w, int64_t m, int64_t panel, ql_a8_scratch *scratch) {
+    const int64_t xz = ql_round_up(m * w->groups, 16), params = ql_round_up(w->groups * panel, 16);
+    const int64_t codes = w->groups * w->group_codes * panel;
+    float *base = NULL;
+    if (posix_memalign((void **)&base, 64, (size_t)((xz + 4 * params) * (int64_t)sizeof(float) + codes))) return 1;
+    scratch->xz = base;
+    scratch->scales = base + xz;
+    scratch->shares = scratch->scales + params;
+    scratch->stored = scratch->shares + params;
+    scratch->panel = (uint8_t *)(scratch->stored + 2 * params);
+    return 0;
+}
+
+#ifdef QL_X86
+/* Features [n, n + count) of a panel of `panel` features: scales[g * panel + f] and, for affine weights,
+ * shares[g * panel + f] = scale * zero, the product the one-row kernels take off; zeros past count. The
+ * stored scales and zeros convert a feature's row at a time (ql_params256), then go across. */
+void ql_panel_params(const ql_weight *w, int64_t n, int64_t count, int64_t panel, const ql_a8_scratch *scratch) {
+    const int64_t G = w->groups;
+    float *scale = scratch->stored, *zero = scratch->stored + count * G;
+    ql_params256(w, n, (int)count, scale, zero);
+    for (int64_t g = 0; g < G; g++) {
+        float *scales = scratch->scales + g * panel, *shares = scratch->shares + g * panel;
+        for (int64_t f = 0; f < count; f++) {
+            scales[f] = scale[f * G + g];
+            shares[f] = scale[f * G + g] * zero[f * G + g];
+        }
+        for (int64_t f = count; f < panel; f++) scales[f] = shares[f] = 0.0f;
+    }
+}
+#endif

@@ -58,8 +58,20 @@ QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
  * from a few rows. */
 #define QL_AVX2_DECODE_ROWS 8 /* from this many rows on, AVX2 decodes the weights once a call (avx2.c) */
 
-/* Whether a product on m rows takes AVX2's many-row kernel (float x; int8 activations keep the layout
- * and kernels of one row). */
+/* From how many rows on int8 activations take the many-row kernels (avx512_vnni_rows.c,
+ * avx2_int8_rows.c: panels of features repacked once a call) instead of the one-row ones; the
+ * crossovers are measured (benchmarks/RESULTS.md). */
+#define QL_A8_VNNI_ROWS 6
+#define QL_A8_AVX2_ROWS 8
+
+static int ql_a8_rows(int a8, int64_t m) {
+    return (a8 == QL_A8_VNNI && m >= QL_A8_VNNI_ROWS) || (a8 == QL_A8_AVX2 && m >= QL_A8_AVX2_ROWS);
+}
+
+/* Features a panel of the many-row int8-activation kernel: 32 (AVX512-VNNI) or 16 (AVX2). */
+static int64_t ql_a8_panel(int a8) { return a8 == QL_A8_VNNI ? 32 : 16; }
+
+/* Whether a product on m rows takes AVX2's many-row kernel (float x; int8 activations have their own). */
 static int ql_avx2_panels(int isa, int64_t m, int a8) {
     return isa == QL_ISA_AVX2 && m >= QL_AVX2_DECODE_ROWS && a8 == QL_A8_NONE;
 }
@@ -136,6 +148,7 @@ typedef struct {
     const int8_t *xq; /* x quantized per block of 64 for it, else NULL */
     const float *xd;
     const int32_t *xs;
+    int a8_rows;      /* the many-row int8-activation kernel, x in its natural order */
     _Atomic int failed;
 } ql_job;
 
@@ -159,6 +172,19 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
         return;
     }
 #ifdef QL_X86
+    if (job->a8_rows) {
+        ql_a8_scratch rows;
+        if (ql_a8_scratch_make(w, job->m, ql_a8_panel(job->a8), &rows)) {
+            free(scratch);
+            atomic_store(&job->failed, 1);
+            return;
+        }
+        (job->a8 == QL_A8_VNNI ? ql_rows512_a8 : ql_rows256_a8)(w, job->xq, job->xd, job->xs, job->m, n0, n1, job->out,
+                                                                job->out_stride, &rows);
+        free(rows.xz);
+        free(scratch);
+        return;
+    }
     if (job->a8 == QL_A8_VNNI || job->a8 == QL_A8_AVX2) {
         (job->a8 == QL_A8_VNNI ? ql_gemm512_a8 : ql_gemm256_a8)(w, job->xq, job->xd, job->xs, job->m, row_length, n0,
                                                                 n1, job->out, job->out_stride, scratch,
@@ -216,14 +242,15 @@ static void ql_dequantize_chunk(void *arg, int64_t chunk) {
  * work in panels of 16 features (AVX2) or 32 (AVX-512), so their chunks are whole panels; AVX-512's ~4
  * a thread, as whole panels of 32 cut SmolLM2's 576 features into 6 even chunks where 8 a thread cut 9. */
 static int64_t ql_chunk_for(int64_t features, int threads, int isa, int64_t m, int a8) {
+    if (ql_a8_rows(a8, m)) return ql_round_up(ql_chunk_features(features, threads, 4), ql_a8_panel(a8));
     if (ql_avx2_panels(isa, m, a8)) return ql_round_up(ql_chunk_features(features, threads, 8), 16);
     if (isa == QL_ISA_AVX512 && m >= QL_AVX512_PANEL_ROWS && a8 == QL_A8_NONE)
         return ql_round_up(ql_chunk_features(features, threads, 4), 32);
     return ql_chunk_features(features, threads, ql_stream_chunks(m));
 }
 
-/* x as the kernels read it, with its row stride in *stride: x itself where AVX2's many-row kernel reads
- * the plain layout and that is x's (every group whole and a multiple of 8 inputs: the usual layers in
+/* x as the kernels read it, with its row stride in *stride: x itself where AVX2's many-row kernel (or a
+ * many-row int8-activation kernel) reads the plain layout and that is x's (every group whole and a multiple of 8 inputs: the usual layers in
  * groups of 32-128), else a 64-byte aligned copy in the kernels' layout (ql_prepare_x), returned in
  * *copy for the caller to free. NULL if out of memory. The copy runs on one thread before the others
  * start, a noticeable share of a thread's time at many rows. */
@@ -231,7 +258,7 @@ static const float *ql_kernel_x(const ql_weight *w, const ql_layout *layout, int
                                 const float *x, int64_t x_stride, int64_t *stride, float **copy) {
     const int64_t row_length = w->groups * layout->padded_group;
     *copy = NULL;
-    if (ql_avx2_panels(isa, m, a8) && !layout->nibble && layout->padded_group == w->group_size && row_length == w->k) {
+    if ((ql_avx2_panels(isa, m, a8) || ql_a8_rows(a8, m)) && !layout->nibble && layout->padded_group == w->group_size && row_length == w->k) {
         *stride = x_stride;
         return x;
     }
@@ -261,6 +288,29 @@ QL_API int ql_gemm(const ql_weight *w, const float *x, int64_t m, int64_t x_stri
     return atomic_load(&job.failed) ? QL_NO_MEMORY : QL_OK;
 }
 
+/* Rows [chunk * per_chunk, ...) of x rounded to int8 blocks of 64 for the int8-activation kernels: x's
+ * rows in their kernels' layout (x_stride apart), the int8 rows packed (row_length apart). */
+typedef struct {
+    int a8;
+    const float *x;
+    int64_t x_stride, row_length, m, per_chunk;
+    int nibble;
+    int8_t *xq;
+    float *xd;
+    int32_t *xs;
+} ql_quantize_job;
+
+#ifdef QL_X86
+static void ql_quantize_chunk(void *arg, int64_t chunk) {
+    const ql_quantize_job *job = (const ql_quantize_job *)arg;
+    const int64_t blocks = job->row_length / 64, r1 = (chunk + 1) * job->per_chunk;
+    for (int64_t r = chunk * job->per_chunk; r < job->m && r < r1; r++)
+        (job->a8 == QL_A8_VNNI ? ql_quantize_x_a8 : ql_quantize_x_a8_256)(job->x + r * job->x_stride, 1, job->row_length,
+                                                                          job->nibble, job->xq + r * job->row_length,
+                                                                          job->xd + r * blocks, job->xs + r * blocks);
+}
+#endif
+
 /* Several weights of one layout on the same x, as one call: chunk c belongs to the weight i with
  * first_chunk[i] <= c < first_chunk[i + 1], and is that weight's chunk c - first_chunk[i]. */
 typedef struct {
@@ -287,8 +337,8 @@ int ql_same_layout(const ql_weight *a, const ql_weight *b) {
  * ql_gemm, so each output is computed by the same code as ql_gemm of its weight alone: bit for bit
  * the same values. The weights must share a layout (kind, bits, in_features, group shape).
  * activation_bits 8 (else 0) rounds x to int8 blocks of 64 for 4-bit affine and int8 weights in groups
- * of 64 or a multiple, on CPUs with AVX2 or AVX512-VNNI (int8_activations.c: faster, not bit-exact;
- * with AVX2 only below QL_AVX2_DECODE_ROWS rows); other formats and CPUs ignore it. */
+ * of 64 or a multiple, on CPUs with AVX2 or AVX512-VNNI (int8_activations.c: faster, not bit-exact);
+ * other formats and CPUs ignore it. */
 QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x, int64_t m, int64_t x_stride, float *y,
                          int64_t y_stride, int threads, int activation_bits) {
     if (count < 1 || (activation_bits != 0 && activation_bits != 8)) return QL_BAD_FORMAT;
@@ -306,11 +356,10 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
     ql_job *jobs = calloc((size_t)count, sizeof(ql_job));
     int64_t *first_chunk = malloc((size_t)(count + 1) * sizeof(int64_t));
     int isa = ql_isa();
-    /* AVX2's int8-activation kernel is a one-row kernel; from QL_AVX2_DECODE_ROWS rows on the float panels
-     * are faster (benchmarks/RESULTS.md) and exact. */
-    const int a8_kernel = activation_bits == 8 && ql_a8_eligible(&weights[0]) ? ql_a8_kernel() : QL_A8_NONE;
-    const int a8 = a8_kernel == QL_A8_AVX2 && m >= QL_AVX2_DECODE_ROWS ? QL_A8_NONE : a8_kernel;
-    ql_layout layout = ql_layout_for(&weights[0], isa, m, a8);
+    /* int8 activations: the one-row kernels below QL_A8_VNNI_ROWS / QL_A8_AVX2_ROWS rows, then the many-row ones */
+    const int a8 = activation_bits == 8 && ql_a8_eligible(&weights[0]) ? ql_a8_kernel() : QL_A8_NONE;
+    /* the many-row kernels read x in its natural order, in whole blocks of 64 */
+    ql_layout layout = ql_a8_rows(a8, m) ? ql_make_layout(&weights[0], 64, 0) : ql_layout_for(&weights[0], isa, m, a8);
     float *xp = NULL;
     int64_t x_stride_kernels = 0;
     const float *x_kernels =
@@ -336,17 +385,25 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
         xd = (float *)buffer;
         xs = (int32_t *)(xd + blocks);
         xq = (int8_t *)(xs + blocks);
-        (a8 == QL_A8_VNNI ? ql_quantize_x_a8 : ql_quantize_x_a8_256)(x_kernels, m, weights[0].groups * layout.padded_group,
-                                                                     layout.nibble, xq, xd, xs);
     }
 #endif
     threads = ql_threads(threads, work * (m < 4 ? 1 : m / 4));
+#ifdef QL_X86
+    if (a8 != QL_A8_NONE) {
+        ql_quantize_job quantize = {.a8 = a8, .x = x_kernels, .x_stride = x_stride_kernels,
+                                    .row_length = weights[0].groups * layout.padded_group, .m = m,
+                                    .nibble = layout.nibble, .xq = xq, .xd = xd, .xs = xs};
+        quantize.per_chunk = (m + threads - 1) / threads;
+        ql_run(ql_quantize_chunk, &quantize, (m + quantize.per_chunk - 1) / quantize.per_chunk, threads);
+    }
+#endif
     int64_t per_chunk = threads > 1 ? ql_chunk_for(features, threads, isa, m, a8) : widest;
     first_chunk[0] = 0;
     for (int64_t i = 0, column = 0; i < count; column += weights[i].n, i++) {
         jobs[i] = (ql_job){.w = &weights[i], .isa = isa, .layout = layout, .xp = x_kernels, .x_stride = x_stride_kernels,
                            .m = m, .out = y + column,
-                           .out_stride = y_stride, .per_chunk = per_chunk, .a8 = a8, .xq = xq, .xd = xd, .xs = xs};
+                           .out_stride = y_stride, .per_chunk = per_chunk, .a8 = a8, .xq = xq, .xd = xd, .xs = xs,
+                           .a8_rows = ql_a8_rows(a8, m)};
         first_chunk[i + 1] = first_chunk[i] + (weights[i].n + per_chunk - 1) / per_chunk;
     }
     ql_group_job group = {.jobs = jobs, .first_chunk = first_chunk};

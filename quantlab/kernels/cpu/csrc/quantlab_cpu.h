@@ -265,6 +265,24 @@ int ql_a8_kernel(void); /* which int8-activation kernel this CPU runs */
 int ql_a8_eligible(const ql_weight *w);
 void ql_zero_terms(const ql_weight *w, const float *xd, const int32_t *xs, float *xz);
 QL_API int ql_has_int8_activations(void);
+/* The many-row kernels' per-thread scratch (avx512_vnni_rows.c, avx2_int8_rows.c): every row's zero-point
+ * terms, one panel's scales and scale * zero as [groups][panel features] (and as stored, feature by
+ * feature, on their way), and its repacked codes. */
+typedef struct {
+    float *xz;
+    float *scales;
+    float *shares;
+    float *stored;
+    uint8_t *panel;
+} ql_a8_scratch;
+int ql_a8_scratch_make(const ql_weight *w, int64_t m, int64_t panel, ql_a8_scratch *scratch); /* 0, else out of memory; free(scratch->xz) */
+#ifdef QL_X86
+void ql_panel_params(const ql_weight *w, int64_t n, int64_t count, int64_t panel, const ql_a8_scratch *scratch);
+void ql_rows512_a8(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m, int64_t n0,
+                   int64_t n1, float *y, int64_t y_stride, const ql_a8_scratch *scratch);
+void ql_rows256_a8(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m, int64_t n0,
+                   int64_t n1, float *y, int64_t y_stride, const ql_a8_scratch *scratch);
+#endif
 
 /* pool.c */
 typedef void (*ql_task)(void *arg, int64_t chunk);
