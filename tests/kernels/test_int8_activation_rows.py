@@ -29,10 +29,11 @@ def activations(rows: int, k: int = 576) -> torch.Tensor:
 
 def rounded_activations(x: torch.Tensor) -> torch.Tensor:
     """x as the kernels round it: per block of 64 inputs, round(x * (127 / max|x|)) times max|x| / 127."""
-    blocks = x.view(x.shape[0], -1, 64)
+    rows, k = x.shape
+    blocks = torch.nn.functional.pad(x, (0, -k % 64)).view(rows, -1, 64)  # a last group cut short meets zeros
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    return (torch.round(blocks * inverse).double() * (amax / 127.0).double()).view(x.shape)
+    return (torch.round(blocks * inverse).double() * (amax / 127.0).double()).view(rows, -1)[:, :k]
 
 
 def run(layers, x: torch.Tensor, activation_bits: int) -> torch.Tensor:
@@ -79,6 +80,13 @@ def test_4bit_scale_dtypes_and_groups_at_many_rows(operators, scale_dtype, group
 def test_int8_many_rows_equal_one_row_and_the_reference(operators, rows, group_size):
     layers = [layer(Int8SymmetricConfig(group_size=group_size), 576, n) for n in FEATURES]
     assert_many_rows_match(layers, activations(rows))
+
+
+@pytest.mark.parametrize("config", [CustomBitsConfig(bits=4, group_size=64), Int8SymmetricConfig(group_size=64)])
+def test_a_last_group_cut_short_at_many_rows(operators, config):
+    """600 inputs in groups of 64: the last group holds 24 inputs, x is copied with zeros after them."""
+    layers = [layer(config, 600, n) for n in (50, 21)]
+    assert_many_rows_match(layers, activations(13, 600))
 
 
 @pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
