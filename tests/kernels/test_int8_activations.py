@@ -62,7 +62,7 @@ def activations(rows: int, k: int = 576) -> torch.Tensor:
 
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("group_size", [64, 128])
-@pytest.mark.parametrize("rows", [1, 3, 7])  # one-row kernels (7: VNNI's many-row one, from 6 rows)
+@pytest.mark.parametrize("rows", [1, 3, 7])  # 1, 3: the one-row kernels; 7: the many-row ones (from 4)
 # groups a row at 64 / 128: 9 / 5 (scales in one register), 24 / 12 (two), 33 / 17 (through memory above 32)
 @pytest.mark.parametrize("in_features", [576, 1536, 2112])
 def test_int8_activations_equal_the_rounded_activations_times_the_weight(
@@ -74,13 +74,13 @@ def test_int8_activations_equal_the_rounded_activations_times_the_weight(
 
 
 @pytest.mark.parametrize("group_size", [None, 64, 128])  # None: one group per row, 576 = 9 blocks of 64
-@pytest.mark.parametrize("rows", [1, 3, 7])  # one-row kernels (7: VNNI's many-row one, from 6 rows)
+@pytest.mark.parametrize("rows", [1, 3, 7])  # 1, 3: the one-row kernels; 7: the many-row ones (from 4)
 def test_int8_weights_on_int8_activations_equal_the_rounded_activations_times_the_weight(operators, group_size, rows):
     layers = [layer(Int8SymmetricConfig(group_size=group_size), 576, n) for n in (192, 130)]
     assert_int8_kernel_ran(layers, activations(rows))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7])  # one-row kernels (7: VNNI's many-row one, from 6 rows)
+@pytest.mark.parametrize("rows", [1, 3, 7])  # 1, 3: the one-row kernels; 7: the many-row ones (from 4)
 def test_an_int8_output_head_on_int8_activations_equals_the_rounded_activations_times_the_table(operators, rows):
     assert_int8_kernel_ran([head(576, 130)], activations(rows))  # float16 scales, groups of 64
 

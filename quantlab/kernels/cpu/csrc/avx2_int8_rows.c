@@ -9,46 +9,54 @@
  * Each block's int32 dot product is exact; the float epilogue (cvt, then fma with scale * d) is paid once
  * per block of 64 inputs and (row, 8 features). */
 #include "quantlab_cpu.h"
+#include "transpose8x8.h"
 
 #ifdef QL_X86
 #define QL_PANEL 16    /* features a panel: two vectors of 8 */
 #define QL_TILE_ROWS 4 /* rows a step: 8 int16 sums, 2 code vectors and a broadcast stay in registers */
 
-/* Codes of features [n, n + count) into the panel as avx512_vnni_rows.c lays them out, 16 features a step;
- * int8 codes as they are (signed); features past count are zeros. */
-static QL_AVX2 void ql_repack256(const ql_weight *w, int64_t n, int64_t count, uint8_t *panel) {
-    const int64_t G = w->groups, blocks = G * w->group_codes / 64, row_bytes = G * w->group_bytes;
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int half = 0; half < 2; half++) {
-        const int64_t first = half * 8, valid = count - first;
-        if (valid <= 0) {
-            for (int64_t s = 0; s < 16 * blocks; s++)
-                _mm256_storeu_si256((__m256i *)(panel + s * 4 * QL_PANEL + 4 * first), _mm256_setzero_si256());
-            continue;
-        }
-        const __m256i lanes = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), lanes);
-        const __m256i rows = _mm256_mullo_epi32(lanes, _mm256_set1_epi32((int)row_bytes));
-        const uint8_t *codes = w->codes + (n + first) * row_bytes;
+/* Codes of features [n, n + count) into a panel of `panel` features (16 here, 32 for avx512_vnni_rows.c):
+ * step s = b * 16 + t (inputs 4t..4t+3 of block b) holds the panel's features x 4 codes as bytes, 4-bit
+ * codes 0..15, int8 codes as stored (signed), or offset to unsigned (q ^ 0x80, `offset`); features past
+ * count are zeros. 8 whole features go as 8 x 8 transposes of 4-byte words (one word: 4 int8 codes, or the
+ * 8 codes of two 4-bit steps, whose nibbles byte unpacks interleave, low first); a last partial 8 byte by byte. */
+QL_AVX2 void ql_repack_a8(const ql_weight *w, int64_t n, int64_t count, int64_t panel, int offset, uint8_t *out) {
+    const int64_t blocks = w->groups * w->group_codes / 64, row_bytes = w->groups * w->group_bytes;
+    const int64_t step = 4 * panel, block_bytes = w->kind == QL_INT8 ? 64 : 32;
+    const __m256i low = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8(offset ? (char)0x80 : 0);
+    for (int64_t f0 = 0; f0 < panel; f0 += 8) {
+        const int64_t valid = count - f0;
+        const uint8_t *codes = w->codes + (n + f0) * row_bytes;
         for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *out = panel + b * 16 * 4 * QL_PANEL + 4 * first;
-            if (w->kind == QL_INT8) {
-                for (int t = 0; t < 16; t++) {
-                    __m256i word = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(codes + b * 64 + 4 * t),
-                                                               rows, mask, 1);
-                    _mm256_storeu_si256((__m256i *)(out + t * 4 * QL_PANEL), word);
-                }
+            uint8_t *dst = out + b * 16 * step + 4 * f0;
+            if (valid < 8) {
+                for (int f = 0; f < 8; f++)
+                    for (int t = 0; t < 16; t++) {
+                        uint8_t *quad = dst + t * step + 4 * f;
+                        const uint8_t *src = codes + f * row_bytes + b * block_bytes;
+                        for (int i = 0; i < 4; i++)
+                            quad[i] = f >= valid            ? 0
+                                      : w->kind == QL_INT8 ? (uint8_t)(src[4 * t + i] ^ (offset ? 0x80 : 0))
+                                                           : (uint8_t)((src[2 * t + i / 2] >> (4 * (i % 2))) & 0x0f);
+                    }
                 continue;
             }
-            for (int u = 0; u < 8; u++) { /* codes 8u..8u+7 of the block: steps 2u and 2u + 1 */
-                __m256i word = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(codes + b * 32 + 4 * u),
-                                                           rows, mask, 1);
-                __m256i lo = _mm256_and_si256(word, low), hi = _mm256_and_si256(_mm256_srli_epi16(word, 4), low);
-                __m256 a = _mm256_castsi256_ps(_mm256_unpacklo_epi8(lo, hi));
-                __m256 c = _mm256_castsi256_ps(_mm256_unpackhi_epi8(lo, hi));
-                _mm256_storeu_si256((__m256i *)(out + (2 * u) * 4 * QL_PANEL), _mm256_castps_si256(_mm256_shuffle_ps(a, c, 0x88)));
-                _mm256_storeu_si256((__m256i *)(out + (2 * u + 1) * 4 * QL_PANEL),
-                                    _mm256_castps_si256(_mm256_shuffle_ps(a, c, 0xdd)));
+            for (int64_t half = 0; half < block_bytes; half += 32) {
+                float words[8][8]; /* words[u][f]: word u of the half block of feature f0 + f */
+                ql_transpose8x8((const float *)(codes + b * block_bytes + half), row_bytes / 4, &words[0][0], 8);
+                for (int u = 0; u < 8; u++) {
+                    const __m256i word = _mm256_castps_si256(_mm256_loadu_ps(words[u]));
+                    if (w->kind == QL_INT8) {
+                        _mm256_storeu_si256((__m256i *)(dst + (half / 4 + u) * step), _mm256_xor_si256(word, flip));
+                        continue;
+                    }
+                    const __m256i lo = _mm256_and_si256(word, low), hi = _mm256_and_si256(_mm256_srli_epi16(word, 4), low);
+                    /* per 128 bits: features f, f + 1 as [codes 0-3, codes 4-7] each, then f + 2, f + 3 */
+                    const __m256 a = _mm256_castsi256_ps(_mm256_unpacklo_epi8(lo, hi));
+                    const __m256 c = _mm256_castsi256_ps(_mm256_unpackhi_epi8(lo, hi));
+                    _mm256_storeu_si256((__m256i *)(dst + (2 * u) * step), _mm256_castps_si256(_mm256_shuffle_ps(a, c, 0x88)));
+                    _mm256_storeu_si256((__m256i *)(dst + (2 * u + 1) * step), _mm256_castps_si256(_mm256_shuffle_ps(a, c, 0xdd)));
+                }
             }
         }
     }
@@ -147,7 +155,7 @@ QL_INLINE QL_AVX2 void ql_rows256_a8_mode(const int int8, const ql_weight *w, co
         for (int64_t r = 0; r < m; r++) ql_zero_terms(w, xd + r * blocks, xs + r * blocks, s->xz + r * G);
     for (int64_t n = n0; n < n1; n += QL_PANEL) {
         const int64_t count = n1 - n < QL_PANEL ? n1 - n : QL_PANEL;
-        ql_repack256(w, n, count, s->panel);
+        ql_repack_a8(w, n, count, QL_PANEL, 0, s->panel);
         ql_panel_params(w, n, count, QL_PANEL, s);
         int64_t r = 0;
         for (; r + QL_TILE_ROWS <= m; r += QL_TILE_ROWS)

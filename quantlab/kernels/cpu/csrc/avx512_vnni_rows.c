@@ -13,45 +13,6 @@
 #define QL_PANEL 32     /* features a panel: two vectors of 16 */
 #define QL_TILE_ROWS 6  /* rows a step: 12 int32 + 12 float accumulators, 2 code vectors, 1 broadcast */
 
-/* Codes of features [n, n + count) into the panel: step s = b * 16 + t (inputs 4t..4t+3 of block b) holds
- * 32 features x 4 codes as bytes; features past count are zeros. Read 4 bytes of 16 features at once by a
- * gather; a 4-bit word holds the codes of two steps, interleaved (low nibble first) by byte unpacks. */
-static QL_VNNI void ql_repack512(const ql_weight *w, int64_t n, int64_t count, uint8_t *panel) {
-    const int64_t G = w->groups, blocks = G * w->group_codes / 64, row_bytes = G * w->group_bytes;
-    const int int8 = w->kind == QL_INT8;
-    const __m512i low = _mm512_set1_epi8(0x0f), offset = _mm512_set1_epi8((char)0x80);
-    for (int half = 0; half < 2; half++) {
-        const int64_t first = half * 16, valid = count - first;
-        if (valid <= 0) {
-            for (int64_t s = 0; s < 16 * blocks; s++) _mm512_storeu_si512(panel + s * 4 * QL_PANEL + 4 * first, _mm512_setzero_si512());
-            continue;
-        }
-        const __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
-        const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                _mm512_set1_epi32((int)row_bytes));
-        const uint8_t *codes = w->codes + (n + first) * row_bytes;
-        for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *out = panel + b * 16 * 4 * QL_PANEL + 4 * first;
-            if (int8) {
-                for (int t = 0; t < 16; t++) {
-                    __m512i word = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows, codes + b * 64 + 4 * t, 1);
-                    _mm512_storeu_si512(out + t * 4 * QL_PANEL, _mm512_xor_si512(word, offset));
-                }
-                continue;
-            }
-            for (int u = 0; u < 8; u++) { /* bytes 4u..4u+3 of the block: codes 8u..8u+7, steps 2u and 2u + 1 */
-                __m512i word = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows, codes + b * 32 + 4 * u, 1);
-                __m512i lo = _mm512_and_si512(word, low), hi = _mm512_and_si512(_mm512_srli_epi16(word, 4), low);
-                /* per 128 bits: features f0, f1 as [codes 0-3, codes 4-7] each, then f2, f3 */
-                __m512 a = _mm512_castsi512_ps(_mm512_unpacklo_epi8(lo, hi));
-                __m512 c = _mm512_castsi512_ps(_mm512_unpackhi_epi8(lo, hi));
-                _mm512_storeu_si512(out + (2 * u) * 4 * QL_PANEL, _mm512_castps_si512(_mm512_shuffle_ps(a, c, 0x88)));
-                _mm512_storeu_si512(out + (2 * u + 1) * 4 * QL_PANEL, _mm512_castps_si512(_mm512_shuffle_ps(a, c, 0xdd)));
-            }
-        }
-    }
-}
-
 /* R rows x 32 features: y[r, f] = sum_b scale[g(b), f] * d[r, b] * (q . xq)_b, minus the zero point's
  * share sum_g scale * zero * xz[r, g] (affine), stored for the first `count` features. */
 QL_INLINE QL_VNNI void ql_tile512_a8(const int R, const int int8, const uint8_t *panel, const float *scales,
@@ -114,7 +75,7 @@ QL_INLINE QL_VNNI void ql_rows512_a8_mode(const int int8, const ql_weight *w, co
         for (int64_t r = 0; r < m; r++) ql_zero_terms(w, xd + r * blocks, xs + r * blocks, s->xz + r * G);
     for (int64_t n = n0; n < n1; n += QL_PANEL) {
         const int64_t count = n1 - n < QL_PANEL ? n1 - n : QL_PANEL;
-        ql_repack512(w, n, count, s->panel);
+        ql_repack_a8(w, n, count, QL_PANEL, 1, s->panel); /* avx2_int8_rows.c */
         ql_panel_params(w, n, count, QL_PANEL, s);
         int64_t r = 0;
         for (; r + QL_TILE_ROWS <= m; r += QL_TILE_ROWS)

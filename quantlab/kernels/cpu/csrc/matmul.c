@@ -60,13 +60,10 @@ QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
 
 /* From how many rows on int8 activations take the many-row kernels (avx512_vnni_rows.c,
  * avx2_int8_rows.c: panels of features repacked once a call) instead of the one-row ones; the
- * crossovers are measured (benchmarks/RESULTS.md). */
-#define QL_A8_VNNI_ROWS 6
-#define QL_A8_AVX2_ROWS 8
+ * crossover is measured for both (benchmarks/RESULTS.md). */
+#define QL_A8_ROWS 4
 
-static int ql_a8_rows(int a8, int64_t m) {
-    return (a8 == QL_A8_VNNI && m >= QL_A8_VNNI_ROWS) || (a8 == QL_A8_AVX2 && m >= QL_A8_AVX2_ROWS);
-}
+static int ql_a8_rows(int a8, int64_t m) { return a8 != QL_A8_NONE && m >= QL_A8_ROWS; }
 
 /* Features a panel of the many-row int8-activation kernel: 32 (AVX512-VNNI) or 16 (AVX2). */
 static int64_t ql_a8_panel(int a8) { return a8 == QL_A8_VNNI ? 32 : 16; }
@@ -356,7 +353,7 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
     ql_job *jobs = calloc((size_t)count, sizeof(ql_job));
     int64_t *first_chunk = malloc((size_t)(count + 1) * sizeof(int64_t));
     int isa = ql_isa();
-    /* int8 activations: the one-row kernels below QL_A8_VNNI_ROWS / QL_A8_AVX2_ROWS rows, then the many-row ones */
+    /* int8 activations: the one-row kernels below QL_A8_ROWS rows, then the many-row ones */
     const int a8 = activation_bits == 8 && ql_a8_eligible(&weights[0]) ? ql_a8_kernel() : QL_A8_NONE;
     /* the many-row kernels read x in its natural order, in whole blocks of 64 */
     ql_layout layout = ql_a8_rows(a8, m) ? ql_make_layout(&weights[0], 64, 0) : ql_layout_for(&weights[0], isa, m, a8);

@@ -282,6 +282,7 @@ void ql_rows512_a8(const ql_weight *w, const int8_t *xq, const float *xd, const 
                    int64_t n1, float *y, int64_t y_stride, const ql_a8_scratch *scratch);
 void ql_rows256_a8(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m, int64_t n0,
                    int64_t n1, float *y, int64_t y_stride, const ql_a8_scratch *scratch);
+void ql_repack_a8(const ql_weight *w, int64_t n, int64_t count, int64_t panel, int offset, uint8_t *out);
 #endif
 
 /* pool.c */
