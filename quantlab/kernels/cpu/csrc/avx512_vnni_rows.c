@@ -2,7 +2,7 @@
  * int8_activations.c). Lanes run across features: a thread repacks each panel of 32 features' codes
  * once into bytes laid out [k / 4][32 features][4 codes] (4-bit: codes 0..15; int8: q + 128, the offset
  * taken off exactly as 128 * sum xq of the block), so one 64-byte load holds 16 features x 4 inputs and
- * each row's 4 int8 inputs are one broadcast. A step multiplies QL_A8_TILE_ROWS rows x 32 features with
+ * each row's 4 int8 inputs are one broadcast. A step multiplies QL_TILE_ROWS rows x 32 features with
  * vpdpbusd into int32 sums over a block of 64 inputs; the float epilogue (cvt, then fma with
  * scale * d) is paid once per block and (row, 16 features). x is rounded as the one-row kernel rounds it
  * (the same int8 values, blocks and scales), in its natural order. */

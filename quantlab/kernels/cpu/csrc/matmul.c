@@ -162,6 +162,17 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
     if (job->isa == QL_ISA_AVX512 && job->m >= QL_AVX512_PANEL_ROWS) decoded_length = QL_AVX512_PANEL_FLOATS(row_length);
     if (ql_avx2_panels(job->isa, job->m, job->a8)) decoded_length = QL_DECODED_FEATURES * row_length;
     if (job->xq) decoded_length = job->m * w->groups; /* the int8-activation kernel's zero terms */
+    if (job->a8_rows) {
+        ql_a8_scratch rows;
+        if (ql_a8_scratch_make(w, job->m, ql_a8_panel(job->a8), &rows)) {
+            atomic_store(&job->failed, 1);
+            return;
+        }
+        (job->a8 == QL_A8_VNNI ? ql_rows512_a8 : ql_rows256_a8)(w, job->xq, job->xd, job->xs, job->m, n0, n1, job->out,
+                                                                job->out_stride, &rows);
+        free(rows.xz);
+        return;
+    }
 #endif
     float *scratch = ql_scratch(w, decoded_length);
     if (!scratch) {
@@ -169,19 +180,6 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
         return;
     }
 #ifdef QL_X86
-    if (job->a8_rows) {
-        ql_a8_scratch rows;
-        if (ql_a8_scratch_make(w, job->m, ql_a8_panel(job->a8), &rows)) {
-            free(scratch);
-            atomic_store(&job->failed, 1);
-            return;
-        }
-        (job->a8 == QL_A8_VNNI ? ql_rows512_a8 : ql_rows256_a8)(w, job->xq, job->xd, job->xs, job->m, n0, n1, job->out,
-                                                                job->out_stride, &rows);
-        free(rows.xz);
-        free(scratch);
-        return;
-    }
     if (job->a8 == QL_A8_VNNI || job->a8 == QL_A8_AVX2) {
         (job->a8 == QL_A8_VNNI ? ql_gemm512_a8 : ql_gemm256_a8)(w, job->xq, job->xd, job->xs, job->m, row_length, n0,
                                                                 n1, job->out, job->out_stride, scratch,
