@@ -14,7 +14,7 @@ from quantlab.kernels.cpu import ops
 # the many-row kernels from 4 rows on; rests of 6-row tiles (VNNI): 4, 5, 2, 1, 5, 4, 3, 4; of 4-row tiles
 # (AVX2): 0, 1, 0, 1, 3, 0, 1, 2
 ROWS = [4, 5, 8, 13, 23, 28, 33, 34]
-# panels of 32: 4 + 2, 1 + 18, 0 + 7; of 16: 8 + 2, 3 + 2, 0 + 7, 1 + 5
+# panels of 32: 4 + 2, 1 + 18, 0 + 7, 0 + 21; of 16: 8 + 2, 3 + 2, 0 + 7, 1 + 5
 FEATURES = (130, 50, 7, 21)
 
 

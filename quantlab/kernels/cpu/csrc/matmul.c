@@ -245,15 +245,16 @@ static int64_t ql_chunk_for(int64_t features, int threads, int isa, int64_t m, i
 }
 
 /* x as the kernels read it, with its row stride in *stride: x itself where AVX2's many-row kernel (or a
- * many-row int8-activation kernel) reads the plain layout and that is x's (every group whole and a multiple of 8 inputs: the usual layers in
- * groups of 32-128), else a 64-byte aligned copy in the kernels' layout (ql_prepare_x), returned in
+ * many-row int8-activation kernel) reads the plain layout and that is x's (every group whole and a
+ * multiple of 8 inputs: the usual layers in groups of 32-128), else a 64-byte aligned copy in the kernels' layout (ql_prepare_x), returned in
  * *copy for the caller to free. NULL if out of memory. The copy runs on one thread before the others
  * start, a noticeable share of a thread's time at many rows. */
 static const float *ql_kernel_x(const ql_weight *w, const ql_layout *layout, int isa, int64_t m, int a8,
                                 const float *x, int64_t x_stride, int64_t *stride, float **copy) {
     const int64_t row_length = w->groups * layout->padded_group;
     *copy = NULL;
-    if ((ql_avx2_panels(isa, m, a8) || ql_a8_rows(a8, m)) && !layout->nibble && layout->padded_group == w->group_size && row_length == w->k) {
+    if ((ql_avx2_panels(isa, m, a8) || ql_a8_rows(a8, m)) && !layout->nibble && layout->padded_group == w->group_size &&
+        row_length == w->k) {
         *stride = x_stride;
         return x;
     }
@@ -388,7 +389,7 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
         ql_quantize_job quantize = {.a8 = a8, .x = x_kernels, .x_stride = x_stride_kernels,
                                     .row_length = weights[0].groups * layout.padded_group, .m = m,
                                     .nibble = layout.nibble, .xq = xq, .xd = xd, .xs = xs};
-        quantize.per_chunk = (m + threads - 1) / threads;
+        quantize.per_chunk = ql_a8_rows(a8, m) ? (m + threads - 1) / threads : m; /* a few rows: on this thread */
         ql_run(ql_quantize_chunk, &quantize, (m + quantize.per_chunk - 1) / quantize.per_chunk, threads);
     }
 #endif
