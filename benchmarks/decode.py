@@ -339,7 +339,7 @@ def report(args, figures: dict[str, Figures], memory: dict[str, float | None]) -
         f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
     peers = [name for name in args.versus if name in figures and name != base]
-    prefill_versus = [base, *peers[:1]]  # prefill: no slower than fp32, and how far from the first peer
+    prefill_versus = [base, *peers]  # prefill: no slower than fp32, and how far from each peer
 
     def per_round(ours: Spread, theirs: Spread) -> str:
         return Spread([a / b for a, b in zip(ours.values, theirs.values, strict=True)]).range_text()
