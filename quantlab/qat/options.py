@@ -1,0 +1,32 @@
+"""`QATOptions`: what a quantization-aware training run trains in each quantized layer, checked once."""
+
+import dataclasses
+
+from quantlab.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class QATOptions:
+    """The trained numbers of each layer's fake quantizer (`quantlab.nn.fake_quant.FakeQuantizedWeight`).
+
+    `max_offset`: bound of each weight's move from its start, in grid steps; None (the default)
+    leaves it unbounded, so the latent float weight itself trains through the straight-through
+    estimator (LSQ and EfficientQAT train the weights; 0.5 is AutoRound's bounded rounding).
+    `learn_scales`: also train each group's scale (LSQ-style, as a ratio to its start, so the
+    clipping is learned) and zero point where the format stores one. `scale_lr_ratio`: the
+    scales' learning rate as a multiple of the run's (offsets are in grid steps, scales in ratios).
+    """
+
+    max_offset: float | None = None
+    learn_scales: bool = True
+    scale_lr_ratio: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.max_offset is not None and not self.max_offset > 0:
+            raise ConfigError(f"max_offset={self.max_offset!r} must be > 0 grid steps, or None for unbounded")
+        if not self.scale_lr_ratio > 0:
+            raise ConfigError(f"scale_lr_ratio={self.scale_lr_ratio!r} must be > 0")
+
+    def settings(self) -> dict[str, object]:
+        """What a resumed run must share with the saved one (joins the checkpoint's fingerprint)."""
+        return dataclasses.asdict(self)

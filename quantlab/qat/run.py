@@ -1,0 +1,63 @@
+"""One quantization-aware training run on a loaded quantized student and its float teacher."""
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from quantlab.qat.options import QATOptions
+from quantlab.qat.swap import fake_quantize, float_linear_weights, write_back
+from quantlab.qat.trainer import QATTrainer
+from quantlab.training.data import CausalLMCollator
+
+
+@dataclasses.dataclass
+class QATResult:
+    """What the run trained: its logged losses, the layers trained and how many started from float weights."""
+
+    losses: list[float]
+    layers: int
+    float_started: int
+    log: list[dict[str, Any]]
+
+
+def train_quantized(
+    student: nn.Module,
+    teacher: nn.Module,
+    args: Any,
+    train: Any,
+    tokenizer: Any,
+    *,
+    options: QATOptions | None = None,
+    distillation: Any = None,
+    eval_windows: Any = None,
+    teacher_tokenizer: Any = None,
+    resume_from_checkpoint: str | None = None,
+) -> QATResult:
+    """Train the quantized `student` in place to match the float `teacher` for `args.max_steps` steps.
+
+    Its quantized Linear layers train as fake quantizers starting from their stored codes (the latent
+    weights from `teacher`'s weights where names and shapes match), and end as ordinary stored codes and
+    grids equal bit for bit to what the fake quantizers computed. `args` are `TrainingArguments`;
+    `distillation` a `DistillationConfig`.
+    """
+    options = options or QATOptions()
+    swapped = fake_quantize(student, float_linear_weights(teacher), options)
+    student.train()
+    try:
+        trainer = QATTrainer(
+            student, teacher, args, train, swapped=swapped, options=options, distillation=distillation,
+            eval_windows=eval_windows, save_final=False, data_collator=CausalLMCollator.for_tokenizer(tokenizer),
+            teacher_tokenizer=teacher_tokenizer, student_tokenizer=tokenizer,
+        )  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    finally:
+        student.eval()
+        write_back(student, swapped)
+    log = list(trainer.state.log_history)
+    return QATResult(
+        losses=[record["loss"] for record in log if "loss" in record],
+        layers=len(swapped),
+        float_started=sum(layer.float_start for layer in swapped.values()),
+        log=log,
+    )

@@ -1,0 +1,75 @@
+"""A quantized model's layers swapped for fake-quantized ones, and the trained codes written back.
+
+Each `QuantizedLinear` becomes a `FakeQuantLinear` on its own storage layout, starting exactly from
+its stored codes and grids (the first forward pass computes the checkpoint's weights bit for bit).
+Where the float model's weight of the layer is known, the latent weight starts from it: a weight
+that rounds to its stored code keeps its float value, one whose code the solver moved starts at
+that code's level (`FakeQuantizedWeight`). Otherwise every weight starts at its level. Writing
+back stores what the fake quantizer computes as ordinary codes and grids: the model is then the
+same quantized model as before, with other codes.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from quantlab.nn import QuantizedLinear
+from quantlab.nn.fake_quant import FakeQuantizedWeight, FakeQuantLinear
+from quantlab.qat.options import QATOptions
+
+
+@dataclasses.dataclass
+class SwappedLayer:
+    """One layer while it trains: the quantized module taken out, and the fake-quantized one in its place."""
+
+    quantized: QuantizedLinear
+    fake: FakeQuantLinear
+    float_start: bool  # the latent weight started from the float model's weight (else from the levels)
+
+    @property
+    def quantizer(self) -> FakeQuantizedWeight:
+        return self.fake.weight_quantizer
+
+
+def float_linear_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The `[out, in]` weights of a float model's Linear layers by module name (where training starts from)."""
+    return {name: module.weight for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+
+
+def fake_quantize(
+    model: nn.Module, float_weights: Mapping[str, torch.Tensor] | None = None, options: QATOptions | None = None
+) -> dict[str, SwappedLayer]:
+    """Freeze `model` and put a trainable `FakeQuantLinear` in place of each of its `QuantizedLinear` layers.
+
+    `float_weights`: the float model's weights by module name (`float_linear_weights`); a layer
+    whose name or shape is not there starts from its stored levels. Returns the swapped layers by name.
+    """
+    options = options or QATOptions()
+    float_weights = float_weights or {}
+    model.requires_grad_(False)
+    swapped: dict[str, SwappedLayer] = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, QuantizedLinear):
+            continue
+        stored = module.stored_tensors()
+        weight = float_weights.get(name)
+        float_start = weight is not None and tuple(weight.shape) == (module.out_features, module.in_features)
+        if not float_start:
+            weight = module.dequantize_weight(torch.float32)
+        quantizer = FakeQuantizedWeight.from_solution(
+            module.layout, weight.detach().to(torch.float32), stored, options.max_offset, options.learn_scales
+        )
+        fake = FakeQuantLinear(quantizer, module.bias)
+        model.set_submodule(name, fake)
+        swapped[name] = SwappedLayer(module, fake, float_start)
+    return swapped
+
+
+@torch.no_grad()
+def write_back(model: nn.Module, swapped: Mapping[str, SwappedLayer]) -> None:
+    """Store each fake quantizer's codes and grids in its quantized layer, and put the quantized layers back."""
+    for name, layer in swapped.items():
+        layer.quantized.load_stored(layer.quantizer.stored())
+        model.set_submodule(name, layer.quantized)

@@ -1,0 +1,90 @@
+"""Quantization-aware training on `transformers.Trainer`: the distillation loop, with fake-quantized layers.
+
+`QATTrainer` is `DistillationTrainer` (KL from the frozen float teacher, exact token means, held-out
+perplexity, pickle-free checkpoints and exact resume) with what fake quantizers need: each kind of
+trained number gets its own parameter group (rounding offsets and zero points are in grid steps and
+train at the run's learning rate; scales are ratios to their start and train at `scale_lr_ratio`
+times it; only offsets take weight decay, which pulls them back to their start), and after every
+optimizer step the numbers are put back in their ranges (`FakeQuantizedWeight.project`).
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from quantlab.distill.trainer import DistillationTrainer
+from quantlab.errors import QuantlabError
+from quantlab.nn.fake_quant import FakeQuantizedWeight
+from quantlab.qat.options import QATOptions
+from quantlab.qat.swap import SwappedLayer
+
+_SCALE, _ZERO, _OFFSET = "scale_ratio", "zero", "offset"
+
+
+class ProjectQuantizers(TrainerCallback):
+    """Keeps each quantizer's offsets and scales in their ranges after every optimizer step.
+
+    Its `settings()` join the checkpoint's fingerprint, so a resume with other QAT options is refused."""
+
+    def __init__(self, quantizers: list[FakeQuantizedWeight], options: QATOptions) -> None:
+        self.quantizers, self.options = quantizers, options
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for quantizer in self.quantizers:
+            quantizer.project()
+
+    def settings(self) -> dict[str, Any]:
+        return self.options.settings()
+
+
+class QATTrainer(DistillationTrainer):
+    """Trains the fake quantizers of `student` (swapped in by `quantlab.qat.fake_quantize`) to match `teacher`."""
+
+    def __init__(
+        self,
+        student: nn.Module,
+        teacher: nn.Module,
+        args: Any,
+        train_dataset: Any = None,
+        *,
+        swapped: Mapping[str, SwappedLayer],
+        options: QATOptions | None = None,
+        callbacks: list | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not swapped:
+            raise QuantlabError("the student has no quantized Linear layer to train; quantize it first")
+        self.qat_options = options or QATOptions()
+        quantizers = [layer.quantizer for layer in swapped.values()]
+        callbacks = [*(callbacks or []), ProjectQuantizers(quantizers, self.qat_options)]
+        super().__init__(student, teacher, args, train_dataset, callbacks=callbacks, **kwargs)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The run's optimizer (`optim`) over the parameter groups of `parameter_groups`."""
+        if self.optimizer is None:
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model or self.model)
+            groups = parameter_groups(model or self.model, self.args.learning_rate, self.args.weight_decay,
+                                      self.qat_options.scale_lr_ratio)  # fmt: skip
+            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        return self.optimizer
+
+
+def parameter_groups(
+    model: nn.Module, learning_rate: float, weight_decay: float, scale_lr_ratio: float
+) -> list[dict[str, Any]]:
+    """Offsets (weight decay), zero points (none), scales (`scale_lr_ratio` x the rate), anything else trainable."""
+    groups: dict[str, list[nn.Parameter]] = {_OFFSET: [], _ZERO: [], _SCALE: [], "other": []}
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            kind = name.rsplit(".", 1)[-1]
+            groups[kind if kind in groups and ".weight_quantizer." in f".{name}" else "other"].append(parameter)
+    settings = {
+        _OFFSET: {"lr": learning_rate, "weight_decay": weight_decay},
+        _ZERO: {"lr": learning_rate, "weight_decay": 0.0},
+        _SCALE: {"lr": learning_rate * scale_lr_ratio, "weight_decay": 0.0},
+        "other": {"lr": learning_rate, "weight_decay": weight_decay},
+    }
+    return [{"params": params, **settings[kind]} for kind, params in groups.items() if params]
