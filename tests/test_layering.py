@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("checkpoints", {"quantlab.loading", "quantlab.saving", "quantlab.streaming"}),
     ("public API", {"quantlab"}),
     ("training", {"quantlab.training"}),
-    ("distillation", {"quantlab.distill"}),
+    ("distillation", {"quantlab.distill", "quantlab.qat"}),
     ("runtimes", {"quantlab.export", "quantlab.generation"}),
     ("test helpers", {"quantlab.testing"}),
     ("workflows", {"quantlab.workflows"}),

@@ -30,11 +30,11 @@ from quantlab.cli.console import Console
 from quantlab.errors import QuantlabError
 
 # Module names under quantlab.cli, in the order `quantlab --help` lists them; a new command adds its module here.
-COMMANDS: list[str] = ["quantize", "evaluate", "methods", "inspect", "prune", "distill", "export", "finetune"]
+COMMANDS: list[str] = ["quantize", "evaluate", "methods", "inspect", "prune", "distill", "qat", "export", "finetune"]
 # Commands that share their work between the processes torchrun starts: quantize through
 # `quantlab.distributed`, the training commands through Trainer (which joins the group and prints once).
 DISTRIBUTED_COMMANDS = {"quantize"}
-TRAINER_COMMANDS = {"finetune", "distill", "prune"}
+TRAINER_COMMANDS = {"finetune", "distill", "prune", "qat"}
 
 ERROR_PREFIX = "quantlab: error:"
 EXIT_USAGE = 2

@@ -1,4 +1,4 @@
-"""The flags `quantlab finetune`, `prune` and `distill` share, declared once, named after `TrainingArguments`.
+"""The flags `quantlab finetune`, `prune`, `distill` and `qat` share, declared once, named after `TrainingArguments`.
 
 Every training command calls `add_training_flags(parser)` and gets the same flags,
 with the same help and defaults: `--learning-rate`, `--max-steps`, `--per-device-train-batch-size`
@@ -24,7 +24,7 @@ from typing import Any
 from quantlab.errors import QuantlabError
 from quantlab.workflows.runs import RUN_OPTIONS, TrainingRun
 
-TRAINING_COMMANDS = ("finetune", "prune", "distill")
+TRAINING_COMMANDS = ("finetune", "prune", "distill", "qat")
 SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 # Defaults that differ by command: LoRA (finetune) wants a larger learning rate than full-weight recovery.
@@ -35,6 +35,8 @@ COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
               "activation_checkpointing": False, "eval_windows": 16, "max_steps": 0},
     "distill": {"learning_rate": 1e-4, "lr_scheduler_type": "cosine", "warmup_steps": 0.05,
                 "activation_checkpointing": False, "eval_windows": 16},
+    "qat": {"learning_rate": 5e-3, "lr_scheduler_type": "cosine", "warmup_steps": 0.05,
+            "activation_checkpointing": False, "eval_windows": 16},
 }  # fmt: skip
 # quantlab's own run options; they are not TrainingArguments fields.
 CLI_ONLY = RUN_OPTIONS

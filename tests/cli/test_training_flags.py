@@ -14,6 +14,7 @@ BASE = {
     "finetune": ["finetune"],
     "prune": ["prune", "--pattern", "2:4"],
     "distill": ["distill", "--teacher", "t", "--student", "s"],
+    "qat": ["qat", "q"],
 }
 SHARED_DESTS = {spec.name for spec in training_flags()} | {"training_arg", "training_args_file"}
 TRAINING_ARGUMENTS_FLAGS = [

@@ -1,0 +1,115 @@
+"""`quantlab qat [MODEL] [--method NAME ...] --max-steps N -o DIR`: quantization-aware training with distillation.
+
+The work is `quantlab.workflows.qat.qat_model`: MODEL is a quantized checkpoint (trained as it is)
+or a float model quantized first with `--method` and its options. Its quantized layers train through
+fake quantizers (straight-through rounding, learnable scales) against the KL divergence from the
+float teacher (`--teacher`, default the float model the checkpoint was quantized from), and are
+written back in their storage format. DIR is the run folder (log, checkpoints, report); the trained
+checkpoint goes to DIR/final.
+"""
+
+import argparse
+
+from quantlab.cli.console import Console, add_output_options, disk_size, mebibytes, seconds
+from quantlab.cli.evaluation import add_eval_arguments, text_from_args
+from quantlab.cli.options import add_method_argument, add_model_argument, add_preset_argument, config_from_args
+from quantlab.cli.training_flags import add_training_flags, print_report, resolve_training_flags
+from quantlab.workflows.qat import QATReport, qat_model
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "qat",
+        help="quantization-aware training of a quantized model against its float model",
+        description="Train a quantized checkpoint (or a float MODEL quantized first with --method) through fake "
+        "quantizers on its own storage format, with the KL divergence from the float teacher as the loss, and "
+        "save it in the same format. --learning-rate is in grid steps (one code of an integer grid).",
+    )
+    add_model_argument(parser, help="a quantized checkpoint, or a float model with --method (default: the embedded "
+                       "SmolLM2-135M-Instruct)")  # fmt: skip
+    add_method_argument(parser, required=False)
+    add_preset_argument(parser)
+    parser.add_argument(
+        "--teacher",
+        metavar="FLOAT_MODEL",
+        help="the float model to match (default: the one the checkpoint was quantized from)",
+    )
+    group = parser.add_argument_group("quantization-aware training")
+    group.add_argument(
+        "--max-offset",
+        type=float,
+        metavar="F",
+        help="bound of each weight's move in grid steps (default: none, the latent weights train)",
+    )
+    group.add_argument(
+        "--learn-scales",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also train each group's scale and zero point (default: on)",
+    )
+    group.add_argument(
+        "--scale-lr-ratio",
+        type=float,
+        default=0.2,
+        metavar="F",
+        help="the scales' learning rate as a multiple of --learning-rate (default: 0.2)",
+    )
+    group.add_argument(
+        "--alpha",
+        type=float,
+        default=1.0,
+        help="share of the KL term; the rest is cross-entropy on the text (default: 1, KL only)",
+    )
+    group.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the KL (default: 1)")
+    add_training_flags(parser)
+    add_eval_arguments(parser, help="measure the teacher's and the student's perplexity before and after",
+                       window_flags=False)  # fmt: skip
+    add_output_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from quantlab.distill import DistillationConfig
+    from quantlab.qat import QATOptions
+
+    console = Console.from_args(args)
+    training_run = resolve_training_flags(args, "qat")
+    options = QATOptions(max_offset=args.max_offset, learn_scales=args.learn_scales,
+                         scale_lr_ratio=args.scale_lr_ratio)  # fmt: skip
+    distillation = DistillationConfig(alpha=args.alpha, temperature=args.temperature)
+    config = config_from_args(args) if args.method is not None or args.preset is not None else None
+    text = text_from_args(args, seq_len=args.eval_seq_len, windows=args.eval_windows) if args.eval else None
+    report = qat_model(
+        args.model,
+        training_run,
+        teacher=args.teacher,
+        config=config,
+        options=options,
+        distillation=distillation,
+        evaluate=text,
+        progress=console.progress,
+        notify=console.note,
+    )
+    title = f"quantization-aware training of {report.model} -> {training_run.output_dir}"
+    print_report(console, title, report_rows(report), report.as_dict())
+    return 0
+
+
+def report_rows(report: QATReport) -> list[tuple[str, str]]:
+    """The report's lines for people."""
+    start = "quantized first" if report.quantized_first else "as saved"
+    bound = "unbounded" if report.max_offset is None else f"within {report.max_offset:g} grid steps"
+    losses = "" if report.loss_first is None else f", loss {report.loss_first:.4f} -> {report.loss_last:.4f}"
+    rows = [
+        ("student", f"{report.method} ({start}), {report.layers_trained} layers, "
+                    f"{report.layers_from_float_weights} from the teacher's float weights"),
+        ("teacher", report.teacher),
+        ("trained", f"weights {bound}, scales {'learned' if report.learn_scales else 'fixed'}; loss "
+                    f"alpha={report.alpha:g}, T={report.temperature:g}"),
+        ("training", f"{report.steps} steps at lr {report.learning_rate:g}, {seconds(report.train_seconds)}, "
+                     f"peak {mebibytes(report.peak_memory_bytes)}{losses}"),
+        ("size on disk", f"{disk_size(report.size_bytes)}, {report.bits_per_quantized_weight:.3f} bits per weight"),
+    ]  # fmt: skip
+    if report.evaluation_text is not None:
+        rows.append(("perplexity", f"teacher {report.perplexity_teacher:.3f}; student {report.perplexity_before:.3f} "
+                     f"-> {report.perplexity_after:.3f} on {report.evaluation_text}"))  # fmt: skip
+    return rows

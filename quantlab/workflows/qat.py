@@ -1,0 +1,247 @@
+"""Quantization-aware training with distillation: a calibrated checkpoint trained against its float model.
+
+The start is a quantized checkpoint (GPTQ's, say), or a float model quantized first with a given
+config into `output_dir/start`. Its quantized Linear layers train as fake quantizers on their own
+storage formats (`quantlab.qat`) against the KL divergence from the float teacher (`teacher`, by
+default the float model the quantized checkpoint's `quantlab_report.json` records) on transformers'
+Trainer, then are written back as ordinary codes: `output_dir/final` is a checkpoint of the same
+format and size that `from_pretrained` reloads. The run folder holds the log, checkpoints and report.
+
+Training text: the bundled WikiText-2 slice after the perplexity harness's 16 x 512 evaluation
+tokens (from token 8,192 on), whatever `--eval-windows` says, or the run's `data` file.
+"""
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from quantlab.config import QuantlabConfig
+from quantlab.errors import QuantlabError
+from quantlab.loading import ModelSource, open_model, resolve_model, weights_size
+from quantlab.training import FINAL_DIR
+from quantlab.workflows.notes import DEFAULT_MODEL_NOTE, Notify, notifier
+from quantlab.workflows.outputs import REPORT_FILE, write_report
+from quantlab.workflows.runs import TrainingRun
+from quantlab.workflows.stats import peak_memory_bytes
+from quantlab.workflows.text import EvaluationText, measure_perplexity
+
+START_DIR = "start"  # inside the run folder: the float model quantized with the given config, trained from
+
+
+@dataclass
+class QATReport:
+    """What a quantization-aware training run did, as saved in the run folder's `quantlab_report.json`."""
+
+    command: str
+    model: str
+    teacher: str
+    output: str
+    method: str
+    quantized_first: bool
+    layers_trained: int
+    layers_from_float_weights: int
+    steps: int
+    learning_rate: float
+    max_offset: float | None
+    learn_scales: bool
+    scale_lr_ratio: float
+    alpha: float
+    temperature: float
+    loss_first: float | None
+    loss_last: float | None
+    train_seconds: float
+    peak_memory_bytes: int
+    size_bytes: int
+    bits_per_quantized_weight: float
+    perplexity_teacher: float | None
+    perplexity_before: float | None
+    perplexity_after: float | None
+    evaluation_text: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def qat_model(
+    model: "str | os.PathLike | ModelSource | None",
+    run: TrainingRun,
+    *,
+    teacher: "str | os.PathLike | ModelSource | None" = None,
+    config: QuantlabConfig | None = None,
+    options: Any = None,
+    distillation: Any = None,
+    evaluate: EvaluationText | None = None,
+    progress: bool = False,
+    notify: Notify | None = None,
+) -> QATReport:
+    """Train the quantized `model` (or the float `model` quantized with `config` first) for `run.max_steps`
+    steps against the float `teacher`, and save it to `run.output_dir/final`.
+
+    `options`: a `quantlab.qat.QATOptions`; `distillation`: a `DistillationConfig` (default: the KL term
+    alone at temperature 1). `evaluate`: the teacher's and the student's perplexity before and after.
+    """
+    from quantlab.distill import DistillationConfig
+    from quantlab.qat import QATOptions
+
+    note = notifier(notify)
+    run.validate(steps_required=True)
+    options = options if options is not None else QATOptions()
+    distillation = distillation if distillation is not None else DistillationConfig(alpha=1.0, temperature=1.0)
+    if model is None:
+        note(DEFAULT_MODEL_NOTE)
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    quantization = _check_start(source, config)
+    teacher_source = _teacher_source(source, teacher, quantization)
+    run.prepare([source.path, teacher_source.path])
+    student_source = source
+    if config is not None:
+        student_source = _quantized_start(source, config, run, progress, note)
+    scratch = run.output_dir.parent
+    with (
+        open_model(teacher_source, scratch=scratch, progress=progress) as opened_teacher,
+        open_model(student_source, scratch=scratch, progress=progress) as opened_student,
+    ):
+        opened_teacher.refuse_quantized("the teacher must be the float model; pass its float original as --teacher")
+        report = _train(opened_teacher, opened_student, run, options, distillation, evaluate, progress, note)
+    report.model, report.quantized_first = str(source), config is not None
+    write_report(run.output_dir, report.as_dict())
+    return report
+
+
+def _check_start(source: ModelSource, config: QuantlabConfig | None) -> str | None:
+    """The checkpoint's quantization method; a float model needs `config`, a quantized one must not get it."""
+    with open_model(source) as opened:
+        quantization = opened.quantization
+    if quantization is None and config is None:
+        raise QuantlabError(
+            f"{source} is a float model; give --method NAME and its options (e.g. --method custom_bits --bits 3 "
+            f"--symmetric --solver gptq) to quantize it first, or pass a quantized checkpoint"
+        )
+    if quantization is not None and config is not None:
+        raise QuantlabError(
+            f"{source} is already quantized ({quantization}); drop --method to train it as it is, or pass its "
+            f"float model to quantize it with other settings"
+        )
+    return quantization
+
+
+def _teacher_source(source: ModelSource, teacher: Any, quantization: str | None) -> ModelSource:
+    """`teacher`; else the float model itself, or the float model a quantized checkpoint's report records."""
+    if teacher is not None:
+        return teacher if isinstance(teacher, ModelSource) else resolve_model(teacher)
+    if quantization is None:
+        return source
+    report = source.folder / REPORT_FILE
+    recorded = None
+    if report.is_file():
+        try:
+            recorded = json.loads(report.read_text(encoding="utf-8")).get("model_path")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+    if not recorded:
+        raise QuantlabError(f"{source} records no float model ({REPORT_FILE}); pass --teacher FLOAT_MODEL")
+    if not Path(recorded).exists():
+        raise QuantlabError(
+            f"{source} was quantized from {recorded}, which no longer exists; pass --teacher FLOAT_MODEL"
+        )
+    return resolve_model(recorded)
+
+
+def _quantized_start(
+    source: ModelSource, config: QuantlabConfig, run: TrainingRun, progress: bool, note: Notify
+) -> ModelSource:
+    """The float model quantized with `config` into the run folder (kept there, so a resumed run reuses it)."""
+    from quantlab.workflows.quantize import quantize_to_checkpoint
+
+    start = run.output_dir / START_DIR
+    if run.resume_from_checkpoint and (start / "config.json").is_file():
+        note(f"reusing the quantized start {start}")
+        return resolve_model(start)
+    note(f"quantizing {source} with {config!r} into {start}")
+    quantize_to_checkpoint(source, config, start, overwrite=True, progress=progress, notify=note)
+    return resolve_model(start)
+
+
+def _train(
+    opened_teacher: Any,
+    opened_student: Any,
+    run: TrainingRun,
+    options: Any,
+    distillation: Any,
+    text: EvaluationText | None,
+    progress: bool,
+    note: Notify,
+) -> QATReport:
+    from quantlab.distill import check_vocabularies
+    from quantlab.eval.size import stored_bits_per_weight
+    from quantlab.qat import train_quantized
+    from quantlab.saving import save_model
+
+    output = run.output_dir
+    teacher_tokenizer, student_tokenizer = opened_teacher.tokenizer(), opened_student.tokenizer()
+    tokenizer = student_tokenizer or teacher_tokenizer
+    note(f"loading the float teacher {opened_teacher.source} and the quantized student {opened_student.source}")
+    teacher, student = opened_teacher.load_checkpoint(), opened_student.load_checkpoint()
+    check_vocabularies(teacher, student, teacher_tokenizer, student_tokenizer)
+    perplexity = {}
+    if text is not None:
+        note(f"measuring perplexity on {text.describe()}")
+        perplexity = {
+            name: measure_perplexity(model, tokenizer, text, progress)
+            for name, model in (("teacher", teacher), ("before", student))
+        }
+    data = training_data(run, tokenizer)
+    windows = data.eval_windows if run.eval_steps and run.eval_windows else None
+    training_args = run.training_arguments(progress, eval_steps=run.eval_steps if windows is not None else 0)
+    started = time.perf_counter()
+    result = train_quantized(
+        student, teacher, training_args, data.train, tokenizer, options=options, distillation=distillation,
+        eval_windows=windows, teacher_tokenizer=teacher_tokenizer, resume_from_checkpoint=run.resume_from_checkpoint,
+    )  # fmt: skip
+    train_seconds = time.perf_counter() - started
+    del teacher
+    if text is not None:
+        perplexity["after"] = measure_perplexity(student, tokenizer, text, progress)
+    save_model(student, tokenizer, output / FINAL_DIR, protect=[opened_teacher.folder, opened_student.folder])
+    return QATReport(
+        command="qat",
+        model=str(opened_student.source),
+        teacher=str(opened_teacher.source),
+        output=str(output / FINAL_DIR),
+        method=str(opened_student.quantization),
+        quantized_first=False,
+        layers_trained=result.layers,
+        layers_from_float_weights=result.float_started,
+        steps=run.max_steps,
+        learning_rate=training_args.learning_rate,
+        max_offset=options.max_offset,
+        learn_scales=options.learn_scales,
+        scale_lr_ratio=options.scale_lr_ratio,
+        alpha=distillation.alpha,
+        temperature=distillation.temperature,
+        loss_first=result.losses[0] if result.losses else None,
+        loss_last=result.losses[-1] if result.losses else None,
+        train_seconds=train_seconds,
+        peak_memory_bytes=peak_memory_bytes(),
+        size_bytes=weights_size(output / FINAL_DIR),
+        bits_per_quantized_weight=stored_bits_per_weight(student),
+        perplexity_teacher=perplexity.get("teacher"),
+        perplexity_before=perplexity.get("before"),
+        perplexity_after=perplexity.get("after"),
+        evaluation_text=text.describe() if text else None,
+    )
+
+
+def training_data(run: TrainingRun, tokenizer: Any) -> Any:
+    """The run's examples and held-out windows; on the bundled text the examples always start after the
+    harness's evaluation tokens (16 x 512), even when the run holds out fewer."""
+    from quantlab.calibration.data import EVAL_SEQ_LEN, EVAL_TOKENS, EVAL_WINDOWS
+    from quantlab.training import causal_lm_data
+
+    data = run.training_data(tokenizer)
+    if run.data is None and run.eval_windows * run.eval_seq_len < EVAL_TOKENS:
+        data.train = causal_lm_data(tokenizer, None, run.max_seq_length, EVAL_WINDOWS, EVAL_SEQ_LEN).train
+    return data
