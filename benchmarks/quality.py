@@ -65,6 +65,7 @@ class Variant:
     make_config: Callable[[], Any] | None
     peer: tuple[float, str] | None = None
     quick: bool = False
+    build: Callable[[Path], Any] | None = None  # instead of a config: builds the model from the float folder
 
 
 @dataclass
@@ -114,6 +115,7 @@ def builtin_variants() -> list[Variant]:
     # 3-bit g32 symmetric also stores 3.5 bits per weight: a uniform rival of mixed precision at 3.5.
     variants.append(_custom_bits(3, 32, True, "gptq", False))
     variants += reconstruct_variants()
+    variants += qat_variants()
     variants += embedding_variants()
     for target in (4.25, 3.5, 3.25, 3.0, 2.5):
         variants.append(
@@ -145,6 +147,35 @@ def reconstruct_variants() -> list[Variant]:
         )
     )
     return variants
+
+
+# Quantization-aware training from GPTQ's codes (about 25 minutes a row on 2 cores): bits, group, steps.
+QAT_ROWS = ((3, 64, 100), (2, 64, 100))
+QAT_TRAINING = {"learning_rate": 5e-3, "per_device_train_batch_size": 4, "lr_scheduler_type": "cosine",
+                "warmup_steps": 0.05, "seed": 0, "logging_steps": 10}  # fmt: skip
+
+
+def qat_variants() -> list[Variant]:
+    """`quantlab qat`: GPTQ's symmetric codes, then every quantized layer trained through fake quantizers
+    against the float model's KL divergence on the bundled text after the evaluation windows."""
+
+    def build(bits: int, group: int, steps: int) -> Callable[[Path], Any]:
+        return lambda directory: qat_model_of(directory, bits, group, steps)
+
+    names = [f"qat {bits}-bit g{group} sym (gptq start, {steps} steps)" for bits, group, steps in QAT_ROWS]
+    return [Variant(name, "quantlab", None, build=build(*row)) for name, row in zip(names, QAT_ROWS, strict=True)]
+
+
+def qat_model_of(directory: Path, bits: int, group: int, steps: int) -> torch.nn.Module:
+    """`qat_model(directory, config=GPTQ's)` into a temporary run folder; the trained checkpoint, loaded."""
+    from quantlab.workflows.qat import qat_model
+    from quantlab.workflows.runs import TrainingRun
+
+    config = quantlab.CustomBitsConfig(bits=bits, group_size=group, symmetric=True, solver="gptq")
+    with tempfile.TemporaryDirectory(prefix="quantlab-quality-qat-") as scratch:
+        run = TrainingRun(Path(scratch) / "run", {"max_steps": steps, **QAT_TRAINING}, max_seq_length=256)
+        report = qat_model(directory, run, config=config)
+        return AutoModelForCausalLM.from_pretrained(report.output, dtype=torch.float32, local_files_only=True)
 
 
 def embedding_variants() -> list[Variant]:
@@ -239,6 +270,11 @@ def load(
     model_class: type, directory: Path, variant: Variant, row: Row, calibration_text: Path | None = None
 ) -> torch.nn.Module:
     """Load (and quantize, calibrate) one row's model, recording its time and peak resident memory."""
+    if variant.build is not None:
+        with stopwatch() as timing, peak_resident() as peak:
+            model = variant.build(directory)
+        row.load_seconds, row.peak_mib = timing["seconds"], peak["mib"]
+        return model.eval()
     config = variant.make_config() if variant.make_config else None
     if calibration_text is not None and getattr(config, "needs_calibration", False) and not config.self_calibration:
         config.calibration_text = str(calibration_text)
@@ -447,6 +483,8 @@ def acceptance(rows: list[Row]) -> list[dict[str, Any]]:
     check("block-wise: 4-bit at <= 4.25 bits/weight", best("custom_bits 4-bit", 4.25), 38.0)
     check("block-wise: 3-bit at <= 3.25 bits/weight", best("custom_bits 3-bit", 3.25), 42.0)
     check("block-wise: 2-bit at <= 2.25 bits/weight", best("custom_bits 2-bit", 2.25), 72.0)
+    check("qat: 3-bit at <= 3.25 bits/weight", best("qat 3-bit", 3.25), 42.0)
+    check("qat: 2-bit at <= 2.25 bits/weight", best("qat 2-bit", 2.25), 72.0)
     check("int8 gptq", by_name.get("int8 (per channel) gptq"), 36.09)
     nf4_bits = by_name["nf4 b64 + double quant"].bits_per_weight if "nf4 b64 + double quant" in by_name else 4.127
     data_free = [by_name.get(f"nf4 b64 + double quant {solver}") for solver in ("mse", "gptq self-calibrated")]
@@ -536,6 +574,8 @@ def run_minilm(variants: list[Variant], text: str) -> list[dict[str, Any]]:
     rows = []
     calibration = _text_after(text, lines[-1])
     for variant in variants:
+        if variant.build is not None:
+            continue  # the rows that build their model train a causal LM (quantization-aware training)
         if getattr(variant.make_config and variant.make_config(), "self_calibration", False):
             continue  # an encoder samples no text to calibrate on (quantlab refuses it with that message)
         row = guarded(lambda v=variant, ref=reference: minilm_row(v, tokenizer, lines, ref, calibration), variant)
