@@ -7,6 +7,7 @@ fast path (`quantlab.generation.compile_for_decoding`), with llama.cpp as an opt
     python benchmarks/decode.py --methods "4bit e8" --paths fast fast-unfused --no-memory --no-onnx
     python benchmarks/decode.py --methods "4bit e8" --paths fast fast-int8 --no-memory --no-onnx
     python benchmarks/decode.py --methods "4bit e8" "int8 e8" --paths fast native native-int8 --no-memory --no-onnx
+    python benchmarks/decode.py --isa avx2 --methods fp32 "4bit e8" --paths eager native-int8  # AVX2 kernels
 
 Every model is loaded once (quantized while loading); the eager and fast paths of a method share
 its weights (one `generate` call each, with its own generation config); `fast-unfused`, the fast path
@@ -294,7 +295,7 @@ def batched_rounds(
 def peak_memory_mib(args, name: str) -> float | None:
     """Maximum resident memory of a fresh process that loads, warms up and runs this candidate alone."""
     command = [sys.executable, __file__, "--peak-memory-of", name, "--tokens", str(args.tokens)]
-    command += ["--prompt-tokens", str(args.prompt_tokens), "--threads", str(args.threads)]
+    command += ["--prompt-tokens", str(args.prompt_tokens), "--threads", str(args.threads), "--isa", args.isa]
     command += ["--compile-mode", args.compile_mode]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = result.stdout.strip().splitlines()
@@ -397,6 +398,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=["llama.cpp Q4_0", "llama.cpp Q8_0"],
         help="candidates every row is also divided by, round by round (those present)",
     )
+    parser.add_argument(
+        "--isa",
+        choices=["native", "avx512", "avx2", "scalar"],
+        default="native",
+        help="quantlab's kernels on this instruction set or lower (llama.cpp keeps its own build's)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--no-onnx", dest="onnx", action="store_false", help="skip the onnxruntime 4-bit candidate")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -407,6 +414,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     torch.set_num_threads(args.threads)
+    if args.isa != "native":
+        native.force_isa(args.isa)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     if args.peak_memory_of:
