@@ -139,3 +139,52 @@ def test_the_linear_layer_computes_with_the_fake_quantized_weight(problem):
         "weight_quantizer.scale_ratio",
         "weight_quantizer.zero",
     ]
+
+
+def _written_out(quantizer: FakeQuantizedWeight) -> torch.Tensor:
+    """The straight-through weight as the chain of detached expressions LSQ writes: the reference
+    the one-pass autograd function must match."""
+    params = quantizer.grid()
+    scale = params.scale.unsqueeze(-1)
+    stored_zero = None if params.zero is None else params.zero.unsqueeze(-1)
+    latent = quantizer.latent()
+    with torch.no_grad():
+        codes = quantizer.layout.encode(latent, scale, stored_zero)
+        hard = quantizer.layout.decode(codes, scale, stored_zero)
+    learned_scale = quantizer.start_scale.unsqueeze(-1) * quantizer.scale_ratio.unsqueeze(-1)
+    scale = learned_scale + (scale - learned_scale).detach()
+    if quantizer.zero is None:
+        zero = quantizer.layout.constant_zero
+    else:
+        zero = quantizer.zero.unsqueeze(-1)
+        zero = zero + (stored_zero - zero).detach()
+    t = latent / scale + zero
+    clipped = t.clamp(quantizer.levels[0], quantizer.levels[-1])
+    soft = scale * (clipped + (quantizer.levels[codes.long()] - clipped).detach() - zero)
+    return hard + (soft - soft.detach())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
+def test_one_pass_gradients_equal_the_written_out_straight_through_estimator(layout, problem):
+    _, quantizer = _start(layout, problem)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        quantizer.offset.copy_(torch.rand(quantizer.offset.shape, generator=generator) * 6 - 3)  # some clipped
+        quantizer.scale_ratio.copy_(0.7 + 0.6 * torch.rand(quantizer.scale_ratio.shape, generator=generator))
+    upstream = torch.randn(OUT, IN, generator=generator)
+    gradients = []
+    for weight in (lambda: quantizer(), lambda: _ungroup(_written_out(quantizer))):
+        quantizer.zero_grad(set_to_none=True)
+        computed = weight()
+        (computed * upstream).sum().backward()
+        gradients.append({name: p.grad.clone() for name, p in quantizer.named_parameters() if p.grad is not None})
+        assert torch.equal(computed.detach(), layout.dequantize(quantizer.stored()))
+    assert gradients[0].keys() == gradients[1].keys() and "offset" in gradients[0]
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradient, gradients[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _ungroup(grouped: torch.Tensor) -> torch.Tensor:
+    from quantlab.formats import grouping
+
+    return grouping.ungroup(grouped, IN)
