@@ -116,7 +116,7 @@ class FakeQuantizedWeight(nn.Module):
             return grouping.ungroup(hard, self.layout.in_features)
         learned_scale = self.start_scale.unsqueeze(-1) * self.scale_ratio.unsqueeze(-1)
         learned_zero = None if self.zero is None else self.zero.unsqueeze(-1)
-        zero = self._zero_or_constant(None if stored_zero is None else params.zero)
+        zero = self.layout.constant_zero if stored_zero is None else stored_zero
         level = self.levels[codes.long()]
         weight = _StraightThrough.apply(
             latent, learned_scale, learned_zero, hard, scale, zero, level, self.levels[0], self.levels[-1]
