@@ -10,6 +10,7 @@ from quantlab.methods.builtin import register_builtin_methods
 from quantlab.methods.custom_bits import CustomBitsConfig
 from quantlab.methods.int8 import Int8SymmetricConfig
 from quantlab.methods.iq4_nl import IQ4NLConfig
+from quantlab.methods.lut import LutConfig
 from quantlab.methods.nf4 import NF4Config
 from quantlab.nn import QuantizedLinear
 from quantlab.presets import preset_config
@@ -26,6 +27,7 @@ __all__ = [
     "CustomBitsConfig",
     "IQ4NLConfig",
     "Int8SymmetricConfig",
+    "LutConfig",
     "Method",
     "NF4Config",
     "QuantizationError",

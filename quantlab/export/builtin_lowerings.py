@@ -53,7 +53,7 @@ def lower_integer_grid(ctx: LayerLowering, module: QuantizedLinear):
 def lower_level_table(ctx: LayerLowering, module: QuantizedLinear):
     """`level[q] * scale` (zero point 0): MatMulBnb4 for the NF4 table where its blocks tile the
     layout, else a Gather of the table."""
-    layout = module.layout
+    layout = module.bound_layout()  # the layer's own table where the codec learns one
     table = layout.levels()
     scale = layout.params(module.stored_tensors()).scale  # float32, expanded under double quantization
     nf4 = torch.equal(table, torch.tensor(NF4_LEVELS, dtype=table.dtype))

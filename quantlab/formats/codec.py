@@ -138,12 +138,15 @@ class Codec:
       "level-table"), or None for the exporter's fallback (the dequantized weight and a MatMul).
     - `packed_codes`: whether `weight` holds codes packed `bits` to the byte
       (`quantlab.formats.packing`); otherwise one signed byte per code.
+    - `native_table_argument`: the native operators take the layer's own level table in the
+      zero point's position of `native_arguments` (a table kind has no zero point).
     """
 
     name: ClassVar[str]
     native_kind: ClassVar[int | None] = None
     onnx_lowering: ClassVar[str | None] = None
     packed_codes: ClassVar[bool] = True
+    native_table_argument: ClassVar[bool] = False
 
     # -- what a layout of this codec stores --------------------------------------------------
 
@@ -168,6 +171,18 @@ class Codec:
         """Lookup tables the native kernels read with the codes (`ql_weight` field → values)."""
         return {}
 
+    # -- numbers learned per layer ------------------------------------------------------------
+
+    def prepare(
+        self, layout: "StorageLayout", weight: torch.Tensor, channel_weights: torch.Tensor | None = None
+    ) -> "StorageLayout":
+        """`layout` with the codec's per-layer numbers fitted to `weight` (see `StorageLayout.prepare`)."""
+        return layout
+
+    def bind(self, layout: "StorageLayout", stored: dict[str, torch.Tensor]) -> "StorageLayout":
+        """`layout` with the per-layer numbers read from the stored tensors (see `StorageLayout.bind`)."""
+        return layout
+
     # -- round to nearest, and the reference decoding -------------------------------------------
 
     def quantize(self, layout: "StorageLayout", weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -181,6 +196,7 @@ class Codec:
         self, layout: "StorageLayout", stored: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         """The float `[out, in]` weight the stored tensors represent: the reference every kernel matches."""
+        layout = self.bind(layout, stored)
         codes, params = self.load(layout, stored)
         zero = None if params.zero is None else params.zero.unsqueeze(-1)
         values = self.decode(layout, codes, params.scale.unsqueeze(-1), zero)

@@ -9,6 +9,11 @@ Every built-in format is a grid per group of `group_size` weights along a row:
 | `int8` | 0 .. 255 | 128 | signed codes `q - 128` (one byte each), scale |
 | `nf4` | the 16 NF4 values in [-1, 1] | 0 | packed codes, absmax (plain, or in 8 bits: double quant) |
 | `iq4_nl` | llama.cpp's 16 IQ4_NL integers, -127 .. 113 | 0 | packed codes, float16 scale |
+| `lut` | a table of 2**bits levels learned per layer, -1 .. 1 | 0 | packed codes, scale, the table |
+
+A codec whose levels are learned per layer (`lut`) keeps them in `table`: a layout built from a
+config has none; `prepare` fits it to a weight before a solver chooses codes, and `bind` reads it
+back from the layer's stored tensors.
 
 Kernels, ONNX lowerings, sparse storage, load verification and the solvers read this one
 description. Everything that depends on the format is its codec's (`quantlab.formats.codec`,
@@ -74,6 +79,7 @@ class StorageLayout:
     symmetric: bool = True  # affine only: no stored zero point
     scale_dtype: torch.dtype = torch.float32
     double_quant: bool = False  # nf4 only: absmax stored in 8 bits
+    table: tuple[float, ...] | None = None  # lut only: this layer's learned levels (None: not fitted yet)
 
     def __post_init__(self) -> None:
         codec = get_codec(self.codec)
@@ -165,6 +171,16 @@ class StorageLayout:
         NF4 under double quantization compresses all absmax of the layer together: pass them all.
         """
         return self.codec_object.grid(self, scale, zero)
+
+    def prepare(self, weight: torch.Tensor, channel_weights: torch.Tensor | None = None) -> "StorageLayout":
+        """This layout with whatever its codec learns per layer (a level table) fitted to the float
+        `[out, in]` weight, an input channel's error weighted by `channel_weights` (E[x_j^2]); the
+        layout itself for codecs with nothing to learn. Solvers choose codes on the result."""
+        return self.codec_object.prepare(self, weight, channel_weights)
+
+    def bind(self, stored: dict[str, torch.Tensor]) -> "StorageLayout":
+        """This layout with the per-layer numbers (a level table) the stored tensors carry; itself otherwise."""
+        return self.codec_object.bind(self, stored)
 
     def quantize_grouped(self, grouped: torch.Tensor, params: GroupParams) -> torch.Tensor:
         """Codes `[out, groups, length]` of grouped weights on the given grids."""

@@ -72,6 +72,7 @@ class FakeQuantizedWeight(nn.Module):
         learn_scales: bool = True,
     ) -> "FakeQuantizedWeight":
         """Start from a layer's stored tensors (`QuantizedLinear.stored_tensors()`) and its float weight."""
+        layout = layout.bind(stored)  # a learned level table is the layer's own
         codes, params = layout.load(stored)
         # What the codec derived from the grids when it stored them (NF4's 8-bit absmax) is kept as stored.
         params.stored = {name: tensor for name, tensor in stored.items() if name != "weight"}

@@ -102,6 +102,10 @@ class QuantizedLinear(StoredTensorsModule):
         """Unsigned codes `[out, groups, length]` and float32 grids, as the layout reads them."""
         return self.layout.load(self.stored_tensors())
 
+    def bound_layout(self) -> StorageLayout:
+        """The layout with the numbers this layer learned (a `lut` layer's level table): what its codes index."""
+        return self.layout.bind(self.stored_tensors())
+
     # -- shared behaviour -----------------------------------------------------------------
 
     @classmethod
@@ -151,6 +155,7 @@ class QuantizedLinear(StoredTensorsModule):
                 f"{layer}: the {solver.name} solver needs calibration data; quantize with "
                 f"quantlab.quantize(model, config, calibration=...) or from_pretrained(path, quantization_config=...)"
             )
+        layout = layout.prepare(weight, None if stats is None else stats.channel_weights())
         solution = solver.solve(weight, layout, stats, dict(config.solver_options or {}))
         return layout.store(solution.codes, solution.params)
 

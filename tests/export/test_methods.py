@@ -42,6 +42,8 @@ OTHERS = [
     ("cb3-per-channel-asym", quantlab.CustomBitsConfig(bits=3, group_size=None), FALLBACK),
     ("cb8-sym-bf16", quantlab.CustomBitsConfig(bits=8, symmetric=True, scale_dtype="bfloat16"), NBITS),
     ("iq4_nl", quantlab.IQ4NLConfig(), FALLBACK),
+    ("lut4", quantlab.LutConfig(), FALLBACK),
+    ("lut3-g32", quantlab.LutConfig(bits=3, group_size=32), FALLBACK),
 ]
 # K=72 and K=120 have no power-of-two factor >= 16: MatMulBnb4 cannot tile them.
 ODD_K = [

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import quantlab
-from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, NF4Config
+from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, LutConfig, NF4Config
 from quantlab.kernels import select_kernel
 from quantlab.kernels.cpu.linear import native_dequantize, native_linear
 from quantlab.kernels.cpu.weights import native_weight, supported
@@ -31,6 +31,9 @@ CONFIGS = [
     CustomBitsConfig(bits=8, group_size=None, symmetric=True),
     IQ4NLConfig(),
     IQ4NLConfig(group_size=64),
+    LutConfig(bits=4, group_size=64),
+    LutConfig(bits=3, group_size=32, scale_dtype="bfloat16"),
+    LutConfig(bits=2, group_size=None, scale_dtype="float32"),
 ]
 # (in_features, out_features): odd output counts, inputs that no group size divides.
 SHAPES = [(256, 64), (200, 37), (577, 33)]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import quantlab
-from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, NF4Config
+from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, LutConfig, NF4Config
 from quantlab.kernels.cpu import extension, ops
 from quantlab.kernels.cpu.linear import ctypes_linear, native_dequantize, native_linear, native_matmul
 from quantlab.kernels.cpu.weights import native_weight
@@ -21,6 +21,7 @@ CODECS = [
     NF4Config(blocksize=32, double_quant=True),
     NF4Config(blocksize=32, double_quant=False),
     IQ4NLConfig(),
+    *(LutConfig(bits=bits, group_size=32) for bits in (2, 3, 4)),
 ]
 
 

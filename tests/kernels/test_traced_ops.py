@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import quantlab
-from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, NF4Config
+from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, LutConfig, NF4Config
 from quantlab.kernels.cpu import ops
 from quantlab.kernels.cpu.linear import ctypes_linear, native_dequantize
 from quantlab.kernels.cpu.weights import native_weight
@@ -18,6 +18,7 @@ CODECS = {
     "nf4-double-quant": NF4Config(blocksize=32),
     "nf4-plain": NF4Config(blocksize=32, double_quant=False),
     "iq4_nl": IQ4NLConfig(),
+    "lut3": LutConfig(bits=3, group_size=32),
 }
 
 

@@ -1,6 +1,6 @@
 """The method contract on every built-in method, across widths and layouts."""
 
-from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, NF4Config
+from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, LutConfig, NF4Config
 from quantlab.testing.contract import MethodContract
 
 # Floors measured on N(0, 0.02) weights, less about 2 dB of margin. Round-to-nearest gains
@@ -35,4 +35,12 @@ class TestCustomBits(MethodContract):
         (CustomBitsConfig(bits=3, group_size=128, symmetric=True), 10.0),
         (CustomBitsConfig(bits=2, group_size=32), 5.0),
         (CustomBitsConfig(bits=5, group_size=None, scale_dtype="float32"), 22.0),
+    ]
+
+
+class TestLut(MethodContract):
+    cases = [  # noqa: RUF012
+        (LutConfig(), 19.5),
+        (LutConfig(bits=3, group_size=128), 13.0),
+        (LutConfig(bits=2, group_size=32, scale_dtype="bfloat16"), 7.5),
     ]

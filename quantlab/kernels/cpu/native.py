@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("csrc")
 ABI_VERSION = 9
-KINDS = 4  # QL_KINDS: the kinds of `ql_weight` (one per native codec, `Codec.native_kind`)
+KINDS = 5  # QL_KINDS: the kinds of `ql_weight` (one per native codec, `Codec.native_kind`)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 # -ffp-contract=off: a*b+c stays two roundings, as torch computes it (decoded weights are bit-exact).
 _COMPILE = ["-O3", "-std=c11", "-fPIC", "-pthread", "-fvisibility=hidden", "-ffp-contract=off", "-fno-math-errno"]

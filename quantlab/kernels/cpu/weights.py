@@ -110,6 +110,10 @@ def describe_arguments(
     struct.group_size, struct.group_codes = group_size, codes.shape[2] * 8 // bits
     struct.bits, struct.kind, struct.zero_const = bits, kind, zero_const
     keep = [codes]
+    if codec.native_table_argument:  # the layer's own level table, where other codecs pass zero points
+        table = zero.detach().float().cpu().tolist()
+        struct.levels[: len(table)] = table
+        zero = None
     if scale is not None:
         _set_scale(struct, keep, scale, zero)
     tables = codec.native_tables()

@@ -378,7 +378,7 @@ QL_INLINE QL_AVX2 void ql_block256_codes(const int NR, const int R, const ql_wei
 
 /* How a block decodes its codes: a compile-time constant of each copy of the loops below, so no
  * branch runs per 8 codes. */
-enum { QL256_GENERIC, QL256_NF4_NIBBLE, QL256_AFFINE_NIBBLE, QL256_BYTES, QL256_CODES };
+enum { QL256_GENERIC, QL256_NF4_NIBBLE, QL256_AFFINE_NIBBLE, QL256_BYTES, QL256_CODES, QL256_TABLE_CODES };
 
 QL_INLINE QL_AVX2 void ql_block256_of(const int decoder, const int NR, const int R, const ql_weight *w,
                                       const ql_bits256 *bits, const ql_layout *layout, const float *xp,
@@ -437,13 +437,14 @@ QL_INLINE QL_AVX2 void ql_dequantize_group256(const int decoder, const ql_weight
             const __m256i codes = w->kind == QL_INT8 ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
             _mm256_storeu_ps(out + c, ql_decode8(0, codes, constants));
         }
-    } else if (decoder == QL256_CODES) {
+    } else if (decoder == QL256_CODES || decoder == QL256_TABLE_CODES) { /* 2-7-bit integers, or 2-3-bit table codes */
+        const int table = decoder == QL256_TABLE_CODES;
         for (; c + 8 <= valid; c += 8) {
             const int64_t at = c * w->bits / 8;
             const __m128i bytes = at + 8 <= w->group_bytes ? _mm_loadl_epi64((const __m128i *)(group + at))
                                                            : ql_group_tail(w, group, at);
             const __m256i codes = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(bytes), bits->shuffle);
-            _mm256_storeu_ps(out + c, ql_decode8(0, _mm256_and_si256(_mm256_srlv_epi32(codes, bits->shift), bits->mask),
+            _mm256_storeu_ps(out + c, ql_decode8(table, _mm256_and_si256(_mm256_srlv_epi32(codes, bits->shift), bits->mask),
                                                  constants));
         }
     }
@@ -627,8 +628,10 @@ QL_INLINE QL_AVX2 void ql_gemm256_with(const int decoder, const ql_weight *w, co
 QL_AVX2 void ql_gemm256(const ql_weight *w, const ql_layout *layout, const float *xp, int64_t x_stride, int64_t m, int64_t n0,
                         int64_t n1, float *y, int64_t y_stride, float *params, float *decoded) {
     if (decoded) { /* many rows, x in the plain layout (ql_layout_for) */
-        if (ql_table_kind(w))
+        if (ql_table_kind(w) && w->bits == 4)
             ql_gemm256_decoded(QL256_NF4_NIBBLE, QL256_GENERIC, w, layout, xp, x_stride, m, n0, n1, y, y_stride, params, decoded);
+        else if (ql_table_kind(w))
+            ql_gemm256_decoded(QL256_TABLE_CODES, QL256_GENERIC, w, layout, xp, x_stride, m, n0, n1, y, y_stride, params, decoded);
         else if (w->bits == 4)
             ql_gemm256_decoded(QL256_AFFINE_NIBBLE, QL256_CODES, w, layout, xp, x_stride, m, n0, n1, y, y_stride, params, decoded);
         else if (w->bits == 8)
@@ -668,6 +671,8 @@ QL_AVX2 void ql_dequantize256(const ql_weight *w, int64_t n0, int64_t n1, float 
                               float *params) {
     if (w->bits == 4 && ql_table_kind(w))
         ql_dequantize256_with(QL256_NF4_NIBBLE, w, n0, n1, out, out_stride, params);
+    else if (ql_table_kind(w))
+        ql_dequantize256_with(QL256_TABLE_CODES, w, n0, n1, out, out_stride, params);
     else if (w->bits == 4)
         ql_dequantize256_with(QL256_AFFINE_NIBBLE, w, n0, n1, out, out_stride, params);
     else if (w->bits == 8)

@@ -87,7 +87,7 @@ QL_API int ql_abi_version(void) { return QL_ABI_VERSION; }
 static int ql_check(const ql_weight *w) {
     if (w->bits < 2 || w->bits > 8 || w->groups < 1 || w->group_size < 1) return QL_BAD_FORMAT;
     if (w->kind == QL_INT8 && w->bits != 8) return QL_BAD_FORMAT;
-    if (ql_table_kind(w) && w->bits != 4) return QL_BAD_FORMAT;
+    if (ql_table_kind(w) && (w->bits > 4 || (w->kind != QL_LUT && w->bits != 4))) return QL_BAD_FORMAT;
     if (w->kind != QL_INT8 && (w->group_codes % 8 || w->group_bytes != w->group_codes * w->bits / 8)) return QL_BAD_FORMAT;
     if (w->kind == QL_INT8 && w->group_bytes != w->group_codes) return QL_BAD_FORMAT;
     if (w->absmax_codes && (w->absmax_block < 16 || (w->absmax_block & (w->absmax_block - 1)))) return QL_BAD_FORMAT;

@@ -28,8 +28,8 @@
 #define QL_AVX512_PANEL_ROWS 32 /* from this many rows on, AVX-512 multiplies panels of 32 decoded features (avx512.c) */
 #define QL_AVX512_PANEL_FLOATS(row_length) (64 * (row_length)) /* its buffer: 32 decoded features, then their panel */
 
-enum { QL_AFFINE = 0, QL_INT8 = 1, QL_NF4 = 2, QL_IQ4_NL = 3 };
-#define QL_KINDS 4
+enum { QL_AFFINE = 0, QL_INT8 = 1, QL_NF4 = 2, QL_IQ4_NL = 3, QL_LUT = 4 };
+#define QL_KINDS 5
 enum { QL_F32 = 0, QL_F16 = 1, QL_BF16 = 2 };
 enum { QL_ISA_SCALAR = 0, QL_ISA_AVX2 = 1, QL_ISA_AVX512 = 2 };
 enum { QL_OK = 0, QL_BAD_FORMAT = 1, QL_NO_MEMORY = 2 };
@@ -44,7 +44,7 @@ typedef struct {
     int64_t group_codes;      /* codes stored per group: group_size rounded up to whole bytes */
     int64_t group_bytes;
     int32_t bits;             /* 2..8 */
-    int32_t kind;             /* QL_AFFINE: (q - zero) * scale; QL_INT8: signed q * scale; QL_NF4, QL_IQ4_NL: levels[q] * scale */
+    int32_t kind;             /* QL_AFFINE: (q - zero) * scale; QL_INT8: signed q * scale; QL_NF4, QL_IQ4_NL, QL_LUT: levels[q] * scale */
     const void *scale;        /* [n, groups]: scale, or NF4 absmax without double quantization */
     const void *zero;         /* [n, groups] or NULL (then zero_const) */
     int32_t scale_dtype;
@@ -54,12 +54,12 @@ typedef struct {
     const uint8_t *absmax_codes;
     const float *absmax_scale;
     int64_t absmax_block;
-    float levels[16];         /* the table of QL_NF4 and QL_IQ4_NL */
+    float levels[16];         /* the table of QL_NF4 and QL_IQ4_NL (fixed), or QL_LUT (the layer's own) */
     float absmax_map[256];
 } ql_weight;
 
 /* Kinds whose codes index `levels` (times the group's scale, or NF4's absmax), not integers. */
-static inline int ql_table_kind(const ql_weight *w) { return w->kind == QL_NF4 || w->kind == QL_IQ4_NL; }
+static inline int ql_table_kind(const ql_weight *w) { return w->kind == QL_NF4 || w->kind == QL_IQ4_NL || w->kind == QL_LUT; }
 
 /* ---- decode constants of one group, computed exactly as the reference does ---------------- */
 

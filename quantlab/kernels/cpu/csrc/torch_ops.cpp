@@ -51,7 +51,7 @@ GemmGroupFn gemm_group_fn = nullptr;
 DequantizeFn dequantize_fn = nullptr;
 RowsFn dequantize_rows_fn = nullptr;
 AttentionFn attention_fn = nullptr;
-float kind_levels[QL_KINDS][16]; // each table kind's levels (QL_NF4, QL_IQ4_NL), zeros for the others
+float kind_levels[QL_KINDS][16]; // each fixed table kind's levels (QL_NF4, QL_IQ4_NL), zeros for the others
 float absmax_map[256];
 
 using Optional = const std::optional<at::Tensor> &;
@@ -75,7 +75,7 @@ Layout parse_layout(std::string_view text) {
         std::string_view token = text.substr(start, end - start);
         start = end + 1;
         if (seen++ == 0) {
-            layout.kind = token == "affine" ? QL_AFFINE : token == "int8" ? QL_INT8 : token == "nf4" ? QL_NF4 : token == "iq4_nl" ? QL_IQ4_NL : -1;
+            layout.kind = token == "affine" ? QL_AFFINE : token == "int8" ? QL_INT8 : token == "nf4" ? QL_NF4 : token == "iq4_nl" ? QL_IQ4_NL : token == "lut" ? QL_LUT : -1;
             continue;
         }
         size_t equals = token.find('=');
@@ -139,7 +139,7 @@ Described describe(const Layout &layout, const at::Tensor &codes, Optional scale
                     "group (", per_group, "), got ", tensor->numel());
     };
     check_grid(scale, "scale");
-    check_grid(zero, "zero");
+    if (kind != QL_LUT) check_grid(zero, "zero"); // a lut layer passes its table there (checked below)
     check_grid(absmax_codes, "absmax_codes");
     if (absmax_codes.has_value()) {
         TORCH_CHECK(absmax_codes->element_size() == 1, "quantlab: absmax_codes must be one-byte integers");
@@ -169,13 +169,18 @@ Described describe(const Layout &layout, const at::Tensor &codes, Optional scale
         w.scale = s.data_ptr();
         w.scale_dtype = dtype_code(s);
     }
-    if (zero.has_value()) {
+    std::memcpy(w.levels, kind_levels[kind], sizeof w.levels);
+    if (kind == QL_LUT) { // the layer's own table comes where other kinds take their zero points
+        TORCH_CHECK(zero.has_value() && zero->numel() == (int64_t{1} << bits) && zero->numel() <= 16,
+                    "quantlab: a lut layer needs its table of 2**bits levels");
+        at::Tensor table = zero->to(at::kFloat).contiguous();
+        std::memcpy(w.levels, table.data_ptr<float>(), sizeof(float) * table.numel());
+    } else if (zero.has_value()) {
         at::Tensor z = readable(*zero);
         d.keep[2] = z;
         w.zero = z.data_ptr();
         w.zero_dtype = dtype_code(z);
     }
-    std::memcpy(w.levels, kind_levels[kind], sizeof w.levels);
     if (kind == QL_NF4) {
         if (absmax_codes.has_value()) {
             TORCH_CHECK(absmax_scale.has_value() && absmax_offset.has_value(), "quantlab: incomplete double quant");
@@ -401,7 +406,8 @@ at::Tensor grad_input(const at::Tensor &grad, const std::vector<at::Tensor> &sav
         if (saved[4].defined())
             absmax_scale = saved[4].reshape({-1}).narrow(0, first * groups / block, (count * groups + block - 1) / block);
         at::Tensor part = weight(codes.narrow(0, first, count), feature_rows(defined_or_none(saved[1]), groups, first, count),
-                                 feature_rows(defined_or_none(saved[2]), groups, first, count),
+                                 layout.kind == QL_LUT ? defined_or_none(saved[2])  // a lut layer's table: whole
+                                                       : feature_rows(defined_or_none(saved[2]), groups, first, count),
                                  feature_rows(defined_or_none(saved[3]), groups, first, count), absmax_scale);
         at::Tensor slice = flat.narrow(1, first, count);
         if (result.defined())
