@@ -114,6 +114,7 @@ def builtin_variants() -> list[Variant]:
                     variants.append(_custom_bits(bits, group, symmetric, solver, awq))
     # 3-bit g32 symmetric also stores 3.5 bits per weight: a uniform rival of mixed precision at 3.5.
     variants.append(_custom_bits(3, 32, True, "gptq", False))
+    variants += lut_variants()
     variants += reconstruct_variants()
     variants += qat_variants()
     variants += embedding_variants()
@@ -129,6 +130,22 @@ def builtin_variants() -> list[Variant]:
             )
         )
     return variants
+
+
+def lut_variants() -> list[Variant]:
+    """Learned per-layer tables (`lut`) in groups of 64 with float16 scales: the bits of symmetric integers
+    at the same group size plus the table, round to nearest (the table fitted to the weight alone) and GPTQ
+    (fitted with each input channel weighted by its calibration E[x^2])."""
+    return [
+        Variant(
+            f"lut {bits}-bit g64 {solver}",
+            "quantlab",
+            lambda bits=bits, solver=solver: quantlab.LutConfig(bits=bits, group_size=64, solver=solver),
+            quick=solver == "gptq",
+        )
+        for bits in (4, 3, 2)
+        for solver in ("rtn", "gptq")
+    ]
 
 
 # Block-wise reconstruction (about 30 minutes a row on 2 cores): the settings of the acceptance targets.

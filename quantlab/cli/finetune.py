@@ -34,6 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     lora.add_argument("--lora-dropout", type=float, default=0.05, metavar="P", help="(default: 0.05)")
     lora.add_argument("--target-modules", default="all-linear", metavar="A,B,...",
                       help="layer names to adapt, comma-separated (default: all-linear, every projection)")  # fmt: skip
+    lora.add_argument("--qa-lora", type=int, metavar="G", dest="qalora_group_size",
+                      help="QA-LoRA: the adapter reads inputs averaged over runs of G (the base's group size), so "
+                      "--merge quantized only moves the zero points (needs custom_bits --no-symmetric)")  # fmt: skip
     lora.add_argument("--merge", choices=("quantized", "float"), help="merge the adapter at the end, and report")
     add_training_flags(parser)
     add_output_options(parser)
@@ -42,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     console = Console.from_args(args)
     training_run = resolve_training_flags(args, "finetune")
-    lora = LoraOptions(args.lora_r, args.lora_alpha, args.lora_dropout, args.target_modules)
+    lora = LoraOptions(args.lora_r, args.lora_alpha, args.lora_dropout, args.target_modules, args.qalora_group_size)
     lora.validate()
     quantization = config_from_args(args) if args.method else None
     report = finetune(

@@ -56,7 +56,8 @@ def merge_adapter(
 
 
 def merge_to_quantized(peft_model: nn.Module) -> nn.Module:
-    """Merge into the quantized base (re-quantizing each adapted layer); returns the unwrapped model."""
+    """Merge into the quantized base (re-quantizing each adapted layer; QA-LoRA adapters move only the zero
+    points); returns the unwrapped model."""
     _check_lora(peft_model)
     return peft_model.merge_and_unload()
 

@@ -30,16 +30,21 @@ class FinetuneError(QuantlabError, ValueError):
 
 @dataclass(frozen=True)
 class LoraOptions:
-    """The adapters: rank, scaling numerator (None: 2 x r), dropout, and the layers adapted."""
+    """The adapters: rank, scaling numerator (None: 2 x r), dropout, the layers adapted, and QA-LoRA's
+    input runs (None: plain LoRA; a group size: `A` reads each run of that many inputs averaged, so the
+    adapter merges into the base's zero points, `quantlab.integrations.peft.lora`)."""
 
     r: int = 16
     alpha: float | None = None
     dropout: float = 0.05
     target_modules: str | list[str] = "all-linear"
+    qalora_group_size: int | None = None
 
     def validate(self) -> None:
         if self.r < 1:
             raise FinetuneError("--lora-r must be at least 1")
+        if self.qalora_group_size is not None and self.qalora_group_size < 1:
+            raise FinetuneError("--qa-lora takes a group size of at least 1, e.g. the base's --group-size")
 
 
 @dataclass
@@ -150,7 +155,8 @@ def _train(
         targets = targets.split(",")
     alpha = lora.alpha if lora.alpha is not None else 2 * lora.r
     set_seed(run.seed)  # the adapters' initialization too is part of a reproducible run
-    model = add_lora(model, r=lora.r, alpha=alpha, dropout=lora.dropout, target_modules=targets)
+    qalora = {"use_qalora": True, "qalora_group_size": lora.qalora_group_size} if lora.qalora_group_size else {}
+    model = add_lora(model, r=lora.r, alpha=alpha, dropout=lora.dropout, target_modules=targets, **qalora)
     data = run.training_data(tokenizer)
     evaluate = bool(run.eval_windows)
     eval_steps = (run.eval_steps or run.max_steps) if evaluate else 0

@@ -269,3 +269,53 @@ def test_quantlab_nf4_and_bitsandbytes_nf4_look_the_same_to_peft(tmp_path, capsy
         )
     assert seen["quantlab"] == seen["bitsandbytes"]
     assert seen["quantlab"][1] and seen["quantlab"][0] == tiny_llama(0).num_parameters()
+
+
+QALORA_CONFIG = get_method("custom_bits").config_class(bits=4, group_size=32, symmetric=False, scale_dtype="float32")
+
+
+def test_qa_lora_merges_into_the_zero_points_keeping_codes_and_scales():
+    base = _quantized(QALORA_CONFIG)
+    stored = {name: layer.stored_tensors() for name, layer in quantized_layers(base).items()}
+    peft_model = get_peft_model(base, _lora(use_qalora=True, qalora_group_size=64))
+    _randomize_adapters(peft_model)
+    adapter_logits = _logits(peft_model)
+    assert not torch.equal(adapter_logits, _logits(_quantized(QALORA_CONFIG)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RequantizationWarning)
+        merged = peft_model.merge_and_unload()
+    layers = quantized_layers(merged)
+    assert layers.keys() == stored.keys()
+    for name, layer in layers.items():
+        before = stored[name]
+        assert torch.equal(layer.weight, before["weight"]) and torch.equal(layer.weight_scale, before["weight_scale"])
+        assert not torch.equal(layer.weight_zero, before["weight_zero"])
+    torch.testing.assert_close(_logits(merged), adapter_logits, rtol=0, atol=1e-4)
+
+
+def test_qa_lora_unmerges_back_to_the_zero_points_it_started_from():
+    base = _quantized(QALORA_CONFIG)
+    zeros = {name: layer.weight_zero.clone() for name, layer in quantized_layers(base).items()}
+    peft_model = get_peft_model(base, _lora(use_qalora=True, qalora_group_size=32))
+    _randomize_adapters(peft_model)
+    adapter_logits = _logits(peft_model)
+    peft_model.merge_adapter()
+    torch.testing.assert_close(_logits(peft_model), adapter_logits, rtol=0, atol=1e-4)
+    peft_model.unmerge_adapter()
+    for name, layer in quantized_layers(peft_model).items():
+        original = zeros[name.removeprefix("base_model.model.").removesuffix(".base_layer")]
+        torch.testing.assert_close(layer.weight_zero, original, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("config", "group", "message"),
+    [
+        (get_method("custom_bits").config_class(bits=4, group_size=32, symmetric=True), 32, "stores none"),
+        (QALORA_CONFIG, 16, "multiple of its quantization group"),
+    ],
+)
+def test_qa_lora_refuses_layers_it_cannot_merge_into(config, group, message):
+    from quantlab.errors import QuantlabError
+
+    with pytest.raises(QuantlabError, match=message):
+        get_peft_model(_quantized(config), _lora(use_qalora=True, qalora_group_size=group))

@@ -57,6 +57,27 @@ def test_finetune_trains_merges_and_reports(tiny_checkpoint, tmp_path, capsys):
     assert _last_json(capsys.readouterr().out)["steps"] == 7
 
 
+def test_qa_lora_merges_into_the_quantized_base_without_rounding_the_update(tiny_checkpoint, tmp_path, capsys):
+    """QA-LoRA on an asymmetric base: `--merge quantized` moves only the zero points, so the merged model
+    computes what the adapter model did (a plain LoRA merge re-quantizes and changes the logits)."""
+    folder, text = tiny_checkpoint
+    output = tmp_path / "run"
+    argv = ["finetune", str(folder), "--method", "custom_bits", "--group-size", "32", "--scale-dtype", "float32"]
+    argv += ["--qa-lora", "32", "--output-dir", str(output), "--data", str(text), *TINY, "--max-steps", "4"]
+    assert main([*argv, "--merge", "quantized", "--json"]) == 0
+    report = _last_json(capsys.readouterr().out)
+    assert report["merge"]["mode"] == "quantized" and report["merge"]["max_logit_difference"] <= 1e-3
+    assert (output / "merged" / "config.json").is_file()
+
+
+def test_qa_lora_on_a_base_without_zero_points_is_one_clear_line(tiny_checkpoint, tmp_path, capsys):
+    folder, text = tiny_checkpoint
+    argv = ["finetune", str(folder), "--method", "custom_bits", "--symmetric", "--qa-lora", "64", "--max-steps", "1"]
+    assert main([*argv, "--output-dir", str(tmp_path / "run"), "--data", str(text), *TINY]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "QA-LoRA merges into zero points" in error[0]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
