@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 import quantlab
-from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, NF4Config
+from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, LutConfig, NF4Config
 from quantlab.kernels.cpu import native, ops
 from quantlab.kernels.reference import dequantize_matmul
 
@@ -103,6 +103,8 @@ QUANTLAB = {
     "ql 4b sym": CustomBitsConfig(bits=4, group_size=64, symmetric=True),
     "ql 8b": CustomBitsConfig(bits=8, group_size=64),
     "ql iq4_nl": IQ4NLConfig(),
+    "ql lut4": LutConfig(bits=4, group_size=64),
+    "ql lut3": LutConfig(bits=3, group_size=64),
 }
 
 
@@ -255,7 +257,12 @@ RATIOS = {  # label -> (numerator, denominator): > 1 means the quantlab kernel i
     "fp32 / ql 4b sym": ("torch fp32", "ql 4b sym"),
     "fp32 / ql 8b": ("torch fp32", "ql 8b"),
     "fp32 / ql iq4_nl": ("torch fp32", "ql iq4_nl"),
-    **{f"fp32 / ql op {f}": ("torch fp32", f"ql op {f}") for f in ("int8", "nf4", "3b", "4b sym", "8b", "iq4_nl")},
+    "fp32 / ql lut4": ("torch fp32", "ql lut4"),
+    "fp32 / ql lut3": ("torch fp32", "ql lut3"),
+    **{
+        f"fp32 / ql op {f}": ("torch fp32", f"ql op {f}")
+        for f in ("int8", "nf4", "3b", "4b sym", "8b", "iq4_nl", "lut4", "lut3")
+    },
     "fp32 / ql dq+mm 4b": ("torch fp32", "ql dq+mm 4b"),
     "onednn fp32 / ql 4b": ("onednn fp32", "ql 4b"),
 }
