@@ -36,7 +36,7 @@ from quantlab.calibration.blocks import BlockInputs, run_block
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.nn import QuantizedLinear
-from quantlab.nn.fake_quant import FakeQuantizedWeight, FakeQuantLinear
+from quantlab.nn.fake_quant import FakeQuantizedWeight, FakeQuantLinear, weights_computed_once
 from quantlab.solvers import get_solver
 from quantlab.solvers.reconstruct import ReconstructOptions
 
@@ -190,13 +190,14 @@ class _Training:
         for batch, window in windows:
             by_batch.setdefault(batch, []).append(window)
         tokens = len(windows) * self.targets[0][0].shape[0]
-        total = 0.0
-        for batch, chosen in by_batch.items():
-            with torch.enable_grad():
+        total, loss = 0.0, 0.0
+        with torch.enable_grad(), weights_computed_once(self.block):
+            for batch, chosen in by_batch.items():
                 output = _block_output(self.block, _select(self.batches[batch], chosen))
                 errors = _token_errors(output, self.targets[batch][chosen], self.options.loss)
-                (errors.sum() / tokens).backward()
-            total += float(errors.detach().mean(dim=1).sum())
+                loss = loss + errors.sum() / tokens
+                total += float(errors.detach().mean(dim=1).sum())
+            loss.backward()
         return total
 
     @torch.no_grad()

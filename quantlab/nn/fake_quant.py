@@ -22,6 +22,9 @@ a weight near a rounding boundary flips with a small offset), a weight whose cod
 steps of training do not undo the solver's corrections.
 """
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -179,9 +182,26 @@ class FakeQuantLinear(nn.Module):
         super().__init__()
         self.weight_quantizer = weight
         self.register_buffer("bias", None if bias is None else bias.detach())
+        self.shared_weight: torch.Tensor | None = None  # set by `weights_computed_once`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight_quantizer().to(x.dtype), self.bias)
+        weight = self.shared_weight if self.shared_weight is not None else self.weight_quantizer()
+        return F.linear(x, weight.to(x.dtype), self.bias)
+
+
+@contextlib.contextmanager
+def weights_computed_once(module: nn.Module) -> Iterator[None]:
+    """Inside, every `FakeQuantLinear` of `module` computes its weight once and uses it (and its autograd
+    graph) for each forward: a training step over several batches pays for the fake quantizers once, and
+    one backward of the summed loss reaches them once."""
+    layers = [layer for layer in module.modules() if isinstance(layer, FakeQuantLinear)]
+    for layer in layers:
+        layer.shared_weight = layer.weight_quantizer()
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.shared_weight = None
 
 
 class _StraightThrough(torch.autograd.Function):

@@ -1,6 +1,8 @@
 """The fake quantizer: it starts exactly at a solver's solution, computes exactly what it stores, and
 passes gradients straight through the rounding (none to weights clipped by the grid)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -188,3 +190,29 @@ def _ungroup(grouped: torch.Tensor) -> torch.Tensor:
     from quantlab.formats import grouping
 
     return grouping.ungroup(grouped, IN)
+
+
+def test_weights_computed_once_runs_the_quantizer_once_and_gives_the_same_gradients(problem):
+    """Several forwards in one step share one fake weight; the summed loss's gradients equal those of the
+    forwards each backpropagated on its own."""
+    from quantlab.nn.fake_quant import weights_computed_once
+
+    layout = LAYOUTS[2]
+    batches = [torch.randn(3, IN, generator=torch.Generator().manual_seed(seed)) for seed in (5, 6, 7)]
+    gradients = []
+    for shared in (False, True):
+        _, quantizer = _start(layout, problem)
+        layer = FakeQuantLinear(quantizer, None)
+        calls = []
+        quantizer.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        with weights_computed_once(layer) if shared else contextlib.nullcontext():
+            losses = [layer(x).square().sum() for x in batches]
+            if shared:
+                sum(losses).backward()
+        if not shared:
+            for loss in losses:
+                loss.backward()
+        assert len(calls) == (1 if shared else len(batches)) and layer.shared_weight is None
+        gradients.append([p.grad.clone() for p in quantizer.parameters() if p.requires_grad])
+    for separate, together in zip(*gradients, strict=True):
+        torch.testing.assert_close(together, separate)
