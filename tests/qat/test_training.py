@@ -15,6 +15,7 @@ CONFIGS = {
     "3-bit g32 symmetric": lambda: quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=True),
     "2-bit g32 with zero points": lambda: quantlab.CustomBitsConfig(bits=2, group_size=32),
     "nf4 b32": lambda: quantlab.NF4Config(blocksize=32),
+    "lut 3-bit g32 (learned table)": lambda: quantlab.LutConfig(bits=3, group_size=32),
 }
 
 
