@@ -51,6 +51,7 @@ CONFIGS = {
     "nf4-dq": (lambda: quantlab.NF4Config(double_quant=True), False),
     "iq4_nl-e8-tied": (lambda: quantlab.IQ4NLConfig(embedding_bits=8, embedding_group_size=32), True),
     "3bit-asym": (lambda: quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=False), False),
+    "lut3-learned-tables": (lambda: quantlab.LutConfig(bits=3, group_size=32), False),  # each layer its own table
     # q/k/v in different layouts: the step projects them one by one instead of as one group
     "mixed-qkv": (
         lambda: quantlab.CustomBitsConfig(
