@@ -31,3 +31,10 @@ def group(weight: torch.Tensor, group_size: int | None) -> torch.Tensor:
 def ungroup(grouped: torch.Tensor, in_features: int) -> torch.Tensor:
     """`[out, groups, group_size]` → `[out, in]`, dropping padding."""
     return grouped.reshape(grouped.shape[0], -1)[:, :in_features]
+
+
+def clipped_absmax(grouped: torch.Tensor, clip: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """Each group's largest magnitude `[out, groups]` times `clip` (one ratio, or one per group): the
+    scale of a table whose ends are -1 and 1 (NF4's, a learned one) with its range shrunk by `clip`."""
+    clip = torch.as_tensor(clip, dtype=torch.float32, device=grouped.device)
+    return grouped.float().abs().amax(dim=-1) * clip

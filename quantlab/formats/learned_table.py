@@ -153,8 +153,7 @@ class LearnedTableCodec(Codec):
         self, layout: StorageLayout, grouped: torch.Tensor, clip: torch.Tensor | float = 1.0, signed: bool = False
     ) -> GroupParams:
         """The group's largest magnitude (times `clip`) on the table's ends, -1 and 1."""
-        clip = torch.as_tensor(clip, dtype=torch.float32, device=grouped.device)
-        return self.grid(layout, grouped.float().abs().amax(dim=-1) * clip)
+        return self.grid(layout, grouping.clipped_absmax(grouped, clip))
 
     def grid(self, layout: StorageLayout, scale: torch.Tensor, zero: torch.Tensor | None = None) -> GroupParams:
         """Scales as stored. A scale of 0 stays 0: the group decodes to zeros."""

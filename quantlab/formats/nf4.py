@@ -171,8 +171,7 @@ class NF4Codec(Codec):
         self, layout: StorageLayout, grouped: torch.Tensor, clip: torch.Tensor | float = 1.0, signed: bool = False
     ) -> GroupParams:
         """Double quantization mixes all groups of a layer: fit them all at once."""
-        clip = torch.as_tensor(clip, dtype=torch.float32, device=grouped.device)
-        return self.grid(layout, grouped.float().abs().amax(dim=-1) * clip)
+        return self.grid(layout, grouping.clipped_absmax(grouped, clip))
 
     def grid(self, layout: StorageLayout, scale: torch.Tensor, zero: torch.Tensor | None = None) -> GroupParams:
         """The absmax as stored; under double quantization all absmax of the layer are compressed
