@@ -38,3 +38,15 @@ def clipped_absmax(grouped: torch.Tensor, clip: torch.Tensor | float = 1.0) -> t
     scale of a table whose ends are -1 and 1 (NF4's, a learned one) with its range shrunk by `clip`."""
     clip = torch.as_tensor(clip, dtype=torch.float32, device=grouped.device)
     return grouped.float().abs().amax(dim=-1) * clip
+
+
+def position_weights(in_features: int, group_size: int | None, channel_weights: torch.Tensor | None) -> torch.Tensor:
+    """Weight of each grouped position `[1, groups, length]`: its input channel's weight (E[x_j^2] from
+    calibration; 1 for every channel without data, or when all are 0), and 0 on the padding."""
+    weights = torch.ones(in_features) if channel_weights is None else channel_weights.float().clamp(min=0)
+    if weights.sum() <= 0:
+        weights = torch.ones(in_features)
+    groups, length = num_groups(in_features, group_size), effective_group_size(in_features, group_size)
+    padded = torch.zeros(groups * length)
+    padded[:in_features] = weights
+    return padded.view(1, groups, length)

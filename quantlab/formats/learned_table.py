@@ -119,10 +119,8 @@ class LearnedTableCodec(Codec):
         self, layout: StorageLayout, weight: torch.Tensor, channel_weights: torch.Tensor | None = None
     ) -> StorageLayout:
         """Table and range scales fitted in turn (`ROUNDS`), from the normal-quantile table."""
-        from quantlab.solvers.mse import column_importance
-
         grouped = grouping.group(weight.detach().float(), layout.group_size)
-        importance = column_importance(layout, channel_weights)
+        importance = grouping.position_weights(layout.in_features, layout.group_size, channel_weights)
         fitted = dataclasses.replace(layout, table=start_table(layout.bits))
         for _ in range(ROUNDS):
             scale = search_scales(self, fitted, grouped, importance).scale

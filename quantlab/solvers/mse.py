@@ -60,12 +60,7 @@ def search_grid(
 
 def column_importance(layout: StorageLayout, channel_weights: torch.Tensor | None) -> torch.Tensor:
     """Weight of each position `[1, groups, length]`: E[x_j^2] (or 1 without data), and 0 on padding."""
-    weights = torch.ones(layout.in_features) if channel_weights is None else channel_weights.float().clamp(min=0)
-    if weights.sum() <= 0:
-        weights = torch.ones(layout.in_features)
-    padded = torch.zeros(layout.groups * layout.group_length)
-    padded[: layout.in_features] = weights
-    return padded.view(1, layout.groups, layout.group_length)
+    return grouping.position_weights(layout.in_features, layout.group_size, channel_weights)
 
 
 def _options(options: dict[str, Any]) -> tuple[int, float, int]:
