@@ -39,6 +39,7 @@ SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TABLE_DTYPE = torch.float16
 
 
+@functools.cache
 def start_table(bits: int) -> tuple[float, ...]:
     """The table before fitting: quantiles of a normal distribution, rescaled to [-1, 1] (NF-like)."""
     count = 1 << bits
