@@ -55,6 +55,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the scales' learning rate as a multiple of --learning-rate (default: 0.2)",
     )
     group.add_argument(
+        "--norm-lr-ratio",
+        type=float,
+        metavar="F",
+        help="also train the normalization layers' float weights at F x --learning-rate (default: frozen)",
+    )
+    group.add_argument(
         "--alpha",
         type=float,
         default=1.0,
@@ -74,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console.from_args(args)
     training_run = resolve_training_flags(args, "qat")
     options = QATOptions(max_offset=args.max_offset, learn_scales=args.learn_scales,
-                         scale_lr_ratio=args.scale_lr_ratio)  # fmt: skip
+                         scale_lr_ratio=args.scale_lr_ratio, norm_lr_ratio=args.norm_lr_ratio)  # fmt: skip
     distillation = DistillationConfig(alpha=args.alpha, temperature=args.temperature)
     config = config_from_args(args) if args.method is not None or args.preset is not None else None
     text = text_from_args(args, seq_len=args.eval_seq_len, windows=args.eval_windows) if args.eval else None
@@ -98,13 +104,14 @@ def report_rows(report: QATReport) -> list[tuple[str, str]]:
     """The report's lines for people."""
     start = "quantized first" if report.quantized_first else "as saved"
     bound = "unbounded" if report.max_offset is None else f"within {report.max_offset:g} grid steps"
+    norms = "frozen" if report.norm_lr_ratio is None else f"trained at {report.norm_lr_ratio:g} x lr"
     losses = "" if report.loss_first is None else f", loss {report.loss_first:.4f} -> {report.loss_last:.4f}"
     rows = [
         ("student", f"{report.method} ({start}), {report.layers_trained} layers, "
                     f"{report.layers_from_float_weights} from the teacher's float weights"),
         ("teacher", report.teacher),
-        ("trained", f"weights {bound}, scales {'learned' if report.learn_scales else 'fixed'}; loss "
-                    f"alpha={report.alpha:g}, T={report.temperature:g}"),
+        ("trained", f"weights {bound}, scales {'learned' if report.learn_scales else 'fixed'}, norms {norms}; "
+                    f"loss alpha={report.alpha:g}, T={report.temperature:g}"),
         ("training", f"{report.steps} steps at lr {report.learning_rate:g}, {seconds(report.train_seconds)}, "
                      f"peak {mebibytes(report.peak_memory_bytes)}{losses}"),
         ("size on disk", f"{disk_size(report.size_bytes)}, {report.bits_per_quantized_weight:.3f} bits per weight"),

@@ -15,17 +15,23 @@ class QATOptions:
     `learn_scales`: also train each group's scale (LSQ-style, as a ratio to its start, so the
     clipping is learned) and zero point where the format stores one. `scale_lr_ratio`: the
     scales' learning rate as a multiple of the run's (offsets are in grid steps, scales in ratios).
+    `norm_lr_ratio`: also train the float weights (and biases) of the normalization layers (RMSNorm,
+    LayerNorm) at this multiple of the run's rate, without weight decay; None (the default) keeps
+    them frozen. They stay float in the saved checkpoint, so its bits per weight do not change.
     """
 
     max_offset: float | None = None
     learn_scales: bool = True
     scale_lr_ratio: float = 0.2
+    norm_lr_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_offset is not None and not self.max_offset > 0:
             raise ConfigError(f"max_offset={self.max_offset!r} must be > 0 grid steps, or None for unbounded")
         if not self.scale_lr_ratio > 0:
             raise ConfigError(f"scale_lr_ratio={self.scale_lr_ratio!r} must be > 0")
+        if self.norm_lr_ratio is not None and not self.norm_lr_ratio > 0:
+            raise ConfigError(f"norm_lr_ratio={self.norm_lr_ratio!r} must be > 0, or None to keep the norms frozen")
 
     def settings(self) -> dict[str, object]:
         """What a resumed run must share with the saved one (joins the checkpoint's fingerprint)."""

@@ -4,9 +4,10 @@ Each `QuantizedLinear` becomes a `FakeQuantLinear` on its own storage layout, st
 its stored codes and grids (the first forward pass computes the checkpoint's weights bit for bit).
 Where the float model's weight of the layer is known, the latent weight starts from it: a weight
 that rounds to its stored code keeps its float value, one whose code the solver moved starts at
-that code's level (`FakeQuantizedWeight`). Otherwise every weight starts at its level. Writing
-back stores what the fake quantizer computes as ordinary codes and grids: the model is then the
-same quantized model as before, with other codes.
+that code's level (`FakeQuantizedWeight`). Otherwise every weight starts at its level. With
+`QATOptions.norm_lr_ratio` the normalization layers' float weights train too. Writing back stores
+what the fake quantizer computes as ordinary codes and grids: the model is then the same quantized
+model as before, with other codes (and, if they trained, other normalization weights).
 """
 
 import dataclasses
@@ -38,13 +39,28 @@ def float_linear_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: module.weight for name, module in model.named_modules() if isinstance(module, nn.Linear)}
 
 
+NORMALIZATION_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+def normalization_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters of `model`'s normalization layers (torch's, and models' own `...RMSNorm`/`...LayerNorm`)."""
+    found: dict[str, nn.Parameter] = {}
+    for module_name, module in model.named_modules():
+        is_norm = isinstance(module, NORMALIZATION_TYPES) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+        if is_norm:
+            prefix = f"{module_name}." if module_name else ""
+            found.update({prefix + name: parameter for name, parameter in module.named_parameters(recurse=False)})
+    return found
+
+
 def fake_quantize(
     model: nn.Module, float_weights: Mapping[str, torch.Tensor] | None = None, options: QATOptions | None = None
 ) -> dict[str, SwappedLayer]:
     """Freeze `model` and put a trainable `FakeQuantLinear` in place of each of its `QuantizedLinear` layers.
 
     `float_weights`: the float model's weights by module name (`float_linear_weights`); a layer
-    whose name or shape is not there starts from its stored levels. Returns the swapped layers by name.
+    whose name or shape is not there starts from its stored levels. The normalization layers' weights
+    train too when `options.norm_lr_ratio` is set. Returns the swapped layers by name.
     """
     options = options or QATOptions()
     float_weights = float_weights or {}
@@ -64,6 +80,9 @@ def fake_quantize(
         fake = FakeQuantLinear(quantizer, module.bias)
         model.set_submodule(name, fake)
         swapped[name] = SwappedLayer(module, fake, float_start)
+    if options.norm_lr_ratio is not None:
+        for parameter in normalization_parameters(model).values():
+            parameter.requires_grad_(True)
     return swapped
 
 

@@ -4,8 +4,9 @@
 perplexity, pickle-free checkpoints and exact resume) with what fake quantizers need: each kind of
 trained number gets its own parameter group (rounding offsets and zero points are in grid steps and
 train at the run's learning rate; scales are ratios to their start and train at `scale_lr_ratio`
-times it; only offsets take weight decay, which pulls them back to their start), and after every
-optimizer step the numbers are put back in their ranges (`FakeQuantizedWeight.project`).
+times it; normalization weights, when they train, at `norm_lr_ratio` times it; only offsets take
+weight decay, which pulls them back to their start), and after every optimizer step the numbers
+are put back in their ranges (`FakeQuantizedWeight.project`).
 """
 
 from collections.abc import Mapping
@@ -19,9 +20,9 @@ from quantlab.distill.trainer import DistillationTrainer
 from quantlab.errors import QuantlabError
 from quantlab.nn.fake_quant import FakeQuantizedWeight
 from quantlab.qat.options import QATOptions
-from quantlab.qat.swap import SwappedLayer
+from quantlab.qat.swap import SwappedLayer, normalization_parameters
 
-_SCALE, _ZERO, _OFFSET = "scale_ratio", "zero", "offset"
+_SCALE, _ZERO, _OFFSET, _NORM, _OTHER = "scale_ratio", "zero", "offset", "norm", "other"
 
 
 class ProjectQuantizers(TrainerCallback):
@@ -67,24 +68,35 @@ class QATTrainer(DistillationTrainer):
         if self.optimizer is None:
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model or self.model)
             groups = parameter_groups(model or self.model, self.args.learning_rate, self.args.weight_decay,
-                                      self.qat_options.scale_lr_ratio)  # fmt: skip
+                                      self.qat_options.scale_lr_ratio, self.qat_options.norm_lr_ratio)  # fmt: skip
             self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
 
 
 def parameter_groups(
-    model: nn.Module, learning_rate: float, weight_decay: float, scale_lr_ratio: float
+    model: nn.Module,
+    learning_rate: float,
+    weight_decay: float,
+    scale_lr_ratio: float,
+    norm_lr_ratio: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Offsets (weight decay), zero points (none), scales (`scale_lr_ratio` x the rate), anything else trainable."""
-    groups: dict[str, list[nn.Parameter]] = {_OFFSET: [], _ZERO: [], _SCALE: [], "other": []}
+    """Offsets (weight decay), zero points (none), scales (`scale_lr_ratio` x the rate), normalization
+    weights (`norm_lr_ratio` x the rate, no decay: it would pull gains to zero), anything else trainable."""
+    norms = set(normalization_parameters(model)) if norm_lr_ratio is not None else set()
+    groups: dict[str, list[nn.Parameter]] = {_OFFSET: [], _ZERO: [], _SCALE: [], _NORM: [], _OTHER: []}
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
             kind = name.rsplit(".", 1)[-1]
-            groups[kind if kind in groups and ".weight_quantizer." in f".{name}" else "other"].append(parameter)
+            if name in norms:
+                kind = _NORM
+            elif kind not in groups or ".weight_quantizer." not in f".{name}":
+                kind = _OTHER
+            groups[kind].append(parameter)
     settings = {
         _OFFSET: {"lr": learning_rate, "weight_decay": weight_decay},
         _ZERO: {"lr": learning_rate, "weight_decay": 0.0},
         _SCALE: {"lr": learning_rate * scale_lr_ratio, "weight_decay": 0.0},
-        "other": {"lr": learning_rate, "weight_decay": weight_decay},
+        _NORM: {"lr": learning_rate * (norm_lr_ratio or 1.0), "weight_decay": 0.0},
+        _OTHER: {"lr": learning_rate, "weight_decay": weight_decay},
     }
     return [{"params": params, **settings[kind]} for kind, params in groups.items() if params]

@@ -48,6 +48,7 @@ class QATReport:
     max_offset: float | None
     learn_scales: bool
     scale_lr_ratio: float
+    norm_lr_ratio: float | None
     alpha: float
     temperature: float
     loss_first: float | None
@@ -220,6 +221,7 @@ def _train(
         max_offset=options.max_offset,
         learn_scales=options.learn_scales,
         scale_lr_ratio=options.scale_lr_ratio,
+        norm_lr_ratio=options.norm_lr_ratio,
         alpha=distillation.alpha,
         temperature=distillation.temperature,
         loss_first=result.losses[0] if result.losses else None,

@@ -121,3 +121,35 @@ def test_scales_train_at_their_own_rate(tmp_path):
     trainer.create_optimizer()
     groups = [(group["lr"], group["weight_decay"], len(group["params"])) for group in trainer.optimizer.param_groups]
     assert groups == [(0.01, 0.1, 14), (0.01, 0.0, 14), (pytest.approx(0.001), 0.0, 14)]
+
+
+def test_normalization_weights_train_only_when_asked_at_their_own_rate(tmp_path):
+    from quantlab.errors import ConfigError
+    from quantlab.qat.swap import normalization_parameters
+
+    with pytest.raises(ConfigError, match="norm_lr_ratio"):
+        QATOptions(norm_lr_ratio=0)
+    teacher = tiny_llama(0)
+    frozen = quantlab.quantize(tiny_llama(0), quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=True))
+    fake_quantize(frozen, float_linear_weights(teacher), QATOptions())
+    assert not any(p.requires_grad for p in normalization_parameters(frozen).values())
+
+    student = quantlab.quantize(tiny_llama(0), quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=True))
+    norms = normalization_parameters(student)
+    assert len(norms) == 2 * 2 + 1  # two per block (attention and MLP inputs) and the final one
+    before = {name: p.detach().clone() for name, p in norms.items()}
+    options = QATOptions(norm_lr_ratio=0.5)
+    swapped = fake_quantize(student, float_linear_weights(teacher), options)
+    trainer = QATTrainer(student, teacher, _args(tmp_path, 4, lr=0.02), _data(), swapped=swapped, options=options,
+                         save_final=False, data_collator=CausalLMCollator(0))  # fmt: skip
+    trainer.train()
+    final_norm = norms["model.norm.weight"]
+    norm_group = [g for g in trainer.optimizer.param_groups if any(p is final_norm for p in g["params"])]
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in norm_group] == [(pytest.approx(0.01), 0.0, 5)]
+    moved = [name for name, p in norms.items() if not torch.equal(p.detach(), before[name])]
+    assert sorted(moved) == sorted(norms)
+    write_back(student, swapped)
+    student.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    for name, parameter in norms.items():
+        assert torch.equal(reloaded.get_parameter(name), parameter.detach()), name
