@@ -39,6 +39,7 @@ from quantlab.nn import QuantizedLinear
 from quantlab.nn.fake_quant import FakeQuantizedWeight, FakeQuantLinear, weights_computed_once
 from quantlab.solvers import get_solver
 from quantlab.solvers.reconstruct import ReconstructOptions
+from quantlab.utils.allocator import heap_for_temporaries
 
 logger = logging.getLogger(__name__)
 
@@ -162,18 +163,19 @@ class _Training:
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / max(options.steps, 1))
         order = _window_order(self.batches, options.steps * options.batch_size, options.seed)
         bar = tqdm(range(options.steps), desc=f"{label} reconstruction", leave=False, disable=not progress)
-        for step in bar:
-            windows = [next(order) for _ in range(options.batch_size)]
-            optimizer.zero_grad(set_to_none=True)
-            error = self._step_error(windows)
-            ratio = error / max(sum(float(start_errors[b][w]) for b, w in windows), 1e-30)
-            if ratio < best_ratio:
-                best, best_ratio = (step, self._snapshot()), ratio
-            optimizer.step()
-            schedule.step()
-            for quantizer in self.quantizers.values():
-                quantizer.project()
-            bar.set_postfix(error=f"{ratio:.3f}x start", best=f"{best_ratio:.3f}x")
+        with heap_for_temporaries():  # each step's activations and gradients reuse warm heap pages
+            for step in bar:
+                windows = [next(order) for _ in range(options.batch_size)]
+                optimizer.zero_grad(set_to_none=True)
+                error = self._step_error(windows)
+                ratio = error / max(sum(float(start_errors[b][w]) for b, w in windows), 1e-30)
+                if ratio < best_ratio:
+                    best, best_ratio = (step, self._snapshot()), ratio
+                optimizer.step()
+                schedule.step()
+                for quantizer in self.quantizers.values():
+                    quantizer.project()
+                bar.set_postfix(error=f"{ratio:.3f}x start", best=f"{best_ratio:.3f}x")
         start_error = _mean(start_errors)
         if best is not None:
             self._restore(best[1])
