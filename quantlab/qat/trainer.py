@@ -23,6 +23,7 @@ from quantlab.qat.options import QATOptions
 from quantlab.qat.swap import SwappedLayer, normalization_parameters
 
 _SCALE, _ZERO, _OFFSET, _NORM, _OTHER = "scale_ratio", "zero", "offset", "norm", "other"
+_QUANTIZER_KINDS = (_SCALE, _ZERO, _OFFSET)  # the trained numbers of a `FakeQuantizedWeight`, by attribute name
 
 
 class ProjectQuantizers(TrainerCallback):
@@ -86,10 +87,12 @@ def parameter_groups(
     groups: dict[str, list[nn.Parameter]] = {_OFFSET: [], _ZERO: [], _SCALE: [], _NORM: [], _OTHER: []}
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
-            kind = name.rsplit(".", 1)[-1]
+            attribute = name.rsplit(".", 1)[-1]
             if name in norms:
                 kind = _NORM
-            elif kind not in groups or ".weight_quantizer." not in f".{name}":
+            elif attribute in _QUANTIZER_KINDS and ".weight_quantizer." in f".{name}":
+                kind = attribute
+            else:
                 kind = _OTHER
             groups[kind].append(parameter)
     settings = {
