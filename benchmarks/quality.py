@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct: perplexity with the shared harness (WikiText-2, 16 window
 tokens; see benchmarks/RESULTS.md), stored bits per quantized weight measured from the saved
 safetensors file, checkpoint size, and the time `from_pretrained` takes to load and quantize.
 all-MiniLM-L6-v2 (genuine fp32 weights): mean (and worst) cosine similarity of mean-pooled
-sentence embeddings to fp32 on 256 non-empty WikiText lines.
+sentence embeddings to fp32 on the first 256 non-empty WikiText lines, and on the last 256 lines of
+the text (beyond the bundled slice everything else reads).
 
 Solvers (round to nearest, data-free mse, GPTQ, AWQ + GPTQ) are crossed with widths and group
 sizes, NF4 gets GPTQ (on the bundled text, and self-calibrated: on text the float model
@@ -39,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from _common import default_text_path, environment, format_table, number, stopwatch, write_json
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
@@ -48,11 +48,18 @@ import quantlab
 from quantlab.assets.models import minilm_dir, smollm2_dir
 from quantlab.assets.text import read_text
 from quantlab.eval import perplexity
+from quantlab.eval.embeddings import (
+    EMBEDDING_MAX_TOKENS,
+    EVAL_LINES,
+    embedding_cosines,
+    sentence_embeddings,
+    text_lines,
+)
 from quantlab.eval.perplexity import token_ids, window_losses
 from quantlab.eval.size import checkpoint_storage
 
 HARNESS_WINDOWS, HARNESS_SEQ_LEN = 16, 512
-MINILM_LINES, MINILM_MAX_TOKENS = 256, 256  # sentence-transformers' max_seq_length for this model
+MINILM_LINES, MINILM_MAX_TOKENS = EVAL_LINES, EMBEDDING_MAX_TOKENS  # sentence-transformers' max_seq_length
 LATER_PART_OFFSET = 200_000  # tokens: the second evaluation part, past the bundled text calibration reads
 
 
@@ -65,7 +72,9 @@ class Variant:
     make_config: Callable[[], Any] | None
     peer: tuple[float, str] | None = None
     quick: bool = False
-    build: Callable[[Path], Any] | None = None  # instead of a config: builds the model from the float folder
+    build: Callable[[Path, Path | None], Any] | None = None  # instead of a config: the model from the float
+    # folder (and the calibration text); such a row measures only `model`'s model
+    model: str = "smollm2"
 
 
 @dataclass
@@ -80,6 +89,7 @@ class Row:
     load_seconds: float | None = None
     eval_seconds: float | None = None
     later_perplexity: float | None = None
+    later_cosine_mean: float | None = None
     peak_mib: float | None = None
     peer_perplexity: float | None = None
     peer_source: str | None = None
@@ -117,6 +127,7 @@ def builtin_variants() -> list[Variant]:
     variants += lut_variants()
     variants += reconstruct_variants()
     variants += qat_variants()
+    variants += minilm_qat_variants()
     variants += embedding_variants()
     for target in (4.25, 3.5, 3.25, 3.0, 2.5):
         variants.append(
@@ -177,8 +188,8 @@ def qat_variants() -> list[Variant]:
     """`quantlab qat`: GPTQ's symmetric codes, then every quantized layer trained through fake quantizers
     against the float model's KL divergence on the bundled text after the evaluation windows."""
 
-    def build(bits: int, group: int, steps: int, samples: int) -> Callable[[Path], Any]:
-        return lambda directory: qat_model_of(directory, bits, group, steps, samples)
+    def build(bits: int, group: int, steps: int, samples: int) -> Callable[[Path, Path | None], Any]:
+        return lambda directory, _: qat_model_of(directory, bits, group, steps, samples)
 
     names = [f"qat {bits}-bit g{group} sym (gptq start, {steps} steps)" for bits, group, steps, _ in QAT_ROWS]
     return [Variant(name, "quantlab", None, build=build(*row)) for name, row in zip(names, QAT_ROWS, strict=True)]
@@ -199,6 +210,42 @@ def qat_model_of(directory: Path, bits: int, group: int, steps: int, samples: in
         run = TrainingRun(Path(scratch) / "run", {"max_steps": steps, **QAT_TRAINING}, max_seq_length=256)
         report = qat_model(directory, run, config=config)
         return AutoModelForCausalLM.from_pretrained(report.output, dtype=torch.float32, local_files_only=True)
+
+
+# all-MiniLM-L6-v2 trained after block-wise reconstruction: bits, group size, training steps. The float
+# model's hidden states are the target; training reads the bundled text's lines after the first 256.
+MINILM_QAT_ROWS = ((3, 64, 200),)
+MINILM_QAT_TRAINING = {"learning_rate": 5e-3, "per_device_train_batch_size": 16, "lr_scheduler_type": "cosine",
+                       "warmup_steps": 0.05, "seed": 0, "logging_steps": 10}  # fmt: skip
+
+
+def minilm_qat_variants() -> list[Variant]:
+    """`quantlab qat` on the encoder: reconstruction's codes, then trained against the float model's last
+    hidden states (cosine distance at every token)."""
+
+    def build(bits: int, group: int, steps: int) -> Callable[[Path, Path | None], Any]:
+        return lambda directory, calibration: minilm_qat_model_of(directory, calibration, bits, group, steps)
+
+    return [
+        Variant(f"qat {bits}-bit g{group} sym (reconstruct start, {steps} steps)", "quantlab", None,
+                build=build(bits, group, steps), model="minilm")
+        for bits, group, steps in MINILM_QAT_ROWS
+    ]  # fmt: skip
+
+
+def minilm_qat_model_of(directory: Path, calibration: Path | None, bits: int, group: int, steps: int) -> Any:
+    """The same as `quantlab quantize MINILM --method custom_bits --bits B --group-size G --symmetric --solver
+    reconstruct --calibration-text AFTER -o START`, then `quantlab qat START --max-steps N --batch-size 16
+    --max-seq-length 128 -o RUN`."""
+    from quantlab.workflows.qat import qat_model
+    from quantlab.workflows.runs import TrainingRun
+
+    config = quantlab.CustomBitsConfig(bits=bits, group_size=group, symmetric=True, solver="reconstruct",
+                                       calibration_text=str(calibration) if calibration else None)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="quantlab-quality-qat-") as scratch:
+        run = TrainingRun(Path(scratch) / "run", {"max_steps": steps, **MINILM_QAT_TRAINING}, max_seq_length=128)
+        report = qat_model(directory, run, config=config)
+        return AutoModel.from_pretrained(report.output, dtype=torch.float32, local_files_only=True)
 
 
 def embedding_variants() -> list[Variant]:
@@ -295,7 +342,7 @@ def load(
     """Load (and quantize, calibrate) one row's model, recording its time and peak resident memory."""
     if variant.build is not None:
         with stopwatch() as timing, peak_resident() as peak:
-            model = variant.build(directory)
+            model = variant.build(directory, calibration_text)
         row.load_seconds, row.peak_mib = timing["seconds"], peak["mib"]
         return model.eval()
     config = variant.make_config() if variant.make_config else None
@@ -370,38 +417,27 @@ def later_part_perplexity(model: torch.nn.Module, tokenizer: Any, text: str, win
     return math.exp(sum(losses) / len(losses))
 
 
-def sentence_embeddings(model: torch.nn.Module, tokenizer: Any, lines: list[str], batch: int = 32) -> torch.Tensor:
-    """Mean pooling over the attention mask, as sentence-transformers configures all-MiniLM-L6-v2."""
-    chunks = []
-    with torch.inference_mode():
-        for start in range(0, len(lines), batch):
-            encoded = tokenizer(
-                lines[start : start + batch],
-                padding=True,
-                truncation=True,
-                max_length=MINILM_MAX_TOKENS,
-                return_tensors="pt",
-            )
-            hidden = model(**encoded).last_hidden_state.float()
-            mask = encoded["attention_mask"].unsqueeze(-1).float()
-            chunks.append((hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9))
-    return torch.cat(chunks)
-
-
 def minilm_row(
-    variant: Variant, tokenizer: Any, lines: list[str], reference: torch.Tensor | None, calibration: Path
+    variant: Variant,
+    tokenizer: Any,
+    lines: tuple[list[str], list[str]],
+    references: tuple[torch.Tensor, torch.Tensor] | None,
+    calibration: Path,
 ) -> Row:
+    """Mean-pooled embeddings (`quantlab.eval.embeddings`, as sentence-transformers configures the model)
+    of the evaluation lines and the later lines, compared with fp32's by cosine."""
     directory = minilm_dir()
     row = Row(variant.name, variant.family)
     model = load(AutoModel, directory, variant, row, calibration_text=calibration)
     measure_storage(model, row, directory)
     with stopwatch() as timing:
-        embeddings = sentence_embeddings(model, tokenizer, lines)
+        embeddings = tuple(sentence_embeddings(model, tokenizer, part, MINILM_MAX_TOKENS) for part in lines)
     row.eval_seconds = timing["seconds"]
     row.extra["embeddings"] = embeddings
-    if reference is not None:
-        cosine = F.cosine_similarity(embeddings, reference, dim=-1)
+    if references is not None:
+        cosine, later = (embedding_cosines(e, r) for e, r in zip(embeddings, references, strict=True))
         row.cosine_mean, row.cosine_min = float(cosine.mean()), float(cosine.min())
+        row.later_cosine_mean = float(later.mean())
     return row
 
 
@@ -462,6 +498,7 @@ def minilm_table(rows: list[Row]) -> str:
             r.name,
             number(r.cosine_mean, 5) if r.error is None else f"failed: {r.error}",
             number(r.cosine_min, 5),
+            number(r.later_cosine_mean, 5),
             number(r.bits_per_weight, 3),
             number(r.checkpoint_mb, 1),
             number(r.load_seconds, 1),
@@ -473,6 +510,7 @@ def minilm_table(rows: list[Row]) -> str:
         "all-MiniLM-L6-v2",
         f"mean cosine to fp32 ({MINILM_LINES} lines)",
         "worst cosine",
+        f"mean cosine, last {MINILM_LINES} lines",
         "bits / quantized weight (file)",
         "checkpoint MB",
         "load + quantize s",
@@ -573,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.models in ("smollm2", "both"):
         tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
         rows = []
-        for variant in variants:
+        for variant in (v for v in variants if v.model == "smollm2"):
             rows.append(guarded(lambda v=variant: smollm2_row(v, tokenizer, text, args.windows), variant))
             print(f"  smollm2 {variant.name}: {_summary(rows[-1])}", flush=True)
         print("\n" + smollm2_table(rows) + "\n", flush=True)
@@ -593,20 +631,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_minilm(variants: list[Variant], text: str) -> list[dict[str, Any]]:
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True)
-    lines = [line.strip() for line in text.splitlines() if line.strip()][:MINILM_LINES]
-    reference = None
+    all_lines = text_lines(text)
+    lines, later_lines = all_lines[:MINILM_LINES], all_lines[-MINILM_LINES:]
+    references: tuple[torch.Tensor, torch.Tensor] | None = None
     rows = []
     calibration = _text_after(text, lines[-1])
     for variant in variants:
-        if variant.build is not None:
-            continue  # the rows that build their model train a causal LM (quantization-aware training)
+        if variant.build is not None and variant.model != "minilm":
+            continue  # built for SmolLM2 (its quantization-aware training)
         if getattr(variant.make_config and variant.make_config(), "self_calibration", False):
             continue  # an encoder samples no text to calibrate on (quantlab refuses it with that message)
-        row = guarded(lambda v=variant, ref=reference: minilm_row(v, tokenizer, lines, ref, calibration), variant)
+        row = guarded(lambda v=variant, r=references: minilm_row(v, tokenizer, (lines, later_lines), r, calibration),
+                      variant)  # fmt: skip
         embeddings = row.extra.pop("embeddings", None)
         if variant.family == "float" and embeddings is not None:
-            reference = embeddings
-            row.cosine_mean = row.cosine_min = 1.0
+            references = embeddings
+            row.cosine_mean = row.cosine_min = row.later_cosine_mean = 1.0
         rows.append(row)
         print(f"  minilm {variant.name}: {_summary(row)}", flush=True)
     print("\n" + minilm_table(rows) + "\n", flush=True)

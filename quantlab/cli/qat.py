@@ -4,8 +4,9 @@ The work is `quantlab.workflows.qat.qat_model`: MODEL is a quantized checkpoint 
 or a float model quantized first with `--method` and its options. Its quantized layers train through
 fake quantizers (straight-through rounding, learnable scales) against the KL divergence from the
 float teacher (`--teacher`, default the float model the checkpoint was quantized from), and are
-written back in their storage format. DIR is the run folder (log, checkpoints, report); the trained
-checkpoint goes to DIR/final.
+written back in their storage format. An encoder trains against the cosine distance of its last
+hidden states instead, and `--eval` reports its sentence embeddings' cosine to the teacher's.
+DIR is the run folder (log, checkpoints, report); the trained checkpoint goes to DIR/final.
 """
 
 import argparse
@@ -68,7 +69,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     group.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the KL (default: 1)")
     add_training_flags(parser)
-    add_eval_arguments(parser, help="measure the teacher's and the student's perplexity before and after",
+    add_eval_arguments(parser, help="measure the teacher's and the student's perplexity before and after (an encoder: "
+                       "its sentence embeddings' cosine to the teacher's on the first 256 lines)",
                        window_flags=False)  # fmt: skip
     add_output_options(parser)
 
@@ -116,7 +118,10 @@ def report_rows(report: QATReport) -> list[tuple[str, str]]:
                      f"peak {mebibytes(report.peak_memory_bytes)}{losses}"),
         ("size on disk", f"{disk_size(report.size_bytes)}, {report.bits_per_quantized_weight:.3f} bits per weight"),
     ]  # fmt: skip
-    if report.evaluation_text is not None:
+    if report.embedding_cosine_after is not None:
+        rows.append(("embedding cosine", f"to the teacher {report.embedding_cosine_before:.5f} -> "
+                     f"{report.embedding_cosine_after:.5f} on {report.evaluation_text}"))  # fmt: skip
+    elif report.evaluation_text is not None:
         rows.append(("perplexity", f"teacher {report.perplexity_teacher:.3f}; student {report.perplexity_before:.3f} "
                      f"-> {report.perplexity_after:.3f} on {report.evaluation_text}"))  # fmt: skip
     return rows

@@ -6,6 +6,10 @@ both next-token distributions at exactly the positions the cross-entropy scores 
 padding). Every term is a sum over those tokens divided by `num_items`, the token count of the
 whole optimizer step (transformers' `num_items_in_batch`), so gradient accumulation and several
 processes give the exact token mean. The terms are logged as `kl`, `ce` (and `hidden_mse`).
+
+An encoder (no language-modelling head: a sentence-embedding model) has no next-token
+distribution; `EncoderDistillationLoss` matches its last hidden states instead, by cosine
+distance at every real token, the direction being what mean-pooled sentence embeddings keep.
 """
 
 import dataclasses
@@ -18,6 +22,7 @@ from torch import nn
 from quantlab.distill.compat import VocabularyMismatchError
 from quantlab.distill.config import DistillationConfig
 from quantlab.distill.hidden import hidden_state_error
+from quantlab.errors import ConfigError
 from quantlab.training.data import IGNORE_INDEX
 
 TEACHER = "teacher"
@@ -69,9 +74,61 @@ class DistillationLoss:
             metrics["hidden_mse"] = mse.detach()
         return LossOutput(loss=loss, metrics=metrics)
 
+    @staticmethod
+    def count_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The tokens the terms are summed over: those with a next-token label."""
+        return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
     def _hidden_error(self, trainer: Any, student_out, teacher_out, scored: torch.Tensor) -> torch.Tensor:
         pairs = self.config.layer_pairs
         student_states = [student_out.hidden_states[s][:, :-1][scored] for s, _ in pairs]
         teacher_states = [teacher_out.hidden_states[t][:, :-1][scored] for _, t in pairs]
         projected = trainer.extra_modules[HIDDEN_PROJECTION](student_states)
         return hidden_state_error(projected, teacher_states).sum()
+
+
+class EncoderDistillationLoss:
+    """`1 - cos(student, teacher)` of the last hidden states, summed over real tokens / `num_items`.
+
+    Logged as `cosine_distance`. The token count is the attention mask's (every real token is scored)."""
+
+    def __call__(self, trainer: Any, model: nn.Module, batch: dict[str, torch.Tensor], num_items: int) -> LossOutput:
+        teacher = trainer.extra_modules[TEACHER]
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        with torch.no_grad():
+            teacher_states = teacher(**inputs, output_hidden_states=True).hidden_states[-1]
+        student_states = model(**inputs, output_hidden_states=True).hidden_states[-1]
+        real = batch["attention_mask"].bool()
+        cosine = F.cosine_similarity(student_states[real].float(), teacher_states[real].float(), dim=-1)
+        loss = (1.0 - cosine).sum() / num_items
+        return LossOutput(loss=loss, metrics={"cosine_distance": loss.detach()})
+
+    @staticmethod
+    def count_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["attention_mask"].sum()
+
+
+def is_language_model(model: nn.Module) -> bool:
+    """Whether `model` predicts next tokens (a causal LM); else it is distilled as an encoder."""
+    can_generate = getattr(model, "can_generate", None)
+    return bool(can_generate()) if callable(can_generate) else False
+
+
+def distillation_loss(student: nn.Module, config: DistillationConfig) -> "DistillationLoss | EncoderDistillationLoss":
+    """The loss that fits `student`: KL on next-token logits for a causal LM, hidden-state cosine for an encoder.
+
+    An encoder takes no soft-target settings: `alpha` below 1 (cross-entropy on next tokens) or
+    hidden-state matching through a projection are refused with the reason."""
+    if is_language_model(student):
+        return DistillationLoss(config)
+    check_encoder_distillation(type(student).__name__, config)
+    return EncoderDistillationLoss()
+
+
+def check_encoder_distillation(model_name: str, config: DistillationConfig) -> None:
+    """Raise `ConfigError` unless `config` suits an encoder: the KL share (`alpha`) 1, no hidden projection."""
+    if config.alpha != 1.0 or config.matches_hidden_states:
+        raise ConfigError(
+            f"{model_name} is an encoder: it is distilled on its last hidden states alone, so alpha must be 1 "
+            f"and hidden_weight 0 (got alpha={config.alpha:g}, hidden_weight={config.hidden_weight:g})"
+        )

@@ -8,6 +8,7 @@ student alone is what `output_dir/final` holds. A pruned student gets `KeepMasks
 sparsity holds. TRL's `DistillationTrainer` (trl 1.16) does not fit: it trains on-policy, the
 student generating completions for the prompts of a (chat) dataset at every step, where this
 distills on plain text with teacher forcing, which on CPU costs one forward of each model.
+An encoder student is matched on its last hidden states (`EncoderDistillationLoss`).
 """
 
 from pathlib import Path
@@ -19,7 +20,7 @@ from torch import nn
 from quantlab.distill.compat import check_vocabularies
 from quantlab.distill.config import DistillationConfig
 from quantlab.distill.hidden import HiddenStateProjection
-from quantlab.distill.loss import HIDDEN_PROJECTION, TEACHER, DistillationLoss
+from quantlab.distill.loss import HIDDEN_PROJECTION, TEACHER, distillation_loss
 from quantlab.errors import QuantlabError
 from quantlab.prune.masking import masked_layers
 from quantlab.prune.schedule import KeepMasks
@@ -73,7 +74,7 @@ class DistillationTrainer(Trainer):
         callbacks = list(callbacks or [])
         if masked_layers(student) and not any(isinstance(c, KeepMasks) for c in callbacks):
             callbacks.append(KeepMasks())
-        self.loss = DistillationLoss(self.distillation)
+        self.loss = distillation_loss(student, self.distillation)
         self._metric_sums: dict[str, torch.Tensor] = {}
         self._metric_steps = 0
         super().__init__(DistillationModel(student, projection), args, train_dataset, callbacks=callbacks, **kwargs)
@@ -84,7 +85,7 @@ class DistillationTrainer(Trainer):
         self._signature_columns = ["input_ids", "attention_mask", "labels"]  # the student's; the wrapper takes **inputs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        num_items = num_items_in_batch if num_items_in_batch is not None else (inputs["labels"][:, 1:] != -100).sum()
+        num_items = num_items_in_batch if num_items_in_batch is not None else self.loss.count_items(inputs)
         output = self.loss(self, model, inputs, num_items)  # the student through `model`, so DDP syncs it
         for key, value in output.metrics.items():
             self._metric_sums[key] = self._metric_sums.get(key, 0) + value.detach().double()

@@ -6,7 +6,7 @@ from typing import Any
 from torch import nn
 
 from quantlab.qat.options import QATOptions
-from quantlab.qat.swap import fake_quantize, float_linear_weights, write_back
+from quantlab.qat.swap import dropout_off, fake_quantize, float_linear_weights, write_back
 from quantlab.qat.trainer import QATTrainer
 from quantlab.training.data import CausalLMCollator
 
@@ -38,7 +38,9 @@ def train_quantized(
 
     Its quantized Linear layers train as fake quantizers starting from their stored codes (the latent
     weights from `teacher`'s weights where names and shapes match), and end as ordinary stored codes and
-    grids equal bit for bit to what the fake quantizers computed. `args` are `TrainingArguments`;
+    grids equal bit for bit to what the fake quantizers computed. The student's dropout is off while it
+    trains: it matches the teacher as the teacher runs. An encoder (no language-modelling head) trains
+    on its last hidden states (`quantlab.distill.EncoderDistillationLoss`). `args` are `TrainingArguments`;
     `distillation` a `DistillationConfig`.
     """
     options = options or QATOptions()
@@ -50,7 +52,8 @@ def train_quantized(
             eval_windows=eval_windows, save_final=False, data_collator=CausalLMCollator.for_tokenizer(tokenizer),
             teacher_tokenizer=teacher_tokenizer, student_tokenizer=tokenizer,
         )  # fmt: skip
-        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+        with dropout_off(student):
+            trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:
         student.eval()
         write_back(student, swapped)

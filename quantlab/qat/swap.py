@@ -10,8 +10,9 @@ what the fake quantizer computes as ordinary codes and grids: the model is then 
 model as before, with other codes (and, if they trained, other normalization weights).
 """
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -92,3 +93,20 @@ def write_back(model: nn.Module, swapped: Mapping[str, SwappedLayer]) -> None:
     for name, layer in swapped.items():
         layer.quantized.load_stored(layer.quantizer.stored())
         model.set_submodule(name, layer.quantized)
+
+
+@contextlib.contextmanager
+def dropout_off(model: nn.Module) -> Iterator[None]:
+    """Every `nn.Dropout` of `model` at rate 0 inside the block (the rates are put back after).
+
+    The student matches its float teacher, which runs in eval mode: noise on the student's side
+    would only be learned away (BERT-style encoders drop 10 % of their activations in training)."""
+    dropouts = [module for module in model.modules() if isinstance(module, nn.Dropout)]
+    rates = [module.p for module in dropouts]
+    for module in dropouts:
+        module.p = 0.0
+    try:
+        yield
+    finally:
+        for module, rate in zip(dropouts, rates, strict=True):
+            module.p = rate

@@ -9,6 +9,13 @@ format and size that `from_pretrained` reloads. The run folder holds the log, ch
 
 Training text: the bundled WikiText-2 slice after the perplexity harness's 16 x 512 evaluation
 tokens (from token 8,192 on), whatever `--eval-windows` says, or the run's `data` file.
+
+An encoder (a sentence-embedding model: no language-modelling head) trains the same way against
+the cosine distance of its last hidden states (`quantlab.distill.EncoderDistillationLoss`), on
+one example a line of text: on the bundled slice the lines after the first 256 (those encoders
+are evaluated on), or every line of the `data` file. Its evaluation is the mean cosine of its
+sentence embeddings with the teacher's on the first 256 lines of the evaluation text
+(`quantlab.eval.embeddings`), before and after.
 """
 
 import json
@@ -24,7 +31,7 @@ from quantlab.loading import ModelSource, open_model, resolve_model, weights_siz
 from quantlab.training import FINAL_DIR
 from quantlab.workflows.notes import DEFAULT_MODEL_NOTE, Notify, notifier
 from quantlab.workflows.outputs import REPORT_FILE, write_report
-from quantlab.workflows.runs import TrainingRun
+from quantlab.workflows.runs import TrainingRun, TrainingRunError
 from quantlab.workflows.stats import peak_memory_bytes
 from quantlab.workflows.text import EvaluationText, measure_perplexity
 
@@ -60,6 +67,8 @@ class QATReport:
     perplexity_teacher: float | None
     perplexity_before: float | None
     perplexity_after: float | None
+    embedding_cosine_before: float | None
+    embedding_cosine_after: float | None
     evaluation_text: str | None
 
     def as_dict(self) -> dict[str, Any]:
@@ -94,7 +103,7 @@ def qat_model(
     if model is None:
         note(DEFAULT_MODEL_NOTE)
     source = model if isinstance(model, ModelSource) else resolve_model(model)
-    quantization = _check_start(source, config)
+    quantization = _check_start(source, config, distillation)
     teacher_source = _teacher_source(source, teacher, quantization)
     run.prepare([source.path, teacher_source.path])
     student_source = source
@@ -112,10 +121,15 @@ def qat_model(
     return report
 
 
-def _check_start(source: ModelSource, config: QuantlabConfig | None) -> str | None:
-    """The checkpoint's quantization method; a float model needs `config`, a quantized one must not get it."""
+def _check_start(source: ModelSource, config: QuantlabConfig | None, distillation: Any) -> str | None:
+    """The checkpoint's quantization method; a float model needs `config`, a quantized one must not get it,
+    an encoder takes no next-token loss settings."""
+    from quantlab.distill.loss import check_encoder_distillation
+
     with open_model(source) as opened:
         quantization = opened.quantization
+        if not opened.is_causal_lm:
+            check_encoder_distillation(opened.model_class.__name__, distillation)
     if quantization is None and config is None:
         raise QuantlabError(
             f"{source} is a float model; give --method NAME and its options (e.g. --method custom_bits --bits 3 "
@@ -177,9 +191,12 @@ def _train(
     note: Notify,
 ) -> QATReport:
     from quantlab.distill import check_vocabularies
+    from quantlab.distill.loss import is_language_model
+    from quantlab.eval.embeddings import position_limit
     from quantlab.eval.size import stored_bits_per_weight
     from quantlab.qat import train_quantized
     from quantlab.saving import save_model
+    from quantlab.training.encoder_data import encoder_examples
 
     output = run.output_dir
     teacher_tokenizer, student_tokenizer = opened_teacher.tokenizer(), opened_student.tokenizer()
@@ -187,25 +204,30 @@ def _train(
     note(f"loading the float teacher {opened_teacher.source} and the quantized student {opened_student.source}")
     teacher, student = opened_teacher.load_checkpoint(), opened_student.load_checkpoint()
     check_vocabularies(teacher, student, teacher_tokenizer, student_tokenizer)
-    perplexity = {}
+    language_model = is_language_model(student)
+    if tokenizer is None:
+        raise TrainingRunError("training needs the model's tokenizer, and the model folder has none")
+    scores = Scores(teacher, tokenizer, text, language_model, progress)
     if text is not None:
-        note(f"measuring perplexity on {text.describe()}")
-        perplexity = {
-            name: measure_perplexity(model, tokenizer, text, progress)
-            for name, model in (("teacher", teacher), ("before", student))
-        }
-    data = training_data(run, tokenizer)
-    windows = data.eval_windows if run.eval_steps and run.eval_windows else None
+        note(f"measuring {'perplexity' if language_model else 'embedding cosine to the teacher'} on "
+             f"{scores.describe()}")  # fmt: skip
+        scores.measure("before", student)
+    if language_model:
+        data = training_data(run, tokenizer)
+        train, windows = data.train, data.eval_windows if run.eval_steps and run.eval_windows else None
+    else:
+        length = min(run.max_seq_length, position_limit(student))  # a line is cut to what the encoder reads
+        train, windows = encoder_examples(tokenizer, run.documents(), length), None
     training_args = run.training_arguments(progress, eval_steps=run.eval_steps if windows is not None else 0)
     started = time.perf_counter()
     result = train_quantized(
-        student, teacher, training_args, data.train, tokenizer, options=options, distillation=distillation,
+        student, teacher, training_args, train, tokenizer, options=options, distillation=distillation,
         eval_windows=windows, teacher_tokenizer=teacher_tokenizer, resume_from_checkpoint=run.resume_from_checkpoint,
     )  # fmt: skip
     train_seconds = time.perf_counter() - started
     del teacher
     if text is not None:
-        perplexity["after"] = measure_perplexity(student, tokenizer, text, progress)
+        scores.measure("after", student)
     save_model(student, tokenizer, output / FINAL_DIR, protect=[opened_teacher.folder, opened_student.folder])
     return QATReport(
         command="qat",
@@ -230,11 +252,50 @@ def _train(
         peak_memory_bytes=peak_memory_bytes(),
         size_bytes=weights_size(output / FINAL_DIR),
         bits_per_quantized_weight=stored_bits_per_weight(student),
-        perplexity_teacher=perplexity.get("teacher"),
-        perplexity_before=perplexity.get("before"),
-        perplexity_after=perplexity.get("after"),
-        evaluation_text=text.describe() if text else None,
+        perplexity_teacher=scores.perplexity.get("teacher"),
+        perplexity_before=scores.perplexity.get("before"),
+        perplexity_after=scores.perplexity.get("after"),
+        embedding_cosine_before=scores.cosine.get("before"),
+        embedding_cosine_after=scores.cosine.get("after"),
+        evaluation_text=scores.describe() if text else None,
     )
+
+
+class Scores:
+    """The evaluation of a run: perplexity (a causal LM; the teacher's too) or the mean cosine of the
+    sentence embeddings with the teacher's (an encoder), by moment ("teacher", "before", "after")."""
+
+    def __init__(self, teacher: Any, tokenizer: Any, text: EvaluationText | None, language_model: bool,
+                 progress: bool) -> None:  # fmt: skip
+        self.tokenizer, self.text, self.language_model, self.progress = tokenizer, text, language_model, progress
+        self.perplexity: dict[str, float] = {}
+        self.cosine: dict[str, float] = {}
+        self.lines: list[str] = []
+        self.reference = None
+        if text is None:
+            return
+        if language_model:
+            self.perplexity["teacher"] = measure_perplexity(teacher, tokenizer, text, progress)
+        else:
+            from quantlab.eval.embeddings import evaluation_lines, sentence_embeddings
+
+            self.lines = evaluation_lines(text.text)
+            self.reference = sentence_embeddings(teacher, tokenizer, self.lines)
+
+    def measure(self, moment: str, student: Any) -> None:
+        if self.language_model:
+            self.perplexity[moment] = measure_perplexity(student, self.tokenizer, self.text, self.progress)
+            return
+        from quantlab.eval.embeddings import embedding_cosines, sentence_embeddings
+
+        student.eval()
+        embeddings = sentence_embeddings(student, self.tokenizer, self.lines)
+        self.cosine[moment] = float(embedding_cosines(embeddings, self.reference).mean())
+
+    def describe(self) -> str:
+        if self.language_model or self.text is None:
+            return self.text.describe() if self.text is not None else ""
+        return f"the first {len(self.lines)} non-empty lines of {self.text.source}"
 
 
 def training_data(run: TrainingRun, tokenizer: Any) -> Any:
