@@ -46,20 +46,15 @@ from transformers.utils import logging as transformers_logging
 
 import quantlab
 from quantlab.assets.models import minilm_dir, smollm2_dir
-from quantlab.assets.text import read_text
+from quantlab.assets.text import read_text, text_lines
+from quantlab.calibration.data import ENCODER_EVAL_LINES
 from quantlab.eval import perplexity
-from quantlab.eval.embeddings import (
-    EMBEDDING_MAX_TOKENS,
-    EVAL_LINES,
-    embedding_cosines,
-    sentence_embeddings,
-    text_lines,
-)
+from quantlab.eval.embeddings import EMBEDDING_MAX_TOKENS, embedding_cosines, sentence_embeddings
 from quantlab.eval.perplexity import token_ids, window_losses
 from quantlab.eval.size import checkpoint_storage
 
 HARNESS_WINDOWS, HARNESS_SEQ_LEN = 16, 512
-MINILM_LINES, MINILM_MAX_TOKENS = EVAL_LINES, EMBEDDING_MAX_TOKENS  # sentence-transformers' max_seq_length
+MINILM_LINES, MINILM_MAX_TOKENS = ENCODER_EVAL_LINES, EMBEDDING_MAX_TOKENS  # sentence-transformers' max_seq_length
 LATER_PART_OFFSET = 200_000  # tokens: the second evaluation part, past the bundled text calibration reads
 
 

@@ -31,6 +31,11 @@ def bundled_text() -> str:
     return read_text(bundled_text_path())
 
 
+def text_lines(text: str) -> list[str]:
+    """The non-empty lines of `text`, stripped: the units an encoder embeds."""
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
 def read_text(path: str | Path) -> str:
     """A text file as the harness reads it: UTF-8, universal newlines (CRLF becomes "\\n")."""
     return Path(path).read_text(encoding="utf-8")

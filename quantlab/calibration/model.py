@@ -75,8 +75,10 @@ def windows_for(
         )
     if calibration is not None:
         return windows_from_texts(tokenizer, calibration, config.calibration_samples, config.calibration_seq_len)
+    can_generate = getattr(model, "can_generate", None)
+    encoder = callable(can_generate) and not can_generate()  # evaluated on lines, not on token windows
     return calibration_windows(
-        tokenizer, config.calibration_samples, config.calibration_seq_len, config.calibration_text
+        tokenizer, config.calibration_samples, config.calibration_seq_len, config.calibration_text, encoder=encoder
     )
 
 

@@ -4,8 +4,8 @@ An embedding model has no perplexity; what users keep of it is the sentence embe
 (the one `benchmarks/quality.py` reports for all-MiniLM-L6-v2) embeds each non-empty line of a
 text by mean pooling of the last hidden states over the attention mask, as sentence-transformers
 configures such models, and compares each line's embedding with the float model's by cosine.
-On the bundled text the evaluation lines are its first `EVAL_LINES` non-empty lines; training and
-calibration of encoders read only the lines after them.
+On the bundled text the evaluation lines are its first `ENCODER_EVAL_LINES` non-empty lines;
+training and calibration of encoders read only the text after them.
 """
 
 from typing import Any
@@ -14,18 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantlab.assets.text import text_lines
+from quantlab.calibration.data import ENCODER_EVAL_LINES
 from quantlab.errors import QuantlabError
 
-EVAL_LINES = 256  # an encoder's evaluation lines: the first non-empty lines of the text
 EMBEDDING_MAX_TOKENS = 256  # tokens a line is cut to (sentence-transformers' max_seq_length for MiniLM-L6)
 
 
-def text_lines(text: str) -> list[str]:
-    """The non-empty lines of `text`, stripped: the units an encoder embeds."""
-    return [line.strip() for line in text.splitlines() if line.strip()]
-
-
-def evaluation_lines(text: str, lines: int = EVAL_LINES) -> list[str]:
+def evaluation_lines(text: str, lines: int = ENCODER_EVAL_LINES) -> list[str]:
     """The first `lines` non-empty lines of `text` (fewer when it is shorter; none is an error)."""
     found = text_lines(text)[:lines]
     if not found:

@@ -78,3 +78,21 @@ def test_bundled_text_is_where_the_evaluation_reads(bundled_ids):
     """The evaluation windows are the first EVAL_TOKENS tokens: what calibration skips."""
     assert bundled_text_path().is_file()
     assert len(bundled_ids) > EVAL_TOKENS * 2
+
+
+def test_an_encoder_calibrates_after_its_evaluation_lines(tokenizer, tmp_path):
+    from quantlab.assets.text import text_lines
+    from quantlab.calibration.data import ENCODER_EVAL_LINES as EVAL_LINES
+
+    lines = text_lines(bundled_text())
+    windows = calibration_windows(tokenizer, samples=2, seq_len=32, encoder=True)
+    calibrated = tokenizer.decode(windows.flatten().tolist())
+    assert calibrated.strip().startswith(lines[EVAL_LINES][:20])
+    assert all(line not in calibrated for line in lines[EVAL_LINES - 3 : EVAL_LINES] if len(line) > 40)
+    whole_file = tmp_path / "wiki.txt"  # a text that begins with the bundled one (the full test file does)
+    whole_file.write_text(bundled_text() + "\nmore text\n", encoding="utf-8")
+    assert torch.equal(calibration_windows(tokenizer, 2, 32, source=whole_file, encoder=True), windows)
+    own = tmp_path / "own.txt"
+    own.write_text("abcdefgh" * 100, encoding="utf-8")
+    own_windows = calibration_windows(tokenizer, 2, 16, source=own, encoder=True)
+    assert tokenizer.decode(own_windows[0].tolist()) == "abcdefgh" * 2

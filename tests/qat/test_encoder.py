@@ -7,11 +7,13 @@ import torch
 from transformers import AutoModel
 
 import quantlab
+from quantlab.assets.text import text_lines
+from quantlab.calibration.data import ENCODER_EVAL_LINES as EVAL_LINES
 from quantlab.cli.main import main
 from quantlab.distill import DistillationConfig
 from quantlab.distill.loss import EncoderDistillationLoss, distillation_loss
 from quantlab.errors import ConfigError
-from quantlab.eval.embeddings import EVAL_LINES, embedding_cosines, sentence_embeddings, text_lines
+from quantlab.eval.embeddings import embedding_cosines, sentence_embeddings
 from quantlab.nn import QuantizedLinear
 from quantlab.qat import train_quantized
 from quantlab.testing import byte_tokenizer, tiny_bert, tiny_llama_checkpoint
