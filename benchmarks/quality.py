@@ -208,10 +208,11 @@ def qat_model_of(directory: Path, bits: int, group: int, steps: int, samples: in
 
 
 # all-MiniLM-L6-v2 trained after block-wise reconstruction: bits, group size, training steps. The float
-# model's hidden states are the target; training reads the bundled text's lines after the first 256.
-MINILM_QAT_ROWS = ((3, 64, 200),)
+# model's hidden states are the target; training reads the bundled text's lines after the first 256, each
+# cut to 256 tokens (as the evaluation cuts them); the LayerNorms train at 0.1 x the rate.
+MINILM_QAT_ROWS = ((3, 64, 400),)
 MINILM_QAT_TRAINING = {"learning_rate": 5e-3, "per_device_train_batch_size": 16, "lr_scheduler_type": "cosine",
-                       "warmup_steps": 0.05, "seed": 0, "logging_steps": 10}  # fmt: skip
+                       "warmup_steps": 0.05, "seed": 0, "logging_steps": 20}  # fmt: skip
 
 
 def minilm_qat_variants() -> list[Variant]:
@@ -230,16 +231,17 @@ def minilm_qat_variants() -> list[Variant]:
 
 def minilm_qat_model_of(directory: Path, calibration: Path | None, bits: int, group: int, steps: int) -> Any:
     """The same as `quantlab quantize MINILM --method custom_bits --bits B --group-size G --symmetric --solver
-    reconstruct --calibration-text AFTER -o START`, then `quantlab qat START --max-steps N --batch-size 16
-    --max-seq-length 128 -o RUN`."""
+    reconstruct -o START`, then `quantlab qat START --max-steps N --batch-size 16 --max-seq-length 256
+    --norm-lr-ratio 0.1 --logging-steps 20 --seed 0 -o RUN`."""
+    from quantlab.qat import QATOptions
     from quantlab.workflows.qat import qat_model
     from quantlab.workflows.runs import TrainingRun
 
     config = quantlab.CustomBitsConfig(bits=bits, group_size=group, symmetric=True, solver="reconstruct",
                                        calibration_text=str(calibration) if calibration else None)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="quantlab-quality-qat-") as scratch:
-        run = TrainingRun(Path(scratch) / "run", {"max_steps": steps, **MINILM_QAT_TRAINING}, max_seq_length=128)
-        report = qat_model(directory, run, config=config)
+        run = TrainingRun(Path(scratch) / "run", {"max_steps": steps, **MINILM_QAT_TRAINING}, max_seq_length=256)
+        report = qat_model(directory, run, config=config, options=QATOptions(norm_lr_ratio=0.1))
         return AutoModel.from_pretrained(report.output, dtype=torch.float32, local_files_only=True)
 
 
