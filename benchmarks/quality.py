@@ -632,20 +632,23 @@ def run_minilm(variants: list[Variant], text: str) -> list[dict[str, Any]]:
     lines, later_lines = all_lines[:MINILM_LINES], all_lines[-MINILM_LINES:]
     references: tuple[torch.Tensor, torch.Tensor] | None = None
     rows = []
+    parts = (lines, later_lines)
     calibration = _text_after(text, lines[-1])
-    for variant in variants:
-        if variant.build is not None and variant.model != "minilm":
-            continue  # built for SmolLM2 (its quantization-aware training)
-        if getattr(variant.make_config and variant.make_config(), "self_calibration", False):
-            continue  # an encoder samples no text to calibrate on (quantlab refuses it with that message)
-        row = guarded(lambda v=variant, r=references: minilm_row(v, tokenizer, (lines, later_lines), r, calibration),
-                      variant)  # fmt: skip
-        embeddings = row.extra.pop("embeddings", None)
-        if variant.family == "float" and embeddings is not None:
-            references = embeddings
-            row.cosine_mean = row.cosine_min = row.later_cosine_mean = 1.0
-        rows.append(row)
-        print(f"  minilm {variant.name}: {_summary(row)}", flush=True)
+    try:
+        for variant in variants:
+            if variant.build is not None and variant.model != "minilm":
+                continue  # built for SmolLM2 (its quantization-aware training)
+            if getattr(variant.make_config and variant.make_config(), "self_calibration", False):
+                continue  # an encoder samples no text to calibrate on (quantlab refuses it with that message)
+            row = guarded(lambda v=variant, r=references: minilm_row(v, tokenizer, parts, r, calibration), variant)
+            embeddings = row.extra.pop("embeddings", None)
+            if variant.family == "float" and embeddings is not None:
+                references = embeddings
+                row.cosine_mean = row.cosine_min = row.later_cosine_mean = 1.0
+            rows.append(row)
+            print(f"  minilm {variant.name}: {_summary(row)}", flush=True)
+    finally:
+        calibration.unlink(missing_ok=True)
     print("\n" + minilm_table(rows) + "\n", flush=True)
     return [asdict(r) for r in rows]
 
