@@ -22,6 +22,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.nn import QuantizedLinear
 from quantlab.solvers import get_solver
+from quantlab.utils.model_kind import is_language_model
 
 
 def calibrate(
@@ -75,11 +76,10 @@ def windows_for(
         )
     if calibration is not None:
         return windows_from_texts(tokenizer, calibration, config.calibration_samples, config.calibration_seq_len)
-    can_generate = getattr(model, "can_generate", None)
-    encoder = callable(can_generate) and not can_generate()  # evaluated on lines, not on token windows
     return calibration_windows(
-        tokenizer, config.calibration_samples, config.calibration_seq_len, config.calibration_text, encoder=encoder
-    )
+        tokenizer, config.calibration_samples, config.calibration_seq_len, config.calibration_text,
+        encoder=not is_language_model(model),
+    )  # fmt: skip
 
 
 def blocks_need_calibration(config: QuantlabConfig) -> bool:

@@ -24,6 +24,7 @@ from quantlab.distill.config import DistillationConfig
 from quantlab.distill.hidden import hidden_state_error
 from quantlab.errors import ConfigError
 from quantlab.training.data import IGNORE_INDEX
+from quantlab.utils.model_kind import is_language_model
 
 TEACHER = "teacher"
 HIDDEN_PROJECTION = "hidden_projection"
@@ -106,12 +107,6 @@ class EncoderDistillationLoss:
     @staticmethod
     def count_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["attention_mask"].sum()
-
-
-def is_language_model(model: nn.Module) -> bool:
-    """Whether `model` predicts next tokens (a causal LM); else it is distilled as an encoder."""
-    can_generate = getattr(model, "can_generate", None)
-    return bool(can_generate()) if callable(can_generate) else False
 
 
 def distillation_loss(student: nn.Module, config: DistillationConfig) -> "DistillationLoss | EncoderDistillationLoss":

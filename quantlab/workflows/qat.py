@@ -191,12 +191,12 @@ def _train(
     note: Notify,
 ) -> QATReport:
     from quantlab.distill import check_vocabularies
-    from quantlab.distill.loss import is_language_model
     from quantlab.eval.embeddings import position_limit
     from quantlab.eval.size import stored_bits_per_weight
     from quantlab.qat import train_quantized
     from quantlab.saving import save_model
     from quantlab.training.encoder_data import encoder_examples
+    from quantlab.utils.model_kind import is_language_model
 
     output = run.output_dir
     teacher_tokenizer, student_tokenizer = opened_teacher.tokenizer(), opened_student.tokenizer()
