@@ -10,7 +10,9 @@ the text (beyond the bundled slice everything else reads).
 Solvers (round to nearest, data-free mse, GPTQ, AWQ + GPTQ) are crossed with widths and group
 sizes, NF4 gets GPTQ (on the bundled text, and self-calibrated: on text the float model
 samples itself, which needs no data), and mixed precision is measured at 4.25 / 3.5 / 3.0 / 2.5 bits per
-weight. Calibrated rows calibrate on the bundled WikiText-2 from token 8,192 on (SmolLM2;
+weight. Block-wise reconstruction, learned tables and quantization-aware training (from GPTQ's or
+the reconstruction's codes, trained on the bundled text after the evaluation windows) have rows of
+their own. Calibrated rows calibrate on the bundled WikiText-2 from token 8,192 on (SmolLM2;
 after the evaluation windows) and, for MiniLM, on the text after its 256 evaluation lines.
 Perplexity is also reported on a second, later part of the text (16 x 512 tokens from token
 200,000 of the shared file, beyond everything calibration reads). Each row records the peak
@@ -19,7 +21,7 @@ resident memory sampled while it loads and quantizes.
 Every model is quantized the way users do it, `from_pretrained(..., quantization_config=...)`.
 Peer figures (benchmarks/RESULTS.md, "Peer baselines") are printed beside ours where they exist.
 
-    python benchmarks/quality.py                 # everything (1-4 hours on 2 cores, depending on their load)
+    python benchmarks/quality.py                 # everything (10 hours or more on 2 quiet cores; pick rows with --only)
     python benchmarks/quality.py --quick         # a representative subset
     python benchmarks/quality.py --json out.json --text path/to/wiki.test.raw
     python benchmarks/quality.py --only hqq --only bitsandbytes   # some rows (fp32 always runs)
@@ -172,38 +174,63 @@ def reconstruct_variants() -> list[Variant]:
     return variants
 
 
-# Quantization-aware training from GPTQ's codes (about 16 minutes a row of 100 steps on 2 quiet cores):
-# bits, group size, training steps, GPTQ's calibration windows. Training as `quantlab qat` defaults.
+# Quantization-aware training (`quantlab qat` defaults: lr 5e-3 in grid steps, cosine, KL from the float
+# model) on the bundled text after the evaluation windows. From GPTQ's codes, 100 steps of 4 x 256 tokens
+# (about 16 minutes a row on 2 quiet cores): bits, group size, steps, GPTQ's calibration windows.
 QAT_ROWS = ((4, 64, 100, 128), (3, 64, 100, 128), (2, 64, 100, 128))
 QAT_TRAINING = {"learning_rate": 5e-3, "per_device_train_batch_size": 4, "lr_scheduler_type": "cosine",
                 "warmup_steps": 0.05, "seed": 0, "logging_steps": 5}  # fmt: skip
+# From the reconstruction's codes with the normalization layers training at 0.02 x the rate, the runs of the
+# 3- and 2-bit targets (about an hour a row on 2 quiet cores): bits, group size, steps, tokens per example,
+# examples per step.
+RECONSTRUCT_QAT_ROWS = ((3, 64, 400, 512, 2), (2, 64, 400, 256, 4))
+RECONSTRUCT_QAT_NORM_LR_RATIO = 0.02
 
 
 def qat_variants() -> list[Variant]:
-    """`quantlab qat`: GPTQ's symmetric codes, then every quantized layer trained through fake quantizers
-    against the float model's KL divergence on the bundled text after the evaluation windows."""
+    """`quantlab qat`: GPTQ's or the reconstruction's symmetric codes, then every quantized layer trained
+    through fake quantizers against the float model's KL divergence."""
 
-    def build(bits: int, group: int, steps: int, samples: int) -> Callable[[Path, Path | None], Any]:
-        return lambda directory, _: qat_model_of(directory, bits, group, steps, samples)
+    def from_gptq(bits: int, group: int, steps: int, samples: int) -> Callable[[Path, Path | None], Any]:
+        start = quantlab.CustomBitsConfig(
+            bits=bits, group_size=group, symmetric=True, solver="gptq", calibration_samples=samples
+        )
+        return lambda directory, _: qat_model_of(directory, start, steps, 256, 4, None)
 
-    names = [f"qat {bits}-bit g{group} sym (gptq start, {steps} steps)" for bits, group, steps, _ in QAT_ROWS]
-    return [Variant(name, "quantlab", None, build=build(*row)) for name, row in zip(names, QAT_ROWS, strict=True)]
+    def from_reconstruction(bits: int, group: int, steps: int, seq_len: int, batch: int) -> Callable[..., Any]:
+        start = quantlab.CustomBitsConfig(bits=bits, group_size=group, symmetric=True, solver="reconstruct")
+        return lambda directory, _: qat_model_of(directory, start, steps, seq_len, batch, RECONSTRUCT_QAT_NORM_LR_RATIO)
+
+    variants = [
+        Variant(f"qat {bits}-bit g{group} sym (gptq start, {steps} steps)", "quantlab", None,
+                build=from_gptq(bits, group, steps, samples))
+        for bits, group, steps, samples in QAT_ROWS
+    ]  # fmt: skip
+    variants += [
+        Variant(f"qat {bits}-bit g{group} sym (reconstruct start, {steps} x {batch} x {seq_len} tokens)",
+                "quantlab", None, build=from_reconstruction(bits, group, steps, seq_len, batch))
+        for bits, group, steps, seq_len, batch in RECONSTRUCT_QAT_ROWS
+    ]  # fmt: skip
+    return variants
 
 
-def qat_model_of(directory: Path, bits: int, group: int, steps: int, samples: int) -> torch.nn.Module:
-    """`qat_model(directory, config=GPTQ's)` into a temporary run folder; the trained checkpoint, loaded.
+def qat_model_of(
+    directory: Path, start: Any, steps: int, seq_len: int, batch: int, norm_lr_ratio: float | None
+) -> torch.nn.Module:
+    """`qat_model(directory, config=start)` into a temporary run folder; the trained checkpoint, loaded.
 
-    The same as `quantlab quantize --method custom_bits --bits B --group-size G --symmetric --solver gptq
-    --calibration-samples S -o START`, then `quantlab qat START --max-steps N -o RUN`."""
+    The same as `quantlab quantize --method custom_bits --bits B --group-size G --symmetric --solver S -o START`,
+    then `quantlab qat START --max-steps N --max-seq-length L --per-device-train-batch-size K
+    [--norm-lr-ratio R] -o RUN`."""
+    from quantlab.qat import QATOptions
     from quantlab.workflows.qat import qat_model
     from quantlab.workflows.runs import TrainingRun
 
-    config = quantlab.CustomBitsConfig(
-        bits=bits, group_size=group, symmetric=True, solver="gptq", calibration_samples=samples
-    )
+    training = {**QAT_TRAINING, "max_steps": steps, "per_device_train_batch_size": batch}
+    options = QATOptions(norm_lr_ratio=norm_lr_ratio)
     with tempfile.TemporaryDirectory(prefix="quantlab-quality-qat-") as scratch:
-        run = TrainingRun(Path(scratch) / "run", {"max_steps": steps, **QAT_TRAINING}, max_seq_length=256)
-        report = qat_model(directory, run, config=config)
+        run = TrainingRun(Path(scratch) / "run", training, max_seq_length=seq_len)
+        report = qat_model(directory, run, config=start, options=options)
         return AutoModelForCausalLM.from_pretrained(report.output, dtype=torch.float32, local_files_only=True)
 
 
