@@ -12,7 +12,13 @@ from quantlab.errors import QuantizationError
 from quantlab.integrations.chunked_loss import use_chunked_loss
 from quantlab.integrations.transformers import quantizer_class_of
 from quantlab.registry import method_of
-from quantlab.replacement import dequantize_layers, raise_nothing_to_quantize, replace_linear_layers, without_vocabulary
+from quantlab.replacement import (
+    check_layer_options,
+    dequantize_layers,
+    raise_nothing_to_quantize,
+    replace_linear_layers,
+    without_vocabulary,
+)
 from quantlab.vocabulary import replace_vocabulary
 
 
@@ -50,6 +56,7 @@ def quantize(
         skip = _default_skips(model, config)
         selected = lambda name: should_convert_module(name, skip)  # noqa: E731
     selected = without_vocabulary(model, config, selected)
+    check_layer_options(model, config, selected)
     converted, data_free = [], config
     if config.needs_calibration:
         # calibration's modules load when a config needs them, not with `import quantlab`

@@ -2,7 +2,8 @@
 
 The steps `quantlab.quantize` and the transformers quantizer share: both pick the layers to
 convert, replace them with a method's quantized layer (empty while transformers loads, or
-quantized from the float weight) and refuse a model left with nothing to quantize.
+quantized from the float weight), and refuse a model left with nothing to quantize or a
+`layer_options` entry that names none of the layers to convert (a typo would otherwise change nothing).
 """
 
 from collections.abc import Callable
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from quantlab.config import QuantlabConfig
-from quantlab.errors import QuantizationError
+from quantlab.errors import ConfigError, QuantizationError
 from quantlab.nn import QuantizedLinear
 from quantlab.vocabulary import dequantize_vocabulary, vocabulary_linears
 
@@ -78,6 +79,22 @@ def without_vocabulary(
     if not tables:
         return selected
     return lambda name: name not in tables and selected(name)
+
+
+def check_layer_options(model: nn.Module, config: QuantlabConfig, selected: Callable[[str], bool]) -> None:
+    """Raise `ConfigError` if a `layer_options` entry names no Linear layer of `model` that `selected` converts
+    (before any work is done: calibrating a large model takes hours)."""
+    if not config.layer_options:
+        return
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear and selected(name)]
+    unknown = sorted(set(config.layer_options) - set(names))
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        example = f" (they are named like {names[0]!r})" if names else ""
+        raise ConfigError(
+            f"{config.method}: layer_options names {unknown[0]!r}{more}, which is not a layer this model "
+            f"quantizes{example}: correct the name, or remove the entry"
+        )
 
 
 def raise_nothing_to_quantize(model: nn.Module, config: QuantlabConfig) -> None:

@@ -41,7 +41,13 @@ from quantlab.integrations.chunked_loss import use_chunked_loss
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
 from quantlab.registry import Method
-from quantlab.replacement import dequantize_layers, raise_nothing_to_quantize, replace_linear_layers, without_vocabulary
+from quantlab.replacement import (
+    check_layer_options,
+    dequantize_layers,
+    raise_nothing_to_quantize,
+    replace_linear_layers,
+    without_vocabulary,
+)
 from quantlab.utils.pages import release_mapped_tensor
 from quantlab.verification import verify_checkpoint_files, verify_loaded_layer
 from quantlab.vocabulary import replace_vocabulary
@@ -171,10 +177,11 @@ class QuantlabHfQuantizer(HfQuantizer):
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
         )
-        if self.calibrates_after_loading:
-            return
         skip = self.modules_to_not_convert
         selected = without_vocabulary(model, config, lambda name: should_convert_module(name, skip))
+        check_layer_options(model, config, selected)
+        if self.calibrates_after_loading:
+            return
         converted = replace_linear_layers(model, config, self.module_class, selected, False)
         if not converted:
             raise_nothing_to_quantize(model, config)

@@ -32,7 +32,12 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.integrations.transformers import quantizer_class_of
 from quantlab.registry import method_of
-from quantlab.replacement import raise_nothing_to_quantize, replace_linear_layers, without_vocabulary
+from quantlab.replacement import (
+    check_layer_options,
+    raise_nothing_to_quantize,
+    replace_linear_layers,
+    without_vocabulary,
+)
 from quantlab.streaming.blocks import REST, ReadBlocks, StreamedBlocks, write_part
 from quantlab.streaming.partial import WINDOWS, PartialOutput, ResumeError
 from quantlab.streaming.reader import CheckpointReader, NotStreamableError
@@ -93,6 +98,7 @@ def quantize_checkpoint(
         except QuantizationError as error:
             raise NotStreamableError(str(error)) from error
         selected = _selection(model, config)
+        check_layer_options(model, config, selected)
         with PartialOutput.start(output, reader.fingerprint(), config.to_dict(), resume, note) as partial:
             try:
                 activations = OffloadedActivations(offload_dir) if offload_dir is not None else Activations()

@@ -2,16 +2,18 @@
 
 import itertools
 import random
+import re
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import quantlab
 from quantlab.calibration.allocation import Candidate, choose
 from quantlab.errors import ConfigError
 from quantlab.eval.size import stored_bits_per_weight
 from quantlab.replacement import quantized_layers
-from quantlab.testing.models import tiny_llama
+from quantlab.testing.models import tiny_llama, tiny_llama_checkpoint
 
 CALIBRATION = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(0))
 
@@ -87,3 +89,16 @@ def test_layer_options_are_checked():
         quantlab.CustomBitsConfig(layer_options={"model.layers.0.mlp.up_proj": {"bits": 9}})
     with pytest.raises(ConfigError, match="target_bits is not supported"):
         quantlab.NF4Config(target_bits=4.0)
+
+
+@pytest.mark.parametrize("solver", ["rtn", "gptq"])
+@pytest.mark.parametrize("entry", ["quantize", "from_pretrained"])
+def test_layer_options_naming_no_layer_of_the_model_are_refused(solver, entry, tmp_path):
+    """A misspelt layer name would otherwise leave that layer on the default options without a word."""
+    config = quantlab.CustomBitsConfig(solver=solver, layer_options={"model.layers.0.mlp.down_prj": {"bits": 8}})
+    expected = re.escape("'model.layers.0.mlp.down_prj', which is not a layer this model quantizes")
+    with pytest.raises(ConfigError, match=expected):
+        if entry == "quantize":
+            quantlab.quantize(tiny_llama(), config, calibration=CALIBRATION, progress=False)
+        else:
+            AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint(tmp_path / "float"), quantization_config=config)

@@ -109,6 +109,13 @@ def test_inspect_reference_of_another_architecture(cli, quantized_llama, bert_di
     cli.assert_user_error(result, "--reference must be the float model the checkpoint was quantized from")
 
 
+def test_layer_options_naming_no_layer(cli, llama_dir: Path, tmp_path: Path) -> None:
+    options = '{"model.layers.0.mlp.up": {"bits": 8}}'
+    result = cli.run("quantize", llama_dir, "--method", "custom_bits", "--layer-options", options, "-o", tmp_path / "q")
+    cli.assert_user_error(result, "layer_options names 'model.layers.0.mlp.up'", "correct the name", notes_before=True)
+    assert not (tmp_path / "q").exists()
+
+
 def test_inspect_reference_without_a_report(cli, llama_dir: Path) -> None:
     cli.assert_user_error(cli.run("inspect", llama_dir, "--reference"), "has no quantlab_report.json naming")
 
