@@ -171,7 +171,19 @@ def reconstruct_variants() -> list[Variant]:
             lambda: quantlab.CustomBitsConfig(bits=3, group_size=64, solver="reconstruct", target_bits=3.25),
         )
     )
+    variants.append(Variant("lut 3-bit g64 reconstruct (one down_proj g128)", "quantlab", lut_3bit_reconstruct))
     return variants
+
+
+# A learned 3-bit table costs 8 x 16 bits a layer beside the 3.25 bits per weight of 3-bit codes with a float16
+# scale per 64: 26,880 bits for SmolLM2's 210 layers. One down_proj (1536 inputs) in groups of 128 stores
+# 110,592 bits less, so the file stays within 3.25 bits per weight (3.2492).
+LUT_3BIT_LAYER_OPTIONS = {"model.layers.15.mlp.down_proj": {"group_size": 128}}
+
+
+def lut_3bit_reconstruct() -> Any:
+    """Learned 3-bit tables in groups of 64 under block-wise reconstruction, within 3.25 bits per weight."""
+    return quantlab.LutConfig(bits=3, group_size=64, solver="reconstruct", layer_options=LUT_3BIT_LAYER_OPTIONS)
 
 
 # Quantization-aware training (`quantlab qat` defaults: lr 5e-3 in grid steps, cosine, KL from the float
@@ -184,6 +196,8 @@ QAT_TRAINING = {"learning_rate": 5e-3, "per_device_train_batch_size": 4, "lr_sch
 # 3- and 2-bit targets (about an hour a row on 2 quiet cores): bits, group size, steps, tokens per example,
 # examples per step.
 RECONSTRUCT_QAT_ROWS = ((3, 64, 400, 512, 2), (2, 64, 400, 256, 4))
+# From the learned 3-bit tables' reconstruction (`lut_3bit_reconstruct`): steps, tokens per example, examples per step.
+LUT_QAT_ROWS = ((100, 256, 4),)
 RECONSTRUCT_QAT_NORM_LR_RATIO = 0.02
 
 
@@ -210,6 +224,12 @@ def qat_variants() -> list[Variant]:
         Variant(f"qat {bits}-bit g{group} sym (reconstruct start, {steps} x {batch} x {seq_len} tokens)",
                 "quantlab", None, build=from_reconstruction(bits, group, steps, seq_len, batch))
         for bits, group, steps, seq_len, batch in RECONSTRUCT_QAT_ROWS
+    ]  # fmt: skip
+    variants += [
+        Variant(f"qat lut 3-bit g64 (reconstruct start, {steps} x {batch} x {seq_len} tokens)", "quantlab", None,
+                build=lambda directory, _, steps=steps, seq_len=seq_len, batch=batch: qat_model_of(
+                    directory, lut_3bit_reconstruct(), steps, seq_len, batch, RECONSTRUCT_QAT_NORM_LR_RATIO))
+        for steps, seq_len, batch in LUT_QAT_ROWS
     ]  # fmt: skip
     return variants
 
