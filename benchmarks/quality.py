@@ -202,8 +202,8 @@ RECONSTRUCT_QAT_NORM_LR_RATIO = 0.02
 
 
 def qat_variants() -> list[Variant]:
-    """`quantlab qat`: GPTQ's or the reconstruction's symmetric codes, then every quantized layer trained
-    through fake quantizers against the float model's KL divergence."""
+    """`quantlab qat`: GPTQ's or the reconstruction's codes (symmetric integers, or learned 3-bit tables), then
+    every quantized layer trained through fake quantizers against the float model's KL divergence."""
 
     def from_gptq(bits: int, group: int, steps: int, samples: int) -> Callable[[Path, Path | None], Any]:
         start = quantlab.CustomBitsConfig(
@@ -211,9 +211,11 @@ def qat_variants() -> list[Variant]:
         )
         return lambda directory, _: qat_model_of(directory, start, steps, 256, 4, None)
 
-    def from_reconstruction(bits: int, group: int, steps: int, seq_len: int, batch: int) -> Callable[..., Any]:
-        start = quantlab.CustomBitsConfig(bits=bits, group_size=group, symmetric=True, solver="reconstruct")
+    def from_reconstruction(start: Any, steps: int, seq_len: int, batch: int) -> Callable[[Path, Path | None], Any]:
         return lambda directory, _: qat_model_of(directory, start, steps, seq_len, batch, RECONSTRUCT_QAT_NORM_LR_RATIO)
+
+    def integers(bits: int, group: int) -> Any:
+        return quantlab.CustomBitsConfig(bits=bits, group_size=group, symmetric=True, solver="reconstruct")
 
     variants = [
         Variant(f"qat {bits}-bit g{group} sym (gptq start, {steps} steps)", "quantlab", None,
@@ -222,13 +224,12 @@ def qat_variants() -> list[Variant]:
     ]  # fmt: skip
     variants += [
         Variant(f"qat {bits}-bit g{group} sym (reconstruct start, {steps} x {batch} x {seq_len} tokens)",
-                "quantlab", None, build=from_reconstruction(bits, group, steps, seq_len, batch))
+                "quantlab", None, build=from_reconstruction(integers(bits, group), steps, seq_len, batch))
         for bits, group, steps, seq_len, batch in RECONSTRUCT_QAT_ROWS
     ]  # fmt: skip
     variants += [
         Variant(f"qat lut 3-bit g64 (reconstruct start, {steps} x {batch} x {seq_len} tokens)", "quantlab", None,
-                build=lambda directory, _, steps=steps, seq_len=seq_len, batch=batch: qat_model_of(
-                    directory, lut_3bit_reconstruct(), steps, seq_len, batch, RECONSTRUCT_QAT_NORM_LR_RATIO))
+                build=from_reconstruction(lut_3bit_reconstruct(), steps, seq_len, batch))
         for steps, seq_len, batch in LUT_QAT_ROWS
     ]  # fmt: skip
     return variants
@@ -239,9 +240,9 @@ def qat_model_of(
 ) -> torch.nn.Module:
     """`qat_model(directory, config=start)` into a temporary run folder; the trained checkpoint, loaded.
 
-    The same as `quantlab quantize --method custom_bits --bits B --group-size G --symmetric --solver S -o START`,
-    then `quantlab qat START --max-steps N --max-seq-length L --per-device-train-batch-size K
-    [--norm-lr-ratio R] -o RUN`."""
+    The same as `quantlab quantize` with `start`'s options (`--method custom_bits --bits B --group-size G
+    --symmetric --solver S`, or the learned tables' `--method lut ...`) `-o START`, then `quantlab qat START
+    --max-steps N --max-seq-length L --per-device-train-batch-size K [--norm-lr-ratio R] -o RUN`."""
     from quantlab.qat import QATOptions
     from quantlab.workflows.qat import qat_model
     from quantlab.workflows.runs import TrainingRun
