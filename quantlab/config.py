@@ -7,6 +7,7 @@ checkpoint written by a newer, incompatible quantlab is refused with a clear mes
 """
 
 import dataclasses
+import math
 import typing
 from typing import Any, ClassVar
 
@@ -132,8 +133,12 @@ class QuantlabConfig(QuantizationConfigMixin):
                 f"{self.method}: self_calibration samples its own text; drop calibration_text or self_calibration"
             )
         if self.target_bits is not None:
-            if isinstance(self.target_bits, bool) or not isinstance(self.target_bits, int | float):
-                raise ConfigError(f"{self.method}: target_bits={self.target_bits!r} is not valid; use a number")
+            bits = self.target_bits
+            if isinstance(bits, bool) or not isinstance(bits, int | float) or not math.isfinite(bits) or bits <= 0:
+                raise ConfigError(
+                    f"{self.method}: target_bits={bits!r} is not valid; use a positive finite number of bits per "
+                    f"weight (such as 3.5)"
+                )
             if not self.allocation_candidates():
                 raise ConfigError(f"{self.method}: target_bits is not supported; use custom_bits for mixed precision")
         if self.self_calibration and not self.needs_calibration:

@@ -62,6 +62,36 @@ def allocate_bits(
     return {layer: dict(pick.options) for layer, pick in chosen.items() if dict(pick.options) != own}
 
 
+def check_budget_reachable(
+    model: nn.Module, config: QuantlabConfig, module_class: type[QuantizedLinear], selected: Callable[[str], bool]
+) -> None:
+    """Refuse a `target_bits` no assignment of the candidates can meet, from the layers' shapes alone:
+    before any calibration text is made or any weight is read (the model may sit on the meta device)."""
+    prefix, blocks = find_blocks(model)
+    candidates = [config.for_one_layer(**options) for options in config.allocation_candidates()]
+    smallest = largest = weights = 0
+    for index, block in enumerate(blocks):
+        for relative in selected_linears(block, f"{prefix}.{index}", selected):
+            out_features, in_features = block.get_submodule(relative).weight.shape
+            sizes = [module_class.layout_for(in_features, out_features, c).stored_bytes() for c in candidates]
+            smallest, largest, weights = (
+                smallest + min(sizes),
+                largest + max(sizes),
+                weights + in_features * out_features,
+            )
+    if weights:
+        _refuse_unreachable(config.target_bits, int(config.target_bits * weights / 8), smallest, largest, weights)
+
+
+def _refuse_unreachable(target_bits: float, budget: int, smallest: int, largest: int, weights: int) -> None:
+    if budget < smallest or budget > largest:
+        low, high = 8 * smallest / weights, 8 * largest / weights
+        raise ConfigError(
+            f"target_bits={target_bits:g} is outside what the candidate widths can store on this model "
+            f"({low:.3f} to {high:.3f} bits per weight); choose a target in that range"
+        )
+
+
 def measure_layers(
     model: nn.Module,
     config: QuantlabConfig,
@@ -109,12 +139,7 @@ def choose(measured: dict[str, list[Candidate]], budget: int, target_bits: float
     """The assignment with the least summed loss whose bytes fit `budget` (dynamic programming)."""
     smallest = sum(min(c.stored_bytes for c in options) for options in measured.values())
     largest = sum(max(c.stored_bytes for c in options) for options in measured.values())
-    if budget < smallest or budget > largest:
-        low, high = 8 * smallest / weights, 8 * largest / weights
-        raise ConfigError(
-            f"target_bits={target_bits:g} is outside what the candidate widths can store on this model "
-            f"({low:.3f} to {high:.3f} bits per weight); choose a target in that range"
-        )
+    _refuse_unreachable(target_bits, budget, smallest, largest, weights)
     unit = max(1, -(-budget // BUDGET_STEPS))
     units = budget // unit
     best = torch.zeros(units + 1, dtype=torch.float64)  # least loss of the layers so far within b units

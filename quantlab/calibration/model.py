@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from quantlab import distributed
-from quantlab.calibration.allocation import allocate_bits
+from quantlab.calibration.allocation import allocate_bits, check_budget_reachable
 from quantlab.calibration.blocks import BlockWeights
 from quantlab.calibration.data import calibration_windows, windows_from_texts
 from quantlab.calibration.self_generated import self_generated_windows
@@ -40,6 +40,8 @@ def calibrate(
     `weights`: where the blocks' weights are (default: in the model; streamed: read block by block).
     Under torchrun the processes share the windows (`quantlab.distributed`)."""
     distributed.init()
+    if config.target_bits is not None:
+        check_budget_reachable(model, config, module_class, selected)
     windows = windows_for(model, config, calibration, tokenizer, progress, weights)
     if config.target_bits is not None:
         config.layer_options = allocate_bits(model, config, module_class, windows, selected, progress, weights)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantlab.calibration.allocation import allocate_bits
+from quantlab.calibration.allocation import allocate_bits, check_budget_reachable
 from quantlab.calibration.blocks import Activations, OffloadedActivations, find_blocks
 from quantlab.calibration.model import blocks_need_calibration, data_free_config, windows_for
 from quantlab.calibration.sequential import quantize_blocks
@@ -144,6 +144,8 @@ def _run(
 ) -> StreamedQuantization:
     model = weights.model
     module_class = method_of(config).module_class
+    if config.target_bits is not None and partial.resolved_config is None:
+        check_budget_reachable(model, config, module_class, selected)
     windows = (
         _windows(weights, blocks, prefix, config, partial, tokenizer, progress) if config.needs_calibration else None
     )
