@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from quantlab.utils.atomic import OutputExistsError
+from quantlab.utils.atomic import OutputExistsError, full_disk_reported
 
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # bytes of initializers; leaves room below protobuf's 2 GiB
 
@@ -47,7 +47,8 @@ def staged_output(target: str | os.PathLike, overwrite: bool = False) -> Iterato
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         staged = staging / target.name
-        yield staged
+        with full_disk_reported(target.parent):
+            yield staged
         if data_file(staged).exists():
             os.replace(data_file(staged), data_file(target))
         else:

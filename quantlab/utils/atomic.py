@@ -4,10 +4,11 @@ Everything goes to a temporary sibling first and is renamed into place at the en
 exception (or a full disk) leaves the previous output, if any, untouched. The renamed output
 gets the permissions a plain `mkdir` or `open` would give it (`tempfile` makes private ones).
 
-What an output may replace: nothing without `overwrite`, checked when the block starts and
-again at the final rename (an output that appeared meanwhile is not replaced); with
-`overwrite`, never a folder that holds the current directory or one of the `protect`ed
-inputs (`quantize X/model -o X --overwrite` would delete its own input).
+What an output may replace: never a `protect`ed input, a folder holding one, or a path inside an
+input folder (`quantize X/model -o X --overwrite` would delete its own input); nothing without
+`overwrite`, checked when the block starts and again at the final rename (an output that
+appeared meanwhile is not replaced); with `overwrite`, never a folder that holds the current
+directory.
 
 Temporary folders are named `.NAME.KIND-PID-HOST-xxxx`: they are removed when the block ends,
 including by SIGINT or SIGTERM once the CLI turned that into an exception (`quantlab.cli.main`),
@@ -58,24 +59,38 @@ class UnsafeOutputError(QuantlabError, ValueError):
 
 
 def check_replaceable(target: str | os.PathLike, overwrite: bool, protect: Iterable[str | os.PathLike] = ()) -> Path:
-    """Refuse an existing `target` without `overwrite`, and one that holds the current directory or an input."""
+    """Refuse a `target` that overlaps a `protect`ed input (always), an existing one without `overwrite`,
+    and one that holds the current directory."""
     target = Path(target)
+    check_not_input(target, protect)
     if not target.exists() and not target.is_symlink():
         return target
     if not overwrite:
         raise OutputExistsError(f"output {target} already exists; pass --overwrite (overwrite=True) or pick another")
-    resolved = target.resolve()
-    if _contains(resolved, Path.cwd().resolve()):
+    if _contains(target.resolve(), Path.cwd().resolve()):
         raise UnsafeOutputError(
             f"output {target} is or contains the current directory, which --overwrite would delete; "
             f"name a new folder instead"
         )
-    for path in protect:
-        if _contains(resolved, Path(path).resolve()):
-            raise UnsafeOutputError(
-                f"output {target} contains the input {path}, which --overwrite would delete; write somewhere else"
-            )
     return target
+
+
+def check_not_input(target: str | os.PathLike, inputs: Iterable[str | os.PathLike]) -> None:
+    """Refuse a `target` that is, contains or lies inside one of `inputs`, whatever `--overwrite` says.
+
+    Paths are compared resolved, symlinks followed: writing there would replace or change an input.
+    """
+    resolved = Path(target).resolve()
+    for path in inputs:
+        source = Path(path).resolve()
+        if resolved == source:
+            raise UnsafeOutputError(f"output {target} is the input {path}; write somewhere else")
+        if _contains(resolved, source):
+            raise UnsafeOutputError(
+                f"output {target} contains the input {path}, which writing there would replace; write somewhere else"
+            )
+        if source.is_dir() and _contains(source, resolved):
+            raise UnsafeOutputError(f"output {target} lies inside the input folder {path}; write outside it")
 
 
 def _contains(folder: Path, path: Path) -> bool:
@@ -172,6 +187,28 @@ def _signals_deferred() -> Iterator[None]:
 
 # -- atomic outputs ---------------------------------------------------------------------------
 
+# numpy's `tofile` (the GGUF writer's path) reports a short write with no errno: the disk is full.
+_SHORT_WRITE = re.compile(r"^\d+ requested and \d+ written$")
+
+
+@contextlib.contextmanager
+def full_disk_reported(folder: Path) -> Iterator[None]:
+    """Re-raise a write that stopped short with no errno (numpy's `tofile`) as the ENOSPC it is, so every
+    output format reports a full disk the same way (the CLI: one line, exit 2)."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno is not None or not (_SHORT_WRITE.match(str(error)) or _no_space_left(folder)):
+            raise
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder)) from error
+
+
+def _no_space_left(folder: Path) -> bool:
+    try:
+        return shutil.disk_usage(folder).free == 0
+    except OSError:
+        return False
+
 
 @contextlib.contextmanager
 def atomic_directory(
@@ -188,7 +225,8 @@ def atomic_directory(
         raise UnsafeOutputError(f"output {target} names no new folder; give a folder name")
     staging = make_staging(target.parent, target.name)
     try:
-        yield staging
+        with full_disk_reported(target.parent):
+            yield staging
         commit_directory(staging, target, overwrite, protect)
     finally:
         if staging.exists():
@@ -242,7 +280,8 @@ def atomic_file(target: str | os.PathLike) -> Iterator[Path]:
     os.close(handle)
     staging = Path(name)
     try:
-        yield staging
+        with full_disk_reported(target.parent):
+            yield staging
         _publish(staging, 0o666)
         os.replace(staging, target)
     finally:

@@ -10,7 +10,8 @@ GGUF type holds keep them, the rest is re-quantized and reported (see `quantlab.
 
 compressed-tensors (`export_compressed_tensors`): a checkpoint folder transformers and vLLM load
 with the `compressed-tensors` package, quantlab's int4/int8 codes kept; a layer no scheme holds
-exactly is refused (see `quantlab.export.compressed_tensors`). Every output is written atomically.
+exactly is refused (see `quantlab.export.compressed_tensors`). Every output is written atomically, and may
+not be, contain or lie inside the model it is exported from.
 """
 
 import os
@@ -21,6 +22,7 @@ from typing import Any
 
 from quantlab.loading import ModelSource, resolve_model
 from quantlab.workflows.notes import Notify, notifier
+from quantlab.workflows.outputs import check_output
 
 
 @dataclass
@@ -57,13 +59,14 @@ def export_onnx(
     import torch
 
     from quantlab.export import to_onnx
+    from quantlab.export.saving import data_file
     from quantlab.loading import load
-    from quantlab.utils.atomic import OutputExistsError
+    from quantlab.utils.atomic import check_not_input
 
     output = Path(output).expanduser()
-    if output.exists() and not overwrite:
-        raise OutputExistsError(f"output {output} already exists; pass --overwrite to replace it, or pick another")
     source = model if isinstance(model, ModelSource) else resolve_model(model)
+    check_output(output, overwrite, source.path)
+    check_not_input(data_file(output), [source.path])  # the side file large weights go to
     started = time.perf_counter()
     loaded_model = load(source, dtype=torch.float32, scratch=output.parent, progress=progress)
     loaded = time.perf_counter()
@@ -95,15 +98,14 @@ def export_gguf(
 
     from quantlab.export.gguf import FALLBACK_TYPES, GGUFExportError, to_gguf
     from quantlab.loading import load_with_tokenizer
-    from quantlab.utils.atomic import check_replaceable
 
     output = Path(output).expanduser()
     if fallback_type is not None and fallback_type not in FALLBACK_TYPES:
         raise GGUFExportError(f"fallback type {fallback_type!r} is not one of {', '.join(FALLBACK_TYPES)}")
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    check_output(output, overwrite, source.path)
     if output.is_dir():
         raise GGUFExportError(f"output {output} is a folder; name the .gguf file to write")
-    check_replaceable(output, overwrite)
-    source = model if isinstance(model, ModelSource) else resolve_model(model)
     started = time.perf_counter()
     loaded = load_with_tokenizer(source, dtype=torch.float32, scratch=output.parent, progress=progress)
     load_seconds = time.perf_counter() - started
@@ -135,11 +137,10 @@ def export_compressed_tensors(
 
     from quantlab.export.compressed_tensors import to_compressed_tensors
     from quantlab.loading import load_with_tokenizer
-    from quantlab.utils.atomic import check_replaceable
 
     output = Path(output).expanduser()
-    check_replaceable(output, overwrite)
     source = model if isinstance(model, ModelSource) else resolve_model(model)
+    check_output(output, overwrite, source.path)
     started = time.perf_counter()
     loaded = load_with_tokenizer(source, dtype=torch.float32, scratch=output.parent, progress=progress)
     load_seconds = time.perf_counter() - started

@@ -7,24 +7,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from quantlab.errors import QuantlabError
-
 REPORT_FILE = "quantlab_report.json"
 
 
 def check_output(output: Path, overwrite: bool, *inputs: Path) -> None:
-    """Before any work: refuse an existing `output` without `overwrite`, an `output` that is one of the
-    `inputs`, and an `overwrite` that would delete an input or the current directory.
+    """Before any work: refuse an `output` that is, contains or lies inside one of the `inputs` (whatever
+    `overwrite` says), an existing `output` without `overwrite`, and one holding the current directory.
 
     `atomic_directory` checks again when it renames the result into place.
     """
-    from quantlab.utils.atomic import OutputExistsError, check_replaceable
+    from quantlab.utils.atomic import check_replaceable
 
-    for path in inputs:
-        if output.resolve() == path.resolve():
-            raise QuantlabError(f"--output {output} is one of the input models; write somewhere else")
-    if output.exists() and not overwrite:
-        raise OutputExistsError(f"output {output} already exists; pass --overwrite to replace it, or pick another")
     check_replaceable(output, overwrite, inputs)
 
 

@@ -80,8 +80,6 @@ def quantize_to_checkpoint(
     if model is None:
         note(DEFAULT_MODEL_NOTE)
     source = model if isinstance(model, ModelSource) else resolve_model(model)
-    if output.resolve() == source.path.resolve():
-        raise QuantlabError(f"--output {output} is the model being quantized; write the checkpoint somewhere else")
     check_output(output, overwrite, source.path)
     offload = Path(offload_dir).expanduser() if offload_dir is not None else None
     return _quantize(source, config, output, overwrite, evaluate, progress, note, resume, offload)

@@ -96,15 +96,13 @@ class TrainingRun:
     def prepare(self, inputs: Iterable[Path]) -> Path:
         """The run folder: continued when resuming, replaced with `overwrite`, else new; returns it.
 
-        `inputs` (the models read) and the `data` file are never deleted by `overwrite`.
+        The folder may not be, contain or lie inside `inputs` (the models read) or the `data` file.
         """
-        from quantlab.utils.atomic import OutputExistsError, check_replaceable, make_staging
+        from quantlab.utils.atomic import OutputExistsError, check_not_input, check_replaceable, make_staging
 
         output = self.output_dir
         protected = [*inputs, *([self.data] if self.data else [])]
-        for path in protected:
-            if output.resolve() == Path(path).resolve():
-                raise TrainingRunError(f"--output-dir {output} is one of the inputs; write somewhere else")
+        check_not_input(output, protected)
         if output.exists() and not output.is_dir():
             raise TrainingRunError(
                 f"--output-dir {output} is a file; the run needs a folder there, so pick a folder path"

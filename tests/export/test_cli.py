@@ -75,7 +75,7 @@ def test_existing_output_is_a_one_line_error(capsys, float_dir, tmp_path) -> Non
     code, _, _, err = _run(capsys, "export", "onnx", float_dir, "--output", output)
     assert code == 2
     assert err.strip().splitlines() == [
-        f"quantlab: error: output {output} already exists; pass --overwrite to replace it, or pick another"
+        f"quantlab: error: output {output} already exists; pass --overwrite (overwrite=True) or pick another"
     ]
     assert output.read_bytes() == b"keep me"
 

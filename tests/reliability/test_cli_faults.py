@@ -79,8 +79,8 @@ class Setup:
         damage(run / "checkpoint-4")
         return run
 
-    def finetune(self, output: Path, *extra: str) -> list[str]:
-        return self._finetune_args(self.llama, self.text, output, *extra)
+    def finetune(self, output: Path, *extra: str, model: Path | None = None) -> list[str]:
+        return self._finetune_args(model or self.llama, self.text, output, *extra)
 
 
 def _flip_last_byte(name: str) -> Callable[[Path], None]:
@@ -117,6 +117,15 @@ def _distill(teacher: Path, student: Path, output: Path, *extra: str) -> list[st
     return [*argv, "--max-seq-length", "16", "--quiet", *extra]
 
 
+def _export(kind: str, model: Path, output: Path | str, *extra: str) -> list[str]:
+    return ["export", kind, str(model), "--output", str(output), "--quiet", *extra]
+
+
+def _symlink(link: Path, target: Path) -> Path:
+    link.symlink_to(target, target_is_directory=True)
+    return link
+
+
 # case id -> (command for a Setup, fragment of the one error line)
 CASES: dict[str, tuple[Callable[[Setup], list[str]], str]] = {
     "unknown quant_method": (
@@ -142,6 +151,52 @@ CASES: dict[str, tuple[Callable[[Setup], list[str]], str]] = {
     "distill --student X/model -o X --overwrite": (
         lambda s: _distill(s.llama, s.model_inside("x") / "model", s.tmp / "x", "--overwrite"),
         "contains the input",
+    ),
+    "export compressed-tensors X/model -o X --overwrite": (
+        lambda s: _export("compressed-tensors", s.model_inside("x") / "model", s.tmp / "x", "--overwrite"),
+        "contains the input",
+    ),
+    "export compressed-tensors X/model -o X/model --overwrite": (
+        lambda s: _export("compressed-tensors", s.model_inside("x") / "model", s.tmp / "x" / "model", "--overwrite"),
+        "is the input",
+    ),
+    "export onnx X/model -o X/model/m.onnx": (
+        lambda s: _export("onnx", s.model_inside("x") / "model", s.tmp / "x" / "model" / "m.onnx"),
+        "lies inside the input folder",
+    ),
+    "export gguf X/model -o X --overwrite": (
+        lambda s: _export("gguf", s.model_inside("x") / "model", s.tmp / "x", "--overwrite"),
+        "contains the input",
+    ),
+    "export onnx -o an existing file": (
+        lambda s: _export("onnx", s.llama, s.existing("m.onnx", "file")),
+        "already exists; pass --overwrite",
+    ),
+    "export gguf -o an existing file": (
+        lambda s: _export("gguf", s.llama, s.existing("m.gguf", "file")),
+        "already exists; pass --overwrite",
+    ),
+    "export compressed-tensors -o an existing folder": (
+        lambda s: _export("compressed-tensors", s.llama, s.existing("ct")),
+        "already exists; pass --overwrite",
+    ),
+    "quantize X -o X/sub (inside the input)": (
+        lambda s: _quantize(s.model_inside("x") / "model", s.tmp / "x" / "model" / "sub"),
+        "lies inside the input folder",
+    ),
+    "quantize X -o LINK --overwrite (LINK -> X)": (
+        lambda s: _quantize(
+            s.model_inside("x") / "model", _symlink(s.tmp / "link", s.tmp / "x" / "model"), "--overwrite"
+        ),
+        "is the input",
+    ),
+    "finetune -o a folder inside the model": (
+        lambda s: s.finetune(s.tmp / "x" / "model" / "run", model=s.model_inside("x") / "model"),
+        "lies inside the input folder",
+    ),
+    "prune X -o X/run": (
+        lambda s: _prune(s.model_inside("x") / "model", s.tmp / "x" / "model" / "run"),
+        "lies inside the input folder",
     ),
     "finetune -o an existing file": (
         lambda s: s.finetune(s.existing("run", kind="file")),

@@ -65,7 +65,7 @@ def test_an_existing_output_is_kept_without_overwrite(llama_dir: Path, tmp_path:
 
 
 def test_the_input_model_is_never_the_output(llama_dir: Path) -> None:
-    with pytest.raises(QuantlabError, match="is the model being quantized"):
+    with pytest.raises(QuantlabError, match="is the input"):
         quantize_to_checkpoint(llama_dir, quantlab.NF4Config(), llama_dir, overwrite=True)
     assert (llama_dir / "config.json").is_file()
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from quantlab.utils.atomic import OutputExistsError
+from quantlab.utils.atomic import OutputExistsError, UnsafeOutputError
 from quantlab.workflows.runs import TrainingRun, TrainingRunError
 
 
@@ -58,6 +58,8 @@ def test_prepare_keeps_an_existing_run_unless_told(tmp_path: Path) -> None:
 def test_prepare_refuses_an_input_as_the_run_folder(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
-    with pytest.raises(TrainingRunError, match="is one of the inputs"):
+    with pytest.raises(UnsafeOutputError, match="is the input"):
         TrainingRun(model, {"max_steps": 1}, overwrite=True).prepare([model])
-    assert model.is_dir()
+    with pytest.raises(UnsafeOutputError, match="lies inside the input folder"):
+        TrainingRun(model / "run", {"max_steps": 1}).prepare([model])
+    assert model.is_dir() and list(model.iterdir()) == []
