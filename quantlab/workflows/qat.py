@@ -29,12 +29,14 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantlabError
 from quantlab.loading import ModelSource, open_model, resolve_model, weights_size
 from quantlab.training import FINAL_DIR
+from quantlab.utils.atomic import atomic_file
 from quantlab.workflows.notes import DEFAULT_MODEL_NOTE, Notify, notifier
 from quantlab.workflows.outputs import REPORT_FILE, write_report
 from quantlab.workflows.runs import TrainingRun, TrainingRunError
 from quantlab.workflows.stats import peak_memory_bytes
 from quantlab.workflows.text import EvaluationText, measure_perplexity
 
+START_CONFIG = "start_config.json"  # inside the run folder: the options the start was quantized with
 START_DIR = "start"  # inside the run folder: the float model quantized with the given config, trained from
 
 
@@ -168,16 +170,46 @@ def _teacher_source(source: ModelSource, teacher: Any, quantization: str | None)
 def _quantized_start(
     source: ModelSource, config: QuantlabConfig, run: TrainingRun, progress: bool, note: Notify
 ) -> ModelSource:
-    """The float model quantized with `config` into the run folder (kept there, so a resumed run reuses it)."""
+    """The float model quantized with `config` into the run folder (kept there, so a resumed run reuses it,
+    and refuses to when it was quantized with other options)."""
     from quantlab.workflows.quantize import quantize_to_checkpoint
 
-    start = run.output_dir / START_DIR
+    start, requested = run.output_dir / START_DIR, _as_json(config.to_dict())
     if run.resume_from_checkpoint and (start / "config.json").is_file():
+        _check_same_start(run.output_dir, requested)
         note(f"reusing the quantized start {start}")
         return resolve_model(start)
     note(f"quantizing {source} with {config!r} into {start}")
     quantize_to_checkpoint(source, config, start, overwrite=True, progress=progress, notify=note)
+    with atomic_file(run.output_dir / START_CONFIG) as staging:
+        staging.write_text(json.dumps(requested, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     return resolve_model(start)
+
+
+def _as_json(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` as they read back from JSON (tuples as lists), so saved and current options compare equal."""
+    return json.loads(json.dumps(values, default=str))
+
+
+def _check_same_start(output: Path, requested: dict[str, Any]) -> None:
+    """Refuse to resume a run whose quantized start was made with other options than `requested`."""
+    try:
+        saved = json.loads((output / START_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise TrainingRunError(
+            f"{output / START_CONFIG} is missing or unreadable ({type(error).__name__}), so the options of the "
+            f"quantized start cannot be checked; rerun with --overwrite instead of --resume-from-checkpoint"
+        ) from error
+    changed = [
+        f"{key} {saved.get(key)!r} -> {requested.get(key)!r}"
+        for key in sorted(set(saved) | set(requested))
+        if saved.get(key) != requested.get(key)
+    ]
+    if changed:
+        raise TrainingRunError(
+            f"the run in {output} started from a quantization with other options ({'; '.join(changed)}); resume "
+            f"with the same options, or rerun with --overwrite instead of --resume-from-checkpoint to start over"
+        )
 
 
 def _train(

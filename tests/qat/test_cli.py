@@ -103,3 +103,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, teacher_and_student)
         assert code == 2, (expected, err)
         assert expected in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_resume_with_other_quantization_options_is_refused_naming_them(tmp_path, capsys, make_checkpoint):
+    teacher = make_checkpoint(tmp_path / "float", 0)
+    run = ["qat", str(teacher), "--method", "custom_bits", "--group-size", "32", "--symmetric", *TRAIN, "--quiet"]
+    steps = ["--max-steps", "2", "--save-steps", "1", "-o", str(tmp_path / "r")]
+    code, _, err = _run(capsys, *run, "--bits", "4", *steps)
+    assert code == 0, err
+    start = _tensors(tmp_path / "r" / "start")
+    resume = ["--resume-from-checkpoint", str(tmp_path / "r" / "checkpoint-1")]
+    code, _, err = _run(capsys, *run, "--bits", "3", *steps, *resume)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "started from a quantization with other options (bits 4 -> 3)" in err, err
+    assert all(torch.equal(start[key], value) for key, value in _tensors(tmp_path / "r" / "start").items())
+    code, _, err = _run(capsys, *run, "--bits", "4", *steps, *resume)
+    assert code == 0, err  # the same options resume
