@@ -10,6 +10,7 @@ import argparse
 
 from quantlab.cli.console import Console, add_output_options, disk_size, seconds
 from quantlab.cli.evaluation import add_eval_arguments, text_from_args
+from quantlab.cli.options import finite_float
 from quantlab.cli.training_flags import add_training_flags, print_report, resolve_training_flags
 from quantlab.workflows.distill import DistillReport, distill_model
 
@@ -17,10 +18,10 @@ from quantlab.workflows.distill import DistillReport, distill_model
 def add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
     """The loss options, shared with `quantlab prune --distill-from`."""
     group = parser.add_argument_group("distillation loss")
-    group.add_argument("--alpha", type=float, default=0.5, help="share of the KL term (default: 0.5)")
-    group.add_argument("--temperature", type=float, default=2.0, help="softmax temperature T (default: 2.0)")
+    group.add_argument("--alpha", type=finite_float, default=0.5, help="share of the KL term (default: 0.5)")
+    group.add_argument("--temperature", type=finite_float, default=2.0, help="softmax temperature T (default: 2.0)")
     group.add_argument(
-        "--hidden-weight", type=float, default=0.0, help="weight of last-hidden-state matching (default: 0, off)"
+        "--hidden-weight", type=finite_float, default=0.0, help="weight of last-hidden-state matching (default: 0, off)"
     )
 
 

@@ -12,7 +12,7 @@ under `torchrun` or `accelerate launch` (DDP; gloo on CPU); only the first proce
 import argparse
 
 from quantlab.cli.console import Console, add_output_options, seconds
-from quantlab.cli.options import add_method_argument, add_model_argument, config_from_args
+from quantlab.cli.options import add_method_argument, add_model_argument, config_from_args, finite_float
 from quantlab.cli.training_flags import add_training_flags, print_report, resolve_training_flags
 from quantlab.workflows.finetune import FinetuneReport, LoraOptions, finetune
 
@@ -30,8 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bitsandbytes", action="store_true", help="quantize the base with bitsandbytes NF4 instead")
     lora = parser.add_argument_group("LoRA")
     lora.add_argument("--lora-r", type=int, default=16, metavar="R", help="adapter rank (default: 16)")
-    lora.add_argument("--lora-alpha", type=float, metavar="A", help="scaling numerator (default: 2 x r)")
-    lora.add_argument("--lora-dropout", type=float, default=0.05, metavar="P", help="(default: 0.05)")
+    lora.add_argument("--lora-alpha", type=finite_float, metavar="A", help="scaling numerator (default: 2 x r)")
+    lora.add_argument("--lora-dropout", type=finite_float, default=0.05, metavar="P", help="(default: 0.05)")
     lora.add_argument("--target-modules", default="all-linear", metavar="A,B,...",
                       help="layer names to adapt, comma-separated (default: all-linear, every projection)")  # fmt: skip
     lora.add_argument("--qa-lora", type=int, metavar="G", dest="qalora_group_size",

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import math
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -70,13 +71,13 @@ class OptionSpec:
             return None
         try:
             return _PARSERS[self.kind](self, text)
-        except (ValueError, KeyError) as error:
+        except (ValueError, KeyError, argparse.ArgumentTypeError) as error:
             raise argparse.ArgumentTypeError(f"{self.flag} expects {self.describe_type()}, got {text!r}") from error
 
     def describe_type(self) -> str:
         described = {
             "int": "a whole number",
-            "float": "a number",
+            "float": "a finite number",
             "str": "a text",
             "list": "a comma-separated list",
             "json": "a JSON value",
@@ -102,9 +103,17 @@ def _parse_choice(spec: OptionSpec, text: str) -> Any:
     raise ValueError(text)
 
 
+def finite_float(text: str) -> float:
+    """A flag's number; NaN and infinities are refused at parse time, before any work (argparse's `type=`)."""
+    number = float(text)
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"expects a finite number, got {text!r}")
+    return number
+
+
 _PARSERS: dict[str, Callable[[OptionSpec, str], Any]] = {
     "int": lambda spec, text: int(text),
-    "float": lambda spec, text: float(text),
+    "float": lambda spec, text: finite_float(text),
     "str": lambda spec, text: text,
     "bool": _parse_bool,
     "list": lambda spec, text: [item.strip() for item in text.split(",") if item.strip()],

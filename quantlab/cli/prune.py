@@ -16,7 +16,7 @@ import argparse
 from quantlab.cli.console import Console, add_output_options, disk_size, seconds
 from quantlab.cli.distill import add_distillation_arguments, distillation_config
 from quantlab.cli.evaluation import add_eval_arguments, text_from_args
-from quantlab.cli.options import add_model_argument
+from quantlab.cli.options import add_model_argument, finite_float
 from quantlab.cli.training_flags import add_training_flags, print_report, resolve_training_flags
 from quantlab.workflows.prune import PruneReport, prune_model
 
@@ -35,12 +35,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--sparsity",
-        type=float,
+        type=finite_float,
         metavar="S",
         help="fraction in [0, 1) of weights (structured: of MLP neurons) to remove; fixed by N:M patterns",
     )
     parser.add_argument(
-        "--head-sparsity", type=float, default=0.0, metavar="H", help="structured: fraction of attention heads"
+        "--head-sparsity", type=finite_float, default=0.0, metavar="H", help="structured: fraction of attention heads"
     )
     parser.add_argument(
         "--scope", default="layer", choices=("layer", "global"), help="unstructured: sparsity per layer or global"

@@ -13,7 +13,13 @@ import argparse
 
 from quantlab.cli.console import Console, add_output_options, disk_size, mebibytes, seconds
 from quantlab.cli.evaluation import add_eval_arguments, text_from_args
-from quantlab.cli.options import add_method_argument, add_model_argument, add_preset_argument, config_from_args
+from quantlab.cli.options import (
+    add_method_argument,
+    add_model_argument,
+    add_preset_argument,
+    config_from_args,
+    finite_float,
+)
 from quantlab.cli.training_flags import add_training_flags, print_report, resolve_training_flags
 from quantlab.workflows.qat import QATReport, qat_model
 
@@ -38,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     group = parser.add_argument_group("quantization-aware training")
     group.add_argument(
         "--max-offset",
-        type=float,
+        type=finite_float,
         metavar="F",
         help="bound of each weight's move in grid steps (default: none, the latent weights train)",
     )
@@ -50,24 +56,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     group.add_argument(
         "--scale-lr-ratio",
-        type=float,
+        type=finite_float,
         default=0.2,
         metavar="F",
         help="the scales' learning rate as a multiple of --learning-rate (default: 0.2)",
     )
     group.add_argument(
         "--norm-lr-ratio",
-        type=float,
+        type=finite_float,
         metavar="F",
         help="also train the normalization layers' float weights at F x --learning-rate (default: frozen)",
     )
     group.add_argument(
         "--alpha",
-        type=float,
+        type=finite_float,
         default=1.0,
         help="share of the KL term; the rest is cross-entropy on the text (default: 1, KL only)",
     )
-    group.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the KL (default: 1)")
+    group.add_argument(
+        "--temperature", type=finite_float, default=1.0, help="softmax temperature of the KL (default: 1)"
+    )
     add_training_flags(parser)
     add_eval_arguments(parser, help="measure the teacher's and the student's perplexity before and after (an encoder: "
                        "its sentence embeddings' cosine to the teacher's on the first 256 lines)",

@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from quantlab.cli.options import finite_float
 from quantlab.errors import QuantlabError
 from quantlab.workflows.runs import RUN_OPTIONS, TrainingRun
 
@@ -74,7 +75,7 @@ class TrainingFlag:
 
 
 def _steps_or_fraction(text: str) -> int | float:
-    number = float(text)
+    number = finite_float(text)
     return int(number) if number.is_integer() else number
 
 
@@ -86,7 +87,7 @@ def training_flags() -> list[TrainingFlag]:
         TrainingFlag("overwrite", "delete an existing DIR and start a new run in it", kind="switch"),
         TrainingFlag("max_steps", "optimizer steps (prune: recovery steps after pruning, 0 for none)",
                      type=int, metavar="N", shown_default="required by finetune and distill, 0 prune"),
-        TrainingFlag("learning_rate", "peak learning rate", type=float, metavar="LR"),
+        TrainingFlag("learning_rate", "peak learning rate", type=finite_float, metavar="LR"),
         TrainingFlag("per_device_train_batch_size", "examples per micro-batch and process", type=int, default=4,
                      metavar="N", aliases=("--batch-size",)),
         TrainingFlag("gradient_accumulation_steps", "micro-batches per optimizer step", type=int, default=1,
@@ -95,8 +96,8 @@ def training_flags() -> list[TrainingFlag]:
         TrainingFlag("lr_scheduler_type", "learning-rate schedule", choices=SCHEDULES),
         TrainingFlag("warmup_steps", "warmup steps, or a fraction in [0, 1) of --max-steps", type=_steps_or_fraction,
                      metavar="N|F"),
-        TrainingFlag("weight_decay", "AdamW weight decay", type=float, default=0.0, metavar="F"),
-        TrainingFlag("max_grad_norm", "gradient clipping norm, 0 turns it off", type=float, default=1.0,
+        TrainingFlag("weight_decay", "AdamW weight decay", type=finite_float, default=0.0, metavar="F"),
+        TrainingFlag("max_grad_norm", "gradient clipping norm, 0 turns it off", type=finite_float, default=1.0,
                      metavar="F"),
         TrainingFlag("optim", "optimizer, by TrainingArguments name (adamw_torch, adamw_8bit, paged_adamw_8bit, "
                      "lion_8bit, adafactor, ...)", default="adamw_torch", metavar="NAME"),
