@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quantlab.errors import QuantlabError
+from quantlab.files.shard_index import check_weight_files
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -149,11 +150,15 @@ def open_model(
 ) -> Iterator[OpenedModel]:
     """Resolve `source` (None: the embedded default), convert a GGUF file, read the config; nothing loaded yet.
 
+    A folder's shard index and safetensors headers are validated first (headers only, a few ms), so a
+    damaged file, or an index naming a shard outside the folder, stops here with `UnreadableFileError`.
     `scratch`: where a GGUF file's temporary float checkpoint goes (default: the system's temp folder).
     """
     from quantlab.interop import quantlab_checkpoint  # compressed-tensors and GPTQ checkpoints, converted
 
     resolved = source if isinstance(source, ModelSource) else resolve_model(source)
+    if resolved.gguf_file is None:
+        check_weight_files(resolved.folder)
     scratch = Path(scratch) if scratch else None
     with (
         float_checkpoint(resolved, scratch=scratch, progress=progress) as folder,
@@ -205,14 +210,19 @@ def float_checkpoint(source: ModelSource, scratch: Path | None = None, progress:
         yield source.folder
         return
     from quantlab.assets.models import convert_gguf
+    from quantlab.files.gguf_header import check_gguf_file
     from quantlab.utils.atomic import scratch_directory
 
+    check_gguf_file(source.path)  # a damaged header fails here, in one line, before transformers trusts it
     with scratch_directory(scratch if scratch is not None else Path(tempfile.gettempdir()), "quantlab-gguf") as folder:
         try:
             with _gguf_progress(progress), io_errors_as_os_errors(folder):
                 convert_gguf(source.path, folder)
-        except (ValueError, KeyError) as error:  # transformers/gguf reject the file's contents
-            raise ModelSourceError(f"cannot read {source.path} as a GGUF causal language model: {error}") from error
+        except (ValueError, KeyError, RuntimeError) as error:  # transformers/gguf reject the file's contents
+            # (RuntimeError: tensor shapes that disagree with the metadata; its message can run over lines)
+            raise ModelSourceError(
+                f"cannot read {source.path} as a GGUF causal language model: {_first_line(error)}"
+            ) from error
         yield folder
 
 
@@ -235,13 +245,39 @@ def read_config(folder: Path) -> Any:
     """The model's transformers config; a config transformers cannot read is a user error."""
     from transformers import AutoConfig
 
+    _check_config_json(folder / "config.json")
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, KeyError, OSError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelSourceError(f"{folder} is not a model transformers can load: {first_line}") from error
+        raise ModelSourceError(f"{folder} is not a model transformers can load: {_first_line(error)}") from error
     _check_quantization_method(config, folder)
     return config
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _check_config_json(path: Path) -> None:
+    """The shape transformers assumes of `config.json` without checking: an object, and a `quantization_config`
+    (when present) that is an object naming its `quant_method`."""
+    import json
+
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ModelSourceError(f"{path} is not valid JSON ({error}); restore it") from error
+    if not isinstance(config, dict):
+        raise ModelSourceError(f"{path} holds a JSON {type(config).__name__}, not an object; restore it")
+    quantization = config.get("quantization_config")
+    if quantization is not None and not (
+        isinstance(quantization, dict) and isinstance(quantization.get("quant_method"), str)
+    ):
+        raise ModelSourceError(
+            f"{path}: quantization_config must be an object with a quant_method string, not "
+            f"{json.dumps(quantization)[:60]}; fix it, or remove it for a float model"
+        )
 
 
 def _check_quantization_method(config: Any, folder: Path) -> None:
@@ -302,6 +338,14 @@ def load_model(folder: Path, cls: type, **kwargs: Any) -> Any:
         model = cls.from_pretrained(folder, local_files_only=True, **kwargs)
     except SafetensorError as error:
         raise ModelSourceError(f"cannot read the weights in {folder}: {error}") from error
+    except ImportError as error:  # transformers' quantizer for another library's format lacks its package
+        method = quantization_method_of(kwargs.get("config") or read_config(folder))
+        if method is None:
+            raise
+        raise ModelSourceError(
+            f"{folder} was quantized by another library (quant_method={method!r}), which quantlab does not read; "
+            f"transformers needs that library to load it: {_first_line(error)}"
+        ) from error
     return model.eval()
 
 

@@ -12,14 +12,14 @@ must be finite. Only headers and the small parameter tensors are read, so the ch
 and are checked the same way.
 """
 
-import json
 import math
-import struct
 from pathlib import Path
 
 import torch
 
 from quantlab.errors import CheckpointError
+from quantlab.files.safetensors_header import read_safetensors_header
+from quantlab.files.shard_index import INDEX_FILE, SINGLE_FILE, read_shard_index
 from quantlab.nn.quantized_linear import QuantizedLinear
 
 _FIX = "the file is damaged or does not match its config.json: restore it, or quantize the float model again"
@@ -91,21 +91,17 @@ def verify_checkpoint_files(directory: Path, layers: dict[str, QuantizedLinear])
 
 def _weight_files(directory: Path) -> list[Path]:
     """The files `from_pretrained` reads: the shards of `model.safetensors.index.json`, or `model.safetensors`."""
-    index = directory / "model.safetensors.index.json"
+    index = directory / INDEX_FILE
     if index.is_file():
-        return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    single = directory / "model.safetensors"
+        return read_shard_index(index, directory).shards
+    single = directory / SINGLE_FILE
     return [single] if single.is_file() else []
 
 
 def _headers(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype | None, str]]:
-    """Name -> (shape, dtype, file) of every tensor in the folder's safetensors files."""
+    """Name -> (shape, dtype, file) of every tensor in the folder's safetensors files (validated headers)."""
     tensors = {}
     for file in _weight_files(Path(directory)):
-        with open(file, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        for key, info in header.items():
-            if key != "__metadata__":
-                tensors[key] = (tuple(info["shape"]), _SAFETENSORS_DTYPES.get(info["dtype"]), file.name)
+        for key, entry in read_safetensors_header(file).entries.items():
+            tensors[key] = (entry.shape, _SAFETENSORS_DTYPES.get(entry.dtype), file.name)
     return tensors

@@ -71,5 +71,5 @@ def test_config_is_public_and_serializable():
 
 @pytest.mark.parametrize("target_bits", [float("nan"), float("inf"), -2.0, 0, "3.5", True])
 def test_target_bits_must_be_a_positive_finite_number(target_bits):
-    with pytest.raises(ConfigError, match="target_bits=.* is not valid; use a positive finite number"):
+    with pytest.raises(ConfigError, match=r"target_bits=.* is not valid; use a positive finite number"):
         CustomBitsConfig(target_bits=target_bits, solver="gptq")

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "quantlab"
 
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"quantlab.errors", "quantlab.utils"}),
+    ("foundation", {"quantlab.errors", "quantlab.utils", "quantlab.files"}),
     ("process groups", {"quantlab.distributed"}),
     ("bundled assets", {"quantlab.assets"}),
     ("storage formats", {"quantlab.formats"}),

@@ -14,6 +14,7 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from quantlab.errors import QuantlabError
 from quantlab.utils.atomic import atomic_directory
@@ -87,9 +88,10 @@ def convert_gguf(gguf: Path, output: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    loaded = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    loaded, report = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True, output_loading_info=True
     )
+    _refuse_incomplete(gguf, report)
     config = loaded.config
     del config.quantization_config
     config._name_or_path = ""
@@ -99,6 +101,16 @@ def convert_gguf(gguf: Path, output: Path) -> None:
     model.save_pretrained(output)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     tokenizer.save_pretrained(output)
+
+
+def _refuse_incomplete(gguf: Path, report: dict[str, Any]) -> None:
+    """transformers fills a weight the file lacks with random values and only logs it: refuse such a file."""
+    for kind in ("missing_keys", "mismatched_keys"):
+        names = sorted(str(name) for name in report.get(kind) or ())
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            what = "lacks the weights" if kind == "missing_keys" else "holds weights of the wrong shape for"
+            raise QuantlabError(f"{gguf} {what} {shown}; the file is damaged or incomplete: restore or re-export it")
 
 
 def _make_shareable(directory: Path) -> None:

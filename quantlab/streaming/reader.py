@@ -10,9 +10,7 @@ it touched resident.
 """
 
 import hashlib
-import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +18,8 @@ from typing import Any
 import torch
 
 from quantlab.errors import QuantlabError
-
-SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+from quantlab.files.safetensors_header import read_safetensors_header
+from quantlab.files.shard_index import INDEX_FILE, SINGLE_FILE, read_shard_index
 
 DTYPES = {
     "BOOL": torch.bool,
@@ -126,41 +124,30 @@ class CheckpointReader:
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
-    """The safetensors files `from_pretrained` would read in `folder`, or `NotStreamableError`."""
+    """The safetensors files `from_pretrained` would read in `folder`, or `NotStreamableError`.
+
+    A shard index is read with `read_shard_index`: a damaged one, or one naming a shard outside the
+    folder, raises `UnreadableFileError`.
+    """
     index = folder / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError) as error:
-            raise NotStreamableError(f"{index} is not a safetensors index ({error}); restore it") from error
-        return [folder / name for name in sorted(set(weight_map.values()))]
+        return read_shard_index(index, folder).shards
     if (folder / SINGLE_FILE).is_file():
         return [folder / SINGLE_FILE]
     raise NotStreamableError(f"{folder} holds no {SINGLE_FILE} nor {INDEX_FILE}")
 
 
 def read_header(file: Path) -> tuple[bytes, dict[str, TensorEntry]]:
-    """The raw header of a safetensors file and its tensors' entries (offsets from the start of the file)."""
-    with open(file, "rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) != 8:
-            raise NotStreamableError(f"{file} is not a safetensors file (shorter than its header size)")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > 100_000_000:
-            raise NotStreamableError(f"{file} is not a safetensors file (a header of {length:,} bytes)")
-        header = handle.read(length)
-    try:
-        parsed = json.loads(header)
-    except ValueError as error:
-        raise NotStreamableError(f"{file} has an unreadable safetensors header: {error}") from error
-    base = 8 + length
+    """The raw header of a safetensors file and its tensors' entries (offsets from the start of the file).
+
+    The header is validated by `read_safetensors_header` (`UnreadableFileError` when damaged); a dtype
+    safetensors knows but torch cannot view (F4, F6, C64) is `NotStreamableError`.
+    """
+    header = read_safetensors_header(file)
     entries = {}
-    for name, info in parsed.items():
-        if name == "__metadata__":
-            continue
-        dtype = DTYPES.get(info.get("dtype"))
+    for name, entry in header.entries.items():
+        dtype = DTYPES.get(entry.dtype)
         if dtype is None:
-            raise NotStreamableError(f"{file}: {name} has dtype {info.get('dtype')}, which quantlab does not read")
-        start, end = info["data_offsets"]
-        entries[name] = TensorEntry(file, dtype, tuple(info["shape"]), base + start, base + end)
-    return header, entries
+            raise NotStreamableError(f"{file}: {name} has dtype {entry.dtype}, which quantlab does not read")
+        entries[name] = TensorEntry(file, dtype, entry.shape, entry.start, entry.end)
+    return header.raw, entries

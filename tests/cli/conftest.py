@@ -10,66 +10,13 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
-from tokenizers import pre_tokenizers
 
-from quantlab.testing import byte_tokenizer, tiny_bert, tiny_llama, tiny_llama_checkpoint, tiny_model_dir
+from quantlab.testing import byte_tokenizer, tiny_bert, tiny_llama_checkpoint, tiny_model_dir
+from quantlab.testing.gguf_files import write_tiny_gguf
 
 # Windows small enough for the tiny Llama (128 positions) and the bundled text.
 TINY_EVAL = ["--seq-len", "64", "--windows", "2"]
-
-
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """The tiny Llama as an F32 GGUF file with a byte-level tokenizer, as llama.cpp names its tensors."""
-    import gguf
-
-    model = tiny_llama(seed)
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_vocab_size(config.vocab_size)
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges([])
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    per_layer = {
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
-    for layer in range(config.num_hidden_layers):
-        for ours, theirs in per_layer.items():
-            names[f"model.layers.{layer}.{ours}.weight"] = f"blk.{layer}.{theirs}.weight"
-    for name, tensor in model.state_dict().items():
-        writer.add_tensor(names[name], tensor.numpy().astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture(scope="session")

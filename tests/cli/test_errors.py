@@ -5,8 +5,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
+import quantlab
 from quantlab.cli.main import main
+from quantlab.testing import byte_tokenizer, tiny_llama
 from quantlab.testing.disks import small_tmpfs
 
 
@@ -26,7 +30,7 @@ def test_folder_that_is_not_a_model(cli, tmp_path: Path) -> None:
 def test_config_json_that_transformers_cannot_read(cli, tmp_path: Path) -> None:
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "config.json").write_text('{"model_type": "no-such-architecture"}')
-    (tmp_path / "odd" / "model.safetensors").write_bytes(b"")
+    save_file({"weight": torch.zeros(2)}, tmp_path / "odd" / "model.safetensors")
     result = cli.run("eval", tmp_path / "odd")
     cli.assert_user_error(result, "is not a model transformers can load")
 
@@ -138,6 +142,24 @@ def test_a_disk_that_fills_up_leaves_no_partial_output(cli, model: str, tiny_dis
     assert list(tiny_disk.iterdir()) == []
 
 
+@pytest.fixture(scope="module")
+def symmetric_4bit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama in symmetric 4-bit groups of 32: every export format holds its codes."""
+    directory = tmp_path_factory.mktemp("models") / "llama-4bit"
+    model = tiny_llama()
+    quantlab.quantize(model, quantlab.CustomBitsConfig(bits=4, group_size=32, symmetric=True))
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(("kind", "name"), [("gguf", "m.gguf"), ("onnx", "m.onnx"), ("compressed-tensors", "ct")])
+def test_a_full_disk_during_an_export_is_one_line(cli, symmetric_4bit: Path, tiny_disk: Path, kind, name) -> None:
+    result = cli.run("export", kind, symmetric_4bit, "--output", tiny_disk / name, "--quiet")
+    cli.assert_user_error(result, "no space left on the device", "nothing was written", notes_before=True)
+    assert list(tiny_disk.iterdir()) == []
+
+
 def test_a_full_disk_during_save_is_reported_in_process(
     llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -153,3 +175,95 @@ def test_a_full_disk_during_save_is_reported_in_process(
         "quantlab: error: no space left on the device; nothing was written: free some space or write elsewhere"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("nan", "--target-bits expects a finite number or 'none', got 'nan'"),
+        ("inf", "--target-bits expects a finite number or 'none', got 'inf'"),
+        ("-2", "target_bits=-2.0 is not valid"),
+        ("0", "target_bits=0.0 is not valid"),
+        ("1.0", "target_bits=1 is outside what the candidate widths can store on this model (2.250 to"),
+        ("40", "target_bits=40 is outside what the candidate widths can store"),
+    ],
+)
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "loaded"])
+def test_a_bad_bit_budget_is_refused_before_any_calibration(
+    cli, llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str, message: str, streamed: bool
+) -> None:
+    import quantlab.calibration.model
+    import quantlab.streaming.quantize
+    import quantlab.workflows.quantize
+    from quantlab.streaming.reader import NotStreamableError
+
+    def no_calibration(*args: object, **kwargs: object) -> None:
+        raise AssertionError("calibration text was made before the budget was checked")
+
+    monkeypatch.setattr(quantlab.calibration.model, "windows_for", no_calibration)
+    monkeypatch.setattr(quantlab.streaming.quantize, "windows_for", no_calibration)
+    if not streamed:  # a whole load, as for a model with no safetensors file to stream
+
+        def not_streamable(*args: object, **kwargs: object) -> None:
+            raise NotStreamableError("a test asks for a whole load")
+
+        monkeypatch.setattr(quantlab.workflows.quantize, "_quantize_streamed", not_streamable)
+    result = cli.run("quantize", llama_dir, "--method", "custom_bits", "--target-bits", value, "-o", tmp_path / "o")
+    cli.assert_user_error(result, message, notes_before=True)
+    assert not (tmp_path / "o").exists()
+
+
+def _foreign_checkpoint(llama_dir: Path, folder: Path, quantization: object) -> Path:
+    import json
+    import shutil
+
+    shutil.copytree(llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("quantization", "message"),
+    [
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+         "was quantized by another library (quant_method='awq'), which quantlab does not read"),
+        ({"quant_method": "quanto", "weights": "int8"},
+         "was quantized by another library (quant_method='quanto'), which quantlab does not read"),
+        ("awq", "quantization_config must be an object with a quant_method string, not \"awq\""),
+        ({"bits": 4}, "quantization_config must be an object with a quant_method string"),
+    ],
+    ids=["awq", "quanto", "a string", "no quant_method"],
+)  # fmt: skip
+@pytest.mark.parametrize("command", ["eval", "inspect"])
+def test_a_checkpoint_of_another_library_is_one_line(
+    cli, llama_dir: Path, tmp_path: Path, quantization: object, message: str, command: str
+) -> None:
+    import importlib.util
+
+    if quantization != "awq" and isinstance(quantization, dict):
+        package = {"awq": "gptqmodel", "quanto": "optimum.quanto"}.get(quantization.get("quant_method"))
+        if package and importlib.util.find_spec(package) is not None:
+            pytest.skip(f"{package} is installed here: transformers loads the checkpoint")
+    folder = _foreign_checkpoint(llama_dir, tmp_path / "foreign", quantization)
+    cli.assert_user_error(cli.run(command, folder), message, notes_before=True)
+
+
+@pytest.mark.parametrize("command", ["quantize", "eval", "inspect"])
+def test_remote_code_in_a_model_folder_is_never_run(cli, llama_dir: Path, tmp_path: Path, command: str) -> None:
+    """A config's `auto_map` names Python files of the folder; quantlab never imports them."""
+    import json
+    import shutil
+
+    folder = tmp_path / "remote"
+    shutil.copytree(llama_dir, folder)
+    marker = tmp_path / "ran"
+    (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="evil", architectures=["EvilModel"])
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
+    (folder / "config.json").write_text(json.dumps(config))
+    argv = [command, folder] + (["--method", "int8", "-o", tmp_path / "out"] if command == "quantize" else [])
+    cli.assert_user_error(cli.run(*argv), f"{folder} is not a model transformers can load", notes_before=True)
+    assert not marker.exists() and not (tmp_path / "out").exists()

@@ -84,7 +84,7 @@ def to_gguf(
     tensors = model_tensors(model, architecture, fallback_type)
     if exact:
         _refuse_inexact(tensors)
-    writer = gguf.GGUFWriter(None, architecture.name)
+    writer = _writer_class(gguf)(None, architecture.name)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name or Path(getattr(config, "_name_or_path", "") or path.stem).name or path.stem)
     tensors += extra_tensors(architectures.write_hyperparameters(writer, architecture, config))
@@ -103,6 +103,24 @@ def to_gguf(
     if not vocab.pre_recognised:
         notes.append(f"the tokenizer's pre-tokenizer is not one llama.cpp's converter recognises; wrote {vocab.pre!r}")
     return GGUFExport(path, path.stat().st_size, architecture.name, file_type, vocab.pre, tensors, notes)
+
+
+def _writer_class(gguf: Any) -> type:
+    """gguf-py's writer, able to write an empty array whose element type is given.
+
+    gguf-py refuses empty arrays, but llama.cpp needs `tokenizer.ggml.merges` in a "gpt2" vocabulary
+    even when the tokenizer has no merges (a bare byte-level one), and transformers' reader derives
+    merges from token scores (which such a file has none of) when the key is missing.
+    """
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val: Any, vtype: Any, add_vtype: bool, sub_type: Any = None) -> bytes:
+            if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+                kind = self._pack("I", vtype) if add_vtype else b""
+                return kind + self._pack("I", sub_type) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer
 
 
 def _refuse_inexact(tensors: list[GGUFTensor]) -> None:

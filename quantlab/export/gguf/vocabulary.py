@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from hashlib import sha256
 from typing import Any
 
-from quantlab.export.gguf.errors import GGUFExportError
+from quantlab.export.gguf.errors import GGUFExportError, require_gguf
 
 # The converter's probe text: its tokens tell pre-tokenizers apart (spaces, digits, scripts, apostrophes).
 CHECK_TEXT = (
@@ -56,8 +56,10 @@ class Vocabulary:
         writer.add_tokenizer_pre(self.pre)
         writer.add_token_list(self.tokens)
         writer.add_token_types(self.token_types)
-        if self.merges:
-            writer.add_token_merges(self.merges)
+        # Written even when empty (a bare byte-level tokenizer has no merges): llama.cpp requires the key
+        # for a "gpt2" vocabulary, and transformers would otherwise derive merges from scores this file lacks.
+        kinds = require_gguf().GGUFValueType
+        writer.add_key_value("tokenizer.ggml.merges", self.merges, kinds.ARRAY, sub_type=kinds.STRING)
         for kind, token_id in self.special_ids.items():
             getattr(writer, f"add_{kind}_token_id")(token_id)
         writer.add_add_bos_token(self.add_bos)
