@@ -1,11 +1,11 @@
-"""Checkpoints other libraries write, in quantlab's storage: compressed-tensors (llm-compressor, vLLM) and
-GPTQ (AutoGPTQ, GPTQModel).
+"""Checkpoints other libraries write, in quantlab's storage: compressed-tensors (llm-compressor, vLLM),
+GPTQ (AutoGPTQ, GPTQModel) and AWQ's GEMM packing (AutoAWQ, GPTQModel).
 
 `quantlab_checkpoint(folder)` gives the folder quantlab loads: `folder` itself, or, for a checkpoint
-whose `quant_method` is "compressed-tensors" or "gptq", a temporary quantlab checkpoint converted
+whose `quant_method` is "compressed-tensors", "gptq" or "awq", a temporary quantlab checkpoint converted
 from it with the same codes and scales (`quantlab.interop.checkpoint`), so every command that opens
 a model runs such checkpoints on quantlab's kernels. The formats' facts are in
-`quantlab.interop.compressed_tensors` (shared with the exporter) and `quantlab.interop.gptq`.
+`quantlab.interop.compressed_tensors` (shared with the exporter), `quantlab.interop.gptq` and `quantlab.interop.awq`.
 """
 
 import contextlib
@@ -14,17 +14,17 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from quantlab.interop import compressed_tensors, gptq
+from quantlab.interop import awq, compressed_tensors, gptq
 from quantlab.interop.errors import ForeignCheckpointError
 
-FOREIGN_METHODS = (compressed_tensors.QUANT_METHOD, gptq.QUANT_METHOD)
+FOREIGN_METHODS = (compressed_tensors.QUANT_METHOD, gptq.QUANT_METHOD, awq.QUANT_METHOD)
 
 __all__ = ["FOREIGN_METHODS", "ForeignCheckpointError", "foreign_method", "quantlab_checkpoint"]
 
 
 def foreign_method(folder: Path) -> str | None:
-    """The `quant_method` of a checkpoint quantlab reads into its own storage ("compressed-tensors",
-    "gptq"), or None for any other folder."""
+    """The `quant_method` of a checkpoint quantlab reads into its own storage (`FOREIGN_METHODS`), or None
+    for any other folder."""
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):

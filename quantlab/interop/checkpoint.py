@@ -1,4 +1,4 @@
-"""A compressed-tensors or GPTQ checkpoint folder rewritten as a quantlab checkpoint, codes and scales unchanged.
+"""A compressed-tensors, GPTQ or AWQ checkpoint folder rewritten as a quantlab checkpoint, codes and scales unchanged.
 
 Every quantized layer becomes a layer of quantlab's `custom_bits` method (or `int8`, when all of
 them are symmetric 8-bit) whose layout holds the source's integer grid exactly
@@ -22,8 +22,8 @@ import torch
 
 from quantlab.config import QuantlabConfig
 from quantlab.formats.codec import IntegerGrid, NotAnIntegerGrid
+from quantlab.interop import awq, gptq
 from quantlab.interop import compressed_tensors as ct
-from quantlab.interop import gptq
 from quantlab.interop.errors import ForeignCheckpointError
 from quantlab.methods.custom_bits import CustomBitsConfig, CustomBitsLinear
 from quantlab.methods.int8 import Int8Linear, Int8SymmetricConfig
@@ -98,14 +98,36 @@ class _GPTQ(_Reader):
         return gptq.read_layer(tensors, self.config, layer)
 
 
+class _AWQ(_Reader):
+    tensor_names = awq.LAYER_TENSORS
+    scale_name = awq.SCALES
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = awq.AWQConfig.read(config)
+
+    def is_layer(self, names: dict[str, _Header]) -> bool:
+        return awq.QWEIGHT in names
+
+    def scheme(self, layer: str) -> ct.Scheme:
+        return self.config.scheme
+
+    def grid(self, layer: str, tensors: dict[str, torch.Tensor]) -> IntegerGrid:
+        return awq.read_layer(tensors, self.config, layer)
+
+
+_READERS: dict[str, type[_Reader]] = {
+    ct.QUANT_METHOD: _CompressedTensors,
+    gptq.QUANT_METHOD: _GPTQ,
+    awq.QUANT_METHOD: _AWQ,
+}
+
+
 def convert_checkpoint(source: Path, target: Path) -> QuantlabConfig:
-    """Write the quantlab checkpoint of the compressed-tensors or GPTQ checkpoint `source` into the empty
+    """Write the quantlab checkpoint of the compressed-tensors, GPTQ or AWQ checkpoint `source` into the empty
     folder `target`; returns its quantization config. ForeignCheckpointError, naming the layer, otherwise."""
     config = json.loads((source / "config.json").read_text())
     quantization = config.get("quantization_config") or {}
-    reader = (
-        _CompressedTensors(quantization) if quantization.get("quant_method") == ct.QUANT_METHOD else _GPTQ(quantization)
-    )
+    reader = _READERS[quantization.get("quant_method")](quantization)
     headers = _headers(source)
     layers = _layers(headers, reader)
     if not layers:

@@ -227,14 +227,16 @@ def _foreign_checkpoint(llama_dir: Path, folder: Path, quantization: object) -> 
 @pytest.mark.parametrize(
     ("quantization", "message"),
     [
+        ({"quant_method": "aqlm"},
+         "was quantized by another library (quant_method='aqlm'), which quantlab does not read"),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-         "was quantized by another library (quant_method='awq'), which quantlab does not read"),
+         "says awq but stores no quantized layer"),
         ({"quant_method": "quanto", "weights": "int8"},
          "was quantized by another library (quant_method='quanto'), which quantlab does not read"),
         ("awq", "quantization_config must be an object with a quant_method string, not \"awq\""),
         ({"bits": 4}, "quantization_config must be an object with a quant_method string"),
     ],
-    ids=["awq", "quanto", "a string", "no quant_method"],
+    ids=["aqlm", "awq without its tensors", "quanto", "a string", "no quant_method"],
 )  # fmt: skip
 @pytest.mark.parametrize("command", ["eval", "inspect"])
 def test_a_checkpoint_of_another_library_is_one_line(
@@ -242,8 +244,8 @@ def test_a_checkpoint_of_another_library_is_one_line(
 ) -> None:
     import importlib.util
 
-    if quantization != "awq" and isinstance(quantization, dict):
-        package = {"awq": "gptqmodel", "quanto": "optimum.quanto"}.get(quantization.get("quant_method"))
+    if isinstance(quantization, dict):
+        package = {"aqlm": "aqlm", "quanto": "optimum.quanto"}.get(quantization.get("quant_method"))
         if package and importlib.util.find_spec(package) is not None:
             pytest.skip(f"{package} is installed here: transformers loads the checkpoint")
     folder = _foreign_checkpoint(llama_dir, tmp_path / "foreign", quantization)
