@@ -82,7 +82,11 @@ class QuantlabConfig(QuantizationConfigMixin):
         metadata={"help": "mixed precision: stored bits per quantized weight to allocate across layers"},
     )
     layer_options: dict[str, dict[str, Any]] | None = dataclasses.field(
-        default=None, metadata={"help": "per-layer option overrides as JSON: {layer name: {option: value}}"}
+        default=None,
+        metadata={
+            "help": "per-layer option overrides as JSON: {layer name: {option: value}}; with target_bits these "
+            "layers keep them and the budget is spent on the others"
+        },
     )
     embedding_bits: int | None = dataclasses.field(
         default=None,

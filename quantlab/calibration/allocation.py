@@ -54,6 +54,8 @@ def allocate_bits(
 ) -> dict[str, dict[str, Any]]:
     """Per-layer options meeting `config.target_bits` (only layers whose choice differs from the config).
 
+    Layers the user named in `config.layer_options` keep those options: their bytes count against the
+    budget, and the other layers are chosen around them.
     `block_weights`: where the blocks' weights are (default: in the model; streamed: read block by block)."""
     measured, weights = measure_layers(model, config, module_class, windows, selected, progress, block_weights)
     budget = int(config.target_bits * weights / 8)
@@ -62,17 +64,26 @@ def allocate_bits(
     return {layer: dict(pick.options) for layer, pick in chosen.items() if dict(pick.options) != own}
 
 
+def layer_candidates(config: QuantlabConfig, layer: str) -> list[tuple[dict[str, Any], QuantlabConfig]]:
+    """The option sets mixed precision may give `layer`, each with the config it quantizes under: the method's
+    candidates, or only the user's own `layer_options` for a layer they named."""
+    pinned = (config.layer_options or {}).get(layer)
+    if pinned:
+        return [(dict(pinned), config.for_one_layer(**pinned))]
+    return [(options, config.for_one_layer(**options)) for options in config.allocation_candidates()]
+
+
 def check_budget_reachable(
     model: nn.Module, config: QuantlabConfig, module_class: type[QuantizedLinear], selected: Callable[[str], bool]
 ) -> None:
     """Refuse a `target_bits` no assignment of the candidates can meet, from the layers' shapes alone:
     before any calibration text is made or any weight is read (the model may sit on the meta device)."""
     prefix, blocks = find_blocks(model)
-    candidates = [config.for_one_layer(**options) for options in config.allocation_candidates()]
     smallest = largest = weights = 0
     for index, block in enumerate(blocks):
-        for relative in selected_linears(block, f"{prefix}.{index}", selected):
+        for relative, full_name in selected_linears(block, f"{prefix}.{index}", selected).items():
             out_features, in_features = block.get_submodule(relative).weight.shape
+            candidates = [c for _, c in layer_candidates(config, full_name)]
             sizes = [module_class.layout_for(in_features, out_features, c).stored_bytes() for c in candidates]
             smallest, largest, weights = (
                 smallest + min(sizes),
@@ -112,8 +123,6 @@ def measure_layers(
     batches = first_block_inputs(model, blocks[0], distributed.share_of_windows(windows, BATCH_SIZE), BATCH_SIZE)
     measured: dict[str, list[Candidate]] = {}
     weights = 0
-    options = config.allocation_candidates()
-    candidates = [(o, config.for_one_layer(**o)) for o in options]
     for index, block in enumerate(
         tqdm(blocks, desc="measuring layers", disable=not (progress and distributed.is_main()))
     ):
@@ -130,6 +139,7 @@ def measure_layers(
             else:  # the loss the layer's output error adds, to second order
                 cost = fisher[full_name] / 2
             importance = stats[relative].channel_weights() * cost
+            candidates = layer_candidates(config, full_name)
             measured[full_name] = [_candidate(module_class, c, o, weight, importance) for o, c in candidates]
         block_weights.release(index, block)
     return measured, weights

@@ -64,6 +64,36 @@ def test_mixed_model_meets_its_budget_and_mixes_widths(target):
     assert len(widths) > 1
 
 
+def test_layers_the_user_names_keep_their_options_under_a_budget():
+    """A user's `layer_options` are fixed choices: their bytes count, the other layers are chosen around them."""
+    model = tiny_llama()
+    pinned = {
+        "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32},
+        "model.layers.1.self_attn.q_proj": {"bits": 2},
+    }
+    config = quantlab.CustomBitsConfig(bits=3, group_size=64, target_bits=3.5, solver="gptq", layer_options=pinned)
+    quantlab.quantize(model, config, calibration=CALIBRATION, progress=False)
+    layers = quantized_layers(model)
+    assert (
+        layers["model.layers.0.mlp.down_proj"].config.bits,
+        layers["model.layers.0.mlp.down_proj"].config.group_size,
+    ) == (8, 32)
+    assert layers["model.layers.1.self_attn.q_proj"].config.bits == 2
+    assert all(config.layer_options[name] == options for name, options in pinned.items())
+    assert 3.25 < stored_bits_per_weight(model) <= 3.5
+    assert len({layer.config.bits for name, layer in layers.items() if name not in pinned}) > 1
+
+
+def test_pinned_layers_count_against_the_budget_before_calibration():
+    """Pinning the widest layer at 8 bits can make a budget unreachable: refused before any measurement."""
+    model = tiny_llama()
+    names = [f"model.layers.{i}.mlp.{part}_proj" for i in range(2) for part in ("gate", "up", "down")]
+    pinned = {name: {"bits": 8, "group_size": 32} for name in names}
+    config = quantlab.CustomBitsConfig(bits=3, group_size=64, target_bits=2.5, solver="gptq", layer_options=pinned)
+    with pytest.raises(ConfigError, match=r"target_bits=2.5 is outside what the candidate widths can store"):
+        quantlab.quantize(model, config, calibration=CALIBRATION, progress=False)
+
+
 def test_mixed_beats_the_uniform_width_it_costs_no_more_than():
     unseen = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(1))
     reference = tiny_llama()
