@@ -66,16 +66,12 @@ class GptqSolver(Solver):
         grid: str,
     ) -> Solution:
         W = weight.detach().float().clone()
-        H = stats.hessian.double()
-        dead = H.diagonal() == 0
-        H = H.clone()
-        H[dead, dead] = 1.0
-        order = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(layout.in_features)
+        diagonal = stats.hessian.diagonal().double()
+        dead = diagonal == 0
+        diagonal[dead] = 1.0
+        order = torch.argsort(diagonal, descending=True) if act_order else torch.arange(layout.in_features)
         grids = _Grids(layout, W, order, static, stats.channel_weights() if grid == "mse" else None)
-        permuted = H[order][:, order]
-        del H  # at most three in x in float64 matrices at once: the widest layer's Hessian is large
-        inverse = _inverse_cholesky(permuted, damp).float()
-        del permuted
+        inverse = _inverse_cholesky(stats.hessian, order, dead[order], damp)
         # Columns of W as contiguous rows: each step reads and updates whole rows.
         columns = W[:, order].T.contiguous()
         codes = torch.empty(columns.shape, dtype=torch.uint8)
@@ -149,24 +145,41 @@ class _Grids:
         return self.layout.grid(scale, zero)
 
 
-def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of `(H + damp * mean(diag H) * I)^-1`, more dampening if singular."""
-    mean_diagonal = H.diagonal().mean()
+def _inverse_cholesky(hessian: torch.Tensor, order: torch.Tensor, dead: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor (float32) of `(H + damp * mean(diag H) * I)^-1` for `H` the float32 `hessian` in
+    `order` with its `dead` diagonal set to 1; more dampening if singular.
+
+    One float64 `in x in` buffer holds H, then its factor, the inverse and the inverse's factor: LAPACK
+    works in place on a column-major matrix, so each step writes over the last (the float32 result is a
+    second, half-size matrix). The steps and their inputs are those of out-of-place calls, bit for bit.
+    """
     for attempt in range(_DAMP_RETRIES + 1):
-        dampened = H.clone()
-        dampened.diagonal().add_(damp * (10**attempt) * mean_diagonal)
-        factor, info = torch.linalg.cholesky_ex(dampened)
-        del dampened
+        matrix = _permuted_float64(hessian, order)
+        matrix.diagonal()[dead] = 1.0
+        matrix.diagonal().add_(damp * (10**attempt) * matrix.diagonal().mean())
+        info = torch.empty((), dtype=torch.int32)
+        torch.linalg.cholesky_ex(matrix, out=(matrix, info))
         if info == 0:
-            inverse = torch.cholesky_inverse(factor)
-            del factor
-            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            torch.cholesky_inverse(matrix, out=matrix)
+            torch.linalg.cholesky_ex(matrix, upper=True, out=(matrix, info))
             if info == 0:
-                return upper
+                return matrix.float()
+        del matrix
     raise QuantizationError(
         f"gptq: the calibration Hessian stays singular with dampening up to {damp * 10**_DAMP_RETRIES:g}; "
         f"use more (or more varied) calibration samples, or the mse solver for this model"
     )
+
+
+def _permuted_float64(hessian: torch.Tensor, order: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """`hessian[order][:, order]` in float64 as a column-major matrix (what LAPACK takes in place), filled a
+    slice of columns at a time so no second full-size copy exists."""
+    size = order.numel()
+    storage = torch.empty(size, size, dtype=torch.float64)  # row j of `storage` is column j of the matrix
+    for start in range(0, size, rows):
+        columns = order[start : start + rows]
+        storage[start : start + rows] = hessian.index_select(1, columns).index_select(0, order).T
+    return storage.mT
 
 
 def _options(options: dict[str, Any]) -> tuple[float, bool, int, bool | None]:

@@ -5,8 +5,8 @@
                    [calibrated: + the input embedding
                                 + the block's input statistics: one float32 `in x in` matrix per Linear
                                   layer (an upper bound: layers reading one input share one)
-                                + GPTQ's working set for the widest layer: 3 float64 `in x in` matrices
-                                  and 2 float32 copies of its weight
+                                + GPTQ's working set for the widest layer: a float64 and a float32 `in x in`
+                                  matrix and 2 float32 copies of its weight
                                 + the calibration activations, the block's inputs and outputs:
                                   2 x samples x seq_len x hidden (with --offload-dir, one batch of 8)
                                 + one batch's forward temporaries: 8 x seq_len x (3 x intermediate
@@ -57,7 +57,7 @@ def predict_peak(
         terms["input embedding"] = _embedding_bytes(shell, itemsize)
         terms["input statistics"] = sum(4 * i * i for i, _ in sizes)
         widest = max(sizes, default=(0, 0), key=lambda s: s[0])
-        terms["solver working set"] = 3 * 8 * widest[0] ** 2 + 2 * 4 * widest[0] * widest[1]
+        terms["solver working set"] = (8 + 4) * widest[0] ** 2 + 2 * 4 * widest[0] * widest[1]
         samples, seq_len = config.calibration_samples, config.calibration_seq_len
         held = min(samples, BATCH_SIZE) if offloaded else samples
         terms["calibration activations"] = 2 * held * seq_len * hidden * itemsize
