@@ -67,6 +67,13 @@ def report_table(report: QuantizeReport) -> str:
     )
     if report.tables_quantized:
         kept += f"; quantized tables: {', '.join(report.tables_quantized)}"
+    if report.padded_groups:
+        name, (inputs, group, stored) = next(iter(report.padded_groups.items()))
+        others = f" and {len(report.padded_groups) - 1} more" if len(report.padded_groups) > 1 else ""
+        kept += (
+            f"; {len(report.padded_groups)} with a padded last group ({name}: {inputs} inputs in groups of {group} "
+            f"store {stored} codes a row{others}; a group size dividing the inputs stores less)"
+        )
     times = f"{seconds(report.load_and_quantize_seconds)} load + quantize, {seconds(report.save_seconds)} save"
     if report.evaluate_seconds is not None:
         times += f", {seconds(report.evaluate_seconds)} evaluate"

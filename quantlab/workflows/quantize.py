@@ -53,6 +53,9 @@ class QuantizeReport:
     predicted_peak_memory_bytes: int | None = None  # streamed: `quantlab.streaming.memory.predict_peak`
     predicted_memory_terms: dict[str, int] = field(default_factory=dict)
     processes: int = 1  # processes that calibrated together (torchrun); rank 0 wrote the checkpoint
+    # Layers whose group size does not divide their inputs, so the last group is padded (stored, never used):
+    # name -> (inputs, group size, codes stored a row)
+    padded_groups: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 def quantize_to_checkpoint(
@@ -237,6 +240,7 @@ def _report(
         memory_before_load_bytes=memory_before_load,
         tables_quantized=layers.tables,
         processes=distributed.world_size(),
+        padded_groups=layers.padded,
     )
 
 

@@ -15,6 +15,8 @@ class LayerSummary:
     quantized: list[str]
     kept: list[str]  # Linear layers left in float
     tables: list[str] = field(default_factory=list)  # quantized vocabulary tables; a tied head as "lm_head (tied)"
+    # Layers whose group size does not divide their inputs: name -> (inputs, group size, codes stored a row)
+    padded: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     def describe(self, shown: int = 3) -> str:
         kept = f"{len(self.kept)} kept in float"
@@ -26,17 +28,20 @@ class LayerSummary:
 
 
 def layer_summary(model: nn.Module) -> LayerSummary:
-    quantized, kept, tables = [], [], []
+    quantized, kept, tables, padded = [], [], [], {}
     for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
             quantized.append(name)
+            layout = module.layout
+            if layout.groups * layout.group_length != layout.in_features:
+                padded[name] = (layout.in_features, layout.group_length, layout.groups * layout.group_length)
         elif isinstance(module, QuantizedTable):
             tables.append(f"{name} ({module.layout.bits}-bit)")
         elif isinstance(module, TiedOutputHead):
             tables.append(f"{name} (tied)")
         elif isinstance(module, nn.Linear):
             kept.append(name)
-    return LayerSummary(quantized, kept, tables)
+    return LayerSummary(quantized, kept, tables, padded)
 
 
 def parameter_count(model: nn.Module) -> int:

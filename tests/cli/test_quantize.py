@@ -33,6 +33,7 @@ def test_quantize_writes_a_checkpoint_and_a_json_report(quantized_llama) -> None
     assert report["peak_memory_bytes"] > 0
     assert math.isfinite(report["perplexity_before"]) and math.isfinite(report["perplexity_after"])
     assert report["perplexity_after"] != report["perplexity_before"]
+    assert report["padded_groups"] == {}  # groups of 32 divide 64 and 192 inputs
     files = {path.name for path in quantized_llama.output.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "quantlab_report.json"} <= files
     saved = json.loads((quantized_llama.output / "quantlab_report.json").read_text())
@@ -129,3 +130,14 @@ def test_the_console_script_and_python_dash_m_run_the_same_command(cli) -> None:
         pytest.skip("the quantlab console script is not installed beside this Python")
     wrong = cli.command([script, "quantize", "--method", "nf4"])
     cli.assert_user_error(wrong, "the following arguments are required: --output/-o")
+
+
+def test_a_group_size_that_does_not_divide_the_inputs_is_reported(cli, llama_dir: Path, tmp_path: Path) -> None:
+    """64 and 192 inputs in groups of 128 store 128 and 256 codes a row: the report and the table say so."""
+    result = cli.run("quantize", llama_dir, "--method", "custom_bits", "--group-size", "128", "-o", tmp_path / "q")
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((tmp_path / "q" / "quantlab_report.json").read_text())
+    assert saved["padded_groups"]["model.layers.0.self_attn.q_proj"] == [64, 128, 128]
+    assert saved["padded_groups"]["model.layers.0.mlp.down_proj"] == [192, 128, 256]
+    assert len(saved["padded_groups"]) == 14
+    assert "with a padded last group (model.layers.0.self_attn.q_proj: 64 inputs in groups of 128" in result.stdout
