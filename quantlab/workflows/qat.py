@@ -172,9 +172,10 @@ def _quantized_start(
 ) -> ModelSource:
     """The float model quantized with `config` into the run folder (kept there, so a resumed run reuses it,
     and refuses to when it was quantized with other options)."""
+    from quantlab.training.checkpoints import as_json_values
     from quantlab.workflows.quantize import quantize_to_checkpoint
 
-    start, requested = run.output_dir / START_DIR, _as_json(config.to_dict())
+    start, requested = run.output_dir / START_DIR, as_json_values(config.to_dict())
     if run.resume_from_checkpoint and (start / "config.json").is_file():
         _check_same_start(run.output_dir, requested)
         note(f"reusing the quantized start {start}")
@@ -184,11 +185,6 @@ def _quantized_start(
     with atomic_file(run.output_dir / START_CONFIG) as staging:
         staging.write_text(json.dumps(requested, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     return resolve_model(start)
-
-
-def _as_json(values: dict[str, Any]) -> dict[str, Any]:
-    """`values` as they read back from JSON (tuples as lists), so saved and current options compare equal."""
-    return json.loads(json.dumps(values, default=str))
 
 
 def _check_same_start(output: Path, requested: dict[str, Any]) -> None:
