@@ -3,6 +3,7 @@
 from quantlab.config import QuantlabConfig
 from quantlab.convert import dequantize, quantize
 from quantlab.errors import ConfigError, QuantizationError, QuantlabError, RequantizationWarning, UnknownMethodError
+from quantlab.generation import QuantizedKVCache
 from quantlab.integrations import peft as _peft_integration  # noqa: F401  (PEFT knows quantlab's layers; no call needed)
 from quantlab.integrations import transformers as _transformers_integration
 from quantlab.loading import load, load_with_tokenizer
@@ -31,6 +32,7 @@ __all__ = [
     "Method",
     "NF4Config",
     "QuantizationError",
+    "QuantizedKVCache",
     "QuantizedLinear",
     "QuantlabConfig",
     "QuantlabError",

@@ -11,9 +11,13 @@ from quantlab.workflows.text import EvaluationText, evaluation_text
 TEXT_HELP = "UTF-8 text to measure perplexity on (default: bundled text)"
 
 
-def add_text_options(parser: argparse.ArgumentParser) -> None:
+def add_text_options(parser: argparse.ArgumentParser, context_alias: bool = False) -> None:
+    """`--text`, `--seq-len` (also spelled `--context` with `context_alias`) and `--windows`."""
     parser.add_argument("--text", metavar="FILE", help=TEXT_HELP)
-    parser.add_argument("--seq-len", type=int, default=512, metavar="N", help="tokens per window (default: 512)")
+    names = ["--seq-len", "--context"] if context_alias else ["--seq-len"]
+    parser.add_argument(
+        *names, dest="seq_len", type=int, default=512, metavar="N", help="tokens per window (default: 512)"
+    )
     parser.add_argument("--windows", type=int, default=16, metavar="N", help="windows scored (default: 16)")
 
 

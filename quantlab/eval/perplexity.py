@@ -10,11 +10,13 @@ its `seq_len - 1` predicted tokens. The fp32 reference of SmolLM2-135M is in ben
 import math
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn import functional
 
 from quantlab.errors import QuantlabError
 
@@ -31,6 +33,18 @@ def perplexity(
     progress: bool = False,
 ) -> float:
     """Perplexity of a causal LM on the first `windows` windows of `seq_len` tokens of `text`."""
+    batches = evaluation_windows(tokenizer, text, seq_len, windows)
+    return perplexity_of(window_losses(model, batches, progress=progress), seq_len)
+
+
+def perplexity_of(losses: list[float], seq_len: int) -> float:
+    """`exp` of the mean loss over every predicted token of windows of `seq_len` tokens with mean losses `losses`."""
+    predicted = seq_len - 1
+    return math.exp(sum(loss * predicted for loss in losses) / (len(losses) * predicted))
+
+
+def evaluation_windows(tokenizer: "PreTrainedTokenizerBase", text: str, seq_len: int, windows: int) -> torch.Tensor:
+    """The first `windows` consecutive windows of `seq_len` tokens of `text`: `[windows, seq_len]`."""
     if seq_len < 2 or windows < 1:
         raise QuantlabError(f"perplexity needs seq_len >= 2 and windows >= 1, got seq_len={seq_len}, windows={windows}")
     ids = token_ids(tokenizer, text)
@@ -42,10 +56,7 @@ def perplexity(
             f"the text has {len(ids)} tokens, fewer than the {windows} windows of {seq_len} tokens asked "
             f"({needed} tokens); {fix}, or give a longer text"
         )
-    batches = torch.tensor(ids[:needed], dtype=torch.long).view(windows, seq_len)
-    losses = window_losses(model, batches, progress=progress)
-    predicted = seq_len - 1
-    return math.exp(sum(loss * predicted for loss in losses) / (windows * predicted))
+    return torch.tensor(ids[:needed], dtype=torch.long).view(windows, seq_len)
 
 
 def token_ids(tokenizer: "PreTrainedTokenizerBase", text: str) -> list[int]:
@@ -74,6 +85,50 @@ def window_losses(model: nn.Module, batches: torch.Tensor, progress: bool = Fals
     finally:
         model.train(was_training)
     return losses
+
+
+def chunked_window_losses(
+    model: nn.Module,
+    batches: torch.Tensor,
+    chunk: int,
+    new_cache: Callable[[], Any],
+    progress: bool = False,
+) -> tuple[list[float], Any]:
+    """`window_losses`, each window prefilled `chunk` tokens at a time into a fresh `new_cache()`.
+
+    Later chunks attend to what the cache holds of the earlier ones (with a quantized KV cache,
+    its quantized states), and the loss of every predicted token of the window is kept, so with a
+    float cache the losses equal `window_losses`' up to float rounding. Returns the losses and the
+    last window's cache (to read its size).
+    """
+    if chunk < 1:
+        raise QuantlabError(f"the prefill chunk must be at least 1 token, got {chunk}")
+    _warn_unless_float32(model)
+    device = _device_of(model)
+    rows = batches
+    if progress:
+        from tqdm.auto import tqdm
+
+        rows = tqdm(batches, desc="perplexity", unit="window")
+    was_training = model.training
+    model.eval()
+    losses, cache = [], None
+    try:
+        with torch.inference_mode():
+            for row in rows:
+                x = row.unsqueeze(0).to(device)
+                cache, total = new_cache(), 0.0
+                for start in range(0, x.shape[1], chunk):
+                    logits = model(x[:, start : start + chunk], past_key_values=cache, use_cache=True).logits
+                    targets = x[:, start + 1 : start + chunk + 1]
+                    predicted = logits[:, : targets.shape[1]].float()
+                    total += float(
+                        functional.cross_entropy(predicted.flatten(0, 1), targets.flatten(), reduction="sum")
+                    )
+                losses.append(total / (x.shape[1] - 1))
+    finally:
+        model.train(was_training)
+    return losses, cache
 
 
 def checkpoint_perplexity(

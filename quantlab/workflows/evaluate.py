@@ -1,6 +1,8 @@
 """Perplexity, size on disk and stored bits per parameter of a checkpoint (quantized or float) or GGUF file.
 
 The model is loaded in float32 compute, as the shared harness (and `benchmarks/quality.py`) does.
+With `kv_bits` (or `kv_chunk`) each window is prefilled in chunks through a quantized (or float)
+KV cache, so that later chunks read the cache's states of the earlier ones.
 """
 
 import os
@@ -9,7 +11,10 @@ from dataclasses import dataclass, field
 
 from quantlab.errors import QuantlabError
 from quantlab.loading import ModelSource, open_model, weights_size
-from quantlab.workflows.text import EvaluationText, evaluation_text, measure_perplexity
+from quantlab.workflows.text import EvaluationText, evaluation_text, measure_kv_cache_perplexity, measure_perplexity
+
+DEFAULT_KV_CHUNK = 256
+DEFAULT_KV_RESIDUAL = 128
 
 
 @dataclass
@@ -30,6 +35,11 @@ class EvalReport:
     load_seconds: float
     evaluate_seconds: float
     tables_quantized: list[str] = field(default_factory=list)
+    kv_bits: int | None = None  # bits of the quantized KV cache; None: float cache (or no cache)
+    kv_chunk: int | None = None  # prefill chunk in tokens; None: one forward per window, no cache
+    kv_residual: int | None = None  # float window of the quantized KV cache, in tokens
+    kv_cache_bytes: int | None = None  # held by the cache at the end of a window
+    kv_cache_ratio: float | None = None  # kv_cache_bytes over a float32 cache of the same length
 
 
 def evaluate_checkpoint(
@@ -37,8 +47,16 @@ def evaluate_checkpoint(
     text: EvaluationText | None = None,
     *,
     progress: bool = False,
+    kv_bits: int | None = None,
+    kv_chunk: int | None = None,
+    kv_residual: int | None = None,
 ) -> EvalReport:
-    """Perplexity of the causal LM at `model` on `text` (default: the bundled text, 16 x 512 tokens)."""
+    """Perplexity of the causal LM at `model` on `text` (default: the bundled text, 16 x 512 tokens).
+
+    `kv_bits` (8 or 4): prefill each window `kv_chunk` tokens at a time (default 256) through a
+    `QuantizedKVCache` whose float window holds `kv_residual` tokens (default 128); `kv_chunk`
+    alone: the same chunked pass through a float cache.
+    """
     import torch
 
     from quantlab.eval.size import stored_bits_per_weight
@@ -58,7 +76,14 @@ def evaluate_checkpoint(
         loaded_model = opened.load(dtype=torch.float32)
         quantization = opened.quantization
     loaded = time.perf_counter()
-    value = measure_perplexity(loaded_model, tokenizer, text, progress)
+    kv = None
+    if kv_bits is not None or kv_chunk is not None:
+        chunk = kv_chunk if kv_chunk is not None else DEFAULT_KV_CHUNK
+        residual = kv_residual if kv_residual is not None else DEFAULT_KV_RESIDUAL
+        kv = measure_kv_cache_perplexity(loaded_model, tokenizer, text, kv_bits, chunk, residual, progress)
+        value = kv.perplexity
+    else:
+        value = measure_perplexity(loaded_model, tokenizer, text, progress)
     layers = layer_summary(loaded_model)
     parameters, size = parameter_count(loaded_model), weights_size(source.path)
     return EvalReport(
@@ -76,4 +101,9 @@ def evaluate_checkpoint(
         load_seconds=loaded - started,
         evaluate_seconds=time.perf_counter() - loaded,
         tables_quantized=layers.tables,
+        kv_bits=kv_bits,
+        kv_chunk=kv.chunk if kv else None,
+        kv_residual=kv.residual_length if kv else None,
+        kv_cache_bytes=kv.cache_bytes if kv else None,
+        kv_cache_ratio=kv.ratio if kv else None,
     )

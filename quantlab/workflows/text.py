@@ -71,3 +71,55 @@ def reloaded_perplexity(folder: Path, text: EvaluationText, tokenizer: Any = Non
             raise QuantlabError(f"{folder} has no tokenizer, which perplexity needs; save one beside the model")
         model = opened.load(dtype=torch.float32)
     return measure_perplexity(model, tokenizer, text, progress)
+
+
+@dataclass(frozen=True)
+class KVCacheMeasure:
+    """Perplexity with chunked prefill through a KV cache, and what the cache held at the end of a window."""
+
+    perplexity: float
+    kv_bits: int | None  # None: a float cache (transformers' DynamicCache)
+    chunk: int
+    residual_length: int | None  # the quantized cache's float window; None for a float cache
+    cache_bytes: int
+    float32_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        """Bytes held over those of a float32 cache of the same length."""
+        return self.cache_bytes / self.float32_bytes if self.float32_bytes else 1.0
+
+
+def measure_kv_cache_perplexity(
+    model: Any,
+    tokenizer: Any,
+    text: EvaluationText,
+    kv_bits: int | None,
+    chunk: int = 256,
+    residual_length: int = 128,
+    progress: bool = False,
+) -> KVCacheMeasure:
+    """Perplexity with each window prefilled `chunk` tokens at a time, later chunks reading the cache of the
+    earlier ones: a `QuantizedKVCache` of `kv_bits` and `residual_length` (its defaults otherwise), or a
+    float cache when `kv_bits` is None."""
+    from transformers import DynamicCache
+
+    from quantlab.eval.perplexity import chunked_window_losses, evaluation_windows, perplexity_of
+    from quantlab.generation import QuantizedKVCache
+
+    def new_cache() -> Any:
+        if kv_bits is None:
+            return DynamicCache(config=model.config)
+        return QuantizedKVCache(model.config, bits=kv_bits, residual_length=residual_length)
+
+    new_cache()  # an unsupported model or bits are refused before any work
+    batches = evaluation_windows(tokenizer, text.text, text.seq_len, text.windows)
+    losses, cache = chunked_window_losses(model, batches, chunk, new_cache, progress=progress)
+    if kv_bits is None:
+        held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        float32 = sum(4 * t.numel() for layer in cache.layers for t in (layer.keys, layer.values))
+    else:
+        held, float32 = cache.nbytes, cache.float_nbytes
+    return KVCacheMeasure(
+        perplexity_of(losses, text.seq_len), kv_bits, chunk, None if kv_bits is None else residual_length, held, float32
+    )
