@@ -7,10 +7,11 @@ first `windows` of them with `model(x, labels=x)`, and report
 its `seq_len - 1` predicted tokens. The fp32 reference of SmolLM2-135M is in benchmarks/RESULTS.md.
 """
 
+import contextlib
 import math
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,24 +68,8 @@ def token_ids(tokenizer: "PreTrainedTokenizerBase", text: str) -> list[int]:
 
 def window_losses(model: nn.Module, batches: torch.Tensor, progress: bool = False) -> list[float]:
     """Mean next-token loss of each row of `batches` (`[windows, seq_len]`), one forward per window."""
-    _warn_unless_float32(model)
-    device = _device_of(model)
-    rows = batches
-    if progress:
-        from tqdm.auto import tqdm
-
-        rows = tqdm(batches, desc="perplexity", unit="window")
-    was_training = model.training
-    model.eval()
-    losses = []
-    try:
-        with torch.inference_mode():
-            for row in rows:
-                x = row.unsqueeze(0).to(device)
-                losses.append(float(model(x, labels=x).loss))
-    finally:
-        model.train(was_training)
-    return losses
+    with _evaluating(model, batches, progress) as windows:
+        return [float(model(x, labels=x).loss) for x in windows]
 
 
 def chunked_window_losses(
@@ -103,6 +88,23 @@ def chunked_window_losses(
     """
     if chunk < 1:
         raise QuantlabError(f"the prefill chunk must be at least 1 token, got {chunk}")
+    losses, cache = [], None
+    with _evaluating(model, batches, progress) as windows:
+        for x in windows:
+            cache, total = new_cache(), 0.0
+            for start in range(0, x.shape[1], chunk):
+                logits = model(x[:, start : start + chunk], past_key_values=cache, use_cache=True).logits
+                targets = x[:, start + 1 : start + chunk + 1]
+                predicted = logits[:, : targets.shape[1]].float()
+                total += float(functional.cross_entropy(predicted.flatten(0, 1), targets.flatten(), reduction="sum"))
+            losses.append(total / (x.shape[1] - 1))
+    return losses, cache
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module, batches: torch.Tensor, progress: bool) -> Iterator[Iterator[torch.Tensor]]:
+    """The rows of `batches` as `[1, seq_len]` inputs on the model's device, the model in eval mode and
+    inference mode meanwhile (its training mode restored after)."""
     _warn_unless_float32(model)
     device = _device_of(model)
     rows = batches
@@ -112,23 +114,11 @@ def chunked_window_losses(
         rows = tqdm(batches, desc="perplexity", unit="window")
     was_training = model.training
     model.eval()
-    losses, cache = [], None
     try:
         with torch.inference_mode():
-            for row in rows:
-                x = row.unsqueeze(0).to(device)
-                cache, total = new_cache(), 0.0
-                for start in range(0, x.shape[1], chunk):
-                    logits = model(x[:, start : start + chunk], past_key_values=cache, use_cache=True).logits
-                    targets = x[:, start + 1 : start + chunk + 1]
-                    predicted = logits[:, : targets.shape[1]].float()
-                    total += float(
-                        functional.cross_entropy(predicted.flatten(0, 1), targets.flatten(), reduction="sum")
-                    )
-                losses.append(total / (x.shape[1] - 1))
+            yield (row.unsqueeze(0).to(device) for row in rows)
     finally:
         model.train(was_training)
-    return losses, cache
 
 
 def checkpoint_perplexity(
