@@ -10,13 +10,13 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import quantlab
 from quantlab.formats import grouping
 from quantlab.interop import ForeignCheckpointError
 from quantlab.nn import QuantizedLinear
 from quantlab.testing import tiny_llama
+from quantlab.testing.foreign_checkpoints import save_packed_checkpoint
 from quantlab.testing.models import tiny_qwen2
 
 IDS = torch.arange(7, 47).reshape(2, 20) % 256
@@ -58,23 +58,20 @@ def write_awq(model, folder, group_size: int, version: str = "gemm"):
         source[name] = {"codes": codes, "zero": zero, "scale": scale}
         decoded = (codes.reshape(out, -1, group_size) - zero.unsqueeze(-1)) * scale.float().unsqueeze(-1)
         module.weight.data.copy_(decoded.reshape(out, cols))
-    for key, tensor in model.state_dict().items():
-        if key.rpartition(".")[0] not in source and key not in state:
-            state[key] = tensor.detach().clone().contiguous()
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    folder.mkdir(parents=True)
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config["quantization_config"] = {
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": group_size,
-        "zero_point": True,
-        "version": version,
-        "modules_to_not_convert": None,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
+    save_packed_checkpoint(
+        model,
+        folder,
+        state,
+        source,
+        {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": version,
+            "modules_to_not_convert": None,
+        },
+    )
     return source, model
 
 

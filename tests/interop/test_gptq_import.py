@@ -10,13 +10,13 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import quantlab
 from quantlab.formats import grouping
 from quantlab.interop import ForeignCheckpointError
 from quantlab.nn import QuantizedLinear
 from quantlab.testing import tiny_llama
+from quantlab.testing.foreign_checkpoints import save_packed_checkpoint
 from quantlab.testing.models import tiny_qwen2
 
 IDS = torch.arange(7, 47).reshape(2, 20) % 256
@@ -70,24 +70,21 @@ def write_gptq(model, folder, bits: int, group_size: int, sym: bool, fmt: str = 
             out, cols
         )
         module.weight.data.copy_(decoded)
-    for key, tensor in model.state_dict().items():
-        if key.rpartition(".")[0] not in source and key not in state:
-            state[key] = tensor.detach().clone().contiguous()
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    folder.mkdir(parents=True)
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config["quantization_config"] = {
-        "quant_method": "gptq",
-        "bits": bits,
-        "group_size": group_size,
-        "sym": sym,
-        "desc_act": act_order,
-        "checkpoint_format": fmt,
-        "true_sequential": True,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
+    save_packed_checkpoint(
+        model,
+        folder,
+        state,
+        source,
+        {
+            "quant_method": "gptq",
+            "bits": bits,
+            "group_size": group_size,
+            "sym": sym,
+            "desc_act": act_order,
+            "checkpoint_format": fmt,
+            "true_sequential": True,
+        },
+    )
     return source, model
 
 
