@@ -25,7 +25,8 @@ from quantlab.errors import ConfigError
 from quantlab.generation.attention import stop_grouped_query_sdpa, use_grouped_query_sdpa
 from quantlab.generation.counters import CompileCounts, count_compilations
 from quantlab.generation.fusion import FuseProjections, mark_int8_activations
-from quantlab.generation.loop import NativeGenerate
+from quantlab.generation.kv_cache import QuantizedKVCache
+from quantlab.generation.loop import NativeCachePreparation, NativeGenerate
 from quantlab.generation.native import NativeDecodeStep, SkipMaskForNativeSteps
 
 # Modes inductor runs on CPU; "reduce-overhead" and "max-autotune" add CUDA graphs (CUDA only).
@@ -61,6 +62,7 @@ def compile_for_decoding(
     fuse_projections: bool = True,
     int8_activations: bool = False,
     native_step: bool = False,
+    kv_bits: int | None = None,
 ) -> Any:
     """Make `model.generate(...)` decode with a static cache and a torch.compile'd step; returns `model`.
 
@@ -103,9 +105,26 @@ def compile_for_decoding(
     weights described when it was set up (values written in place are seen): a model whose layers or
     stored tensors were replaced since is refused at the next generation, until set up again. For one
     sequence `model.generate` runs a lean loop of its own (quantlab.generation.loop). Off by default.
+    With the native step, `generate` also takes a `past_key_values=QuantizedKVCache(...)` of a layout it
+    reads (8 bits, `capacity` set) and decodes on it.
+
+    `kv_bits=8` (with `native_step=True`) keeps every generation's KV cache in 8 bits: a
+    `QuantizedKVCache(model.config, bits=8, capacity=max_cache_len)` (longer if the generation is), keys
+    per channel and values per token, the last up to 128 tokens in float; the native step reads the codes
+    as they are stored, a quarter of a float32 cache's bytes, which at long contexts is most of a step's
+    reading (benchmarks/RESULTS.md). Steps the native step does not take run eagerly on that cache.
     """
     model.generation_config = fast_decoding_config(
-        model, max_cache_len, mode, fullgraph, options, module_guards, fuse_projections, int8_activations, native_step
+        model,
+        max_cache_len,
+        mode,
+        fullgraph,
+        options,
+        module_guards,
+        fuse_projections,
+        int8_activations,
+        native_step,
+        kv_bits,
     )
     return model
 
@@ -120,6 +139,7 @@ def fast_decoding_config(
     fuse_projections: bool = True,
     int8_activations: bool = False,
     native_step: bool = False,
+    kv_bits: int | None = None,
 ) -> GenerationConfig:
     """A copy of `model.generation_config` set up as `compile_for_decoding` does, the model's own
     config untouched: `model.generate(ids, generation_config=config)` takes the fast path for that
@@ -131,6 +151,7 @@ def fast_decoding_config(
     one-token steps without copying the cache for every query head (attention.py: the same attention);
     `disable_compiled_decoding` unmarks them."""
     _check_can_compile(model, max_cache_len, mode)
+    _check_kv_bits(model, kv_bits, native_step)
     if not module_guards:
         options = {"guard_filter_fn": SKIP_MODULE_GUARDS, **(options or {})}
     if fuse_projections or int8_activations:
@@ -152,7 +173,20 @@ def fast_decoding_config(
         model._compiled_call = NativeDecodeStep(model, model._compiled_call, 8 if int8_activations else 0)
         model.create_masks_for_generate = SkipMaskForNativeSteps(model)
         model.generate = NativeGenerate(model)
+        model._prepare_cache_for_generation = NativeCachePreparation(model, kv_bits, max_cache_len)
     return generation_config
+
+
+def _check_kv_bits(model: Any, kv_bits: int | None, native_step: bool) -> None:
+    if kv_bits is None:
+        return
+    if kv_bits != 8 or not native_step:
+        raise ConfigError(
+            f"kv_bits={kv_bits!r}: a quantized KV cache runs on the native step at 8 bits "
+            "(compile_for_decoding(model, kv_bits=8, native_step=True)); for 4 bits pass "
+            "past_key_values=quantlab.QuantizedKVCache(model.config, bits=4) to plain generate"
+        )
+    QuantizedKVCache(model.config, bits=kv_bits)  # refuses models it cannot serve, in one line
 
 
 def _with_post_grad_pass(options: dict[str, Any] | None, graph_pass: Any) -> dict[str, Any]:
@@ -189,7 +223,8 @@ def disable_compiled_decoding(model: Any) -> Any:
     generation_config.cache_implementation = None
     generation_config.max_cache_len = None
     generation_config.compile_config = None
-    for name in ("_compiled_call", "_last_compile_config", "create_masks_for_generate", "generate"):
+    names = ("_compiled_call", "_last_compile_config", "create_masks_for_generate", "generate")
+    for name in (*names, "_prepare_cache_for_generation"):
         model.__dict__.pop(name, None)
     stop_grouped_query_sdpa(model)
     mark_int8_activations(model, 0)

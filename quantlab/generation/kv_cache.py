@@ -35,26 +35,48 @@ class KVCacheModelError(QuantlabError, ValueError):
     """A model whose config a quantized KV cache cannot serve (not a decoder, or attention shapes unknown)."""
 
 
+STORED_TENSORS = ("key_codes", "key_scales", "key_zeros", "value_codes", "value_scales", "value_zeros")
+_PER_CHUNK = ("key_scales", "key_zeros")  # one row per chunk of R tokens; the others have one per token
+
+
 class QuantizedKVLayer(CacheLayerMixin):
-    """One attention layer's cache: quantized chunks of keys and values, then a float residual window."""
+    """One attention layer's cache: quantized chunks of keys and values, then a float residual window.
+
+    Without `capacity` the stored tensors grow by what each flush adds and the window holds only its
+    tokens (the bytes held are the bytes used). With `capacity` (tokens, rounded up to whole chunks)
+    they are allocated once on the first update, the window too (R tokens), so a decode step writes
+    into them in place and the native step (quantlab.generation.native) can read them; past
+    `capacity` they double. `version` counts the times a tensor was allocated anew.
+    """
 
     is_compileable = False
     is_sliding = False
     is_croppable = False  # a crop into the stored chunks cannot give back the float states
 
-    def __init__(self, bits: int = 8, residual_length: int = 128, group_size: int = 64, rotate_keys: bool = False):
+    def __init__(
+        self,
+        bits: int = 8,
+        residual_length: int = 128,
+        group_size: int = 64,
+        rotate_keys: bool = False,
+        capacity: int | None = None,
+    ):
         super().__init__()
         self.bits = bits
         self.residual_length = residual_length
         self.group_size = group_size
         self.rotate_keys = rotate_keys
+        self.capacity = None if capacity is None else -(-capacity // residual_length) * residual_length
         self.cumulative_length = 0
+        self.version = 0
+        self.rotation: torch.Tensor | None = None
         self._clear_stored()
+        self._window_keys = self._window_values = None
+        self.window_length = 0
 
     def _clear_stored(self) -> None:
-        self.key_codes = self.key_scales = self.key_zeros = None
-        self.value_codes = self.value_scales = self.value_zeros = None
-        self.rotation: torch.Tensor | None = None
+        self.buffers: dict[str, torch.Tensor] = {}  # codes and statistics, `stored_length` tokens of them used
+        self.stored_length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -63,14 +85,99 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.value_group = self.group_size if head_dim % self.group_size == 0 else head_dim
         if self.rotate_keys:
             self.rotation = hadamard(head_dim, device=self.device)
-        self.keys = key_states[..., :0, :].clone()
-        self.values = value_states[..., :0, :].clone()
+        if self.capacity is not None:
+            self._allocate(*key_states.shape[:2], head_dim)
+        self._set_window(key_states[..., :0, :], value_states[..., :0, :])
         self.is_initialized = True
 
+    def _allocate(self, batch: int, heads: int, head_dim: int) -> None:
+        """Allocate `capacity` tokens of storage and the R-token window (capacity mode)."""
+        packed = head_dim if self.bits == 8 else head_dim // 2
+        chunks = self.capacity // self.residual_length
+        shapes = {
+            "key_codes": ((self.capacity, packed), torch.uint8),
+            "key_scales": ((chunks, head_dim), self.stat_dtype),
+            "key_zeros": ((chunks, head_dim), self.stat_dtype),
+            "value_codes": ((self.capacity, packed), torch.uint8),
+            "value_scales": ((self.capacity, head_dim // self.value_group), self.stat_dtype),
+            "value_zeros": ((self.capacity, head_dim // self.value_group), self.stat_dtype),
+        }
+        self.buffers = {
+            name: torch.empty(batch, heads, *shape, dtype=dtype, device=self.device)
+            for name, (shape, dtype) in shapes.items()
+        }
+        window = (batch, heads, self.residual_length, head_dim)
+        self._window_keys = torch.empty(window, dtype=self.dtype, device=self.device)
+        self._window_values = torch.empty(window, dtype=self.dtype, device=self.device)
+        self.version += 1
+
+    def allocated_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor held, whole: the stored codes and statistics, then `window_keys`/`window_values` (R
+        tokens in capacity mode). The native decode step points at them."""
+        return {**self.buffers, "window_keys": self._window_keys, "window_values": self._window_values}
+
+    # ---- the float window ------------------------------------------------------------------------------
+
     @property
-    def stored_length(self) -> int:
-        """Tokens held as quantized codes."""
-        return 0 if self.value_codes is None else self.value_codes.shape[-2]
+    def keys(self) -> torch.Tensor | None:
+        """The float window's keys, `[B, H, window_length, D]`."""
+        return None if self._window_keys is None else self._window_keys[..., : self.window_length, :]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:  # CacheLayerMixin sets None
+        self._window_keys, self.window_length = value, 0 if value is None else value.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The float window's values, `[B, H, window_length, D]`."""
+        return None if self._window_values is None else self._window_values[..., : self.window_length, :]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._window_values = value
+
+    def _set_window(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Make `keys`/`values` (fewer than R tokens) the window: copied into its buffer, or held as they are."""
+        if self.capacity is None:
+            self._window_keys, self._window_values = keys.clone(), values.clone()
+        else:
+            self._window_keys[..., : keys.shape[-2], :] = keys
+            self._window_values[..., : values.shape[-2], :] = values
+        self.window_length = keys.shape[-2]
+
+    # ---- what is stored ---------------------------------------------------------------------------------
+
+    def _rows(self, name: str, tokens: int) -> int:
+        return tokens // self.residual_length if name in _PER_CHUNK else tokens
+
+    def _view(self, name: str) -> torch.Tensor | None:
+        buffer = self.buffers.get(name)
+        return None if buffer is None else buffer[..., : self._rows(name, self.stored_length), :]
+
+    key_codes = property(lambda self: self._view("key_codes"), doc="`[B, H, stored, D or D/2]` uint8")
+    key_scales = property(lambda self: self._view("key_scales"), doc="`[B, H, stored / R, D]`")
+    key_zeros = property(lambda self: self._view("key_zeros"), doc="`[B, H, stored / R, D]`")
+    value_codes = property(lambda self: self._view("value_codes"), doc="`[B, H, stored, D or D/2]` uint8")
+    value_scales = property(lambda self: self._view("value_scales"), doc="`[B, H, stored, D / group]`")
+    value_zeros = property(lambda self: self._view("value_zeros"), doc="`[B, H, stored, D / group]`")
+
+    def _append_stored(self, new: dict[str, torch.Tensor], tokens: int) -> None:
+        """Write the quantized tensors of `tokens` more tokens after what is stored."""
+        end = self.stored_length + tokens
+        for name, tensor in new.items():
+            start, rows = self._rows(name, self.stored_length), self._rows(name, end)
+            buffer = self.buffers.get(name)
+            if buffer is None or buffer.shape[-2] < rows:
+                size = rows
+                if self.capacity is not None:
+                    size = max(rows, self._rows(name, self.capacity), 2 * (0 if buffer is None else buffer.shape[-2]))
+                grown = tensor.new_empty((*tensor.shape[:-2], size, tensor.shape[-1]))
+                if start:
+                    grown[..., :start, :] = buffer[..., :start, :]
+                self.buffers[name] = buffer = grown
+                self.version += 1
+            buffer[..., start:rows, :] = tensor
+        self.stored_length = end
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -88,11 +195,18 @@ class QuantizedKVLayer(CacheLayerMixin):
         full = pending_keys.shape[-2] // self.residual_length * self.residual_length
         if full:
             self._store(pending_keys[..., :full, :], pending_values[..., :full, :])
-            pending_keys = pending_keys[..., full:, :].clone()
-            pending_values = pending_values[..., full:, :].clone()
-        self.keys, self.values = pending_keys, pending_values
+        self._set_window(pending_keys[..., full:, :], pending_values[..., full:, :])
         self.cumulative_length += key_states.shape[-2]
         return all_keys, all_values
+
+    def window_token_written(self) -> None:
+        """Count the token a native decode step wrote at slot `window_length` of the window (capacity mode);
+        a full window is quantized into the stored chunks."""
+        self.window_length += 1
+        self.cumulative_length += 1
+        if self.window_length == self.residual_length:
+            self._store(self._window_keys, self._window_values)
+            self.window_length = 0
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Quantize whole chunks of R tokens and append them to what is stored."""
@@ -101,15 +215,18 @@ class QuantizedKVLayer(CacheLayerMixin):
         if self.rotation is not None:
             keys = keys @ self.rotation
         chunks = keys.reshape(batch, heads, length // self.residual_length, self.residual_length, head_dim)
-        codes, scales, zeros = quantize(chunks, dim=-2, bits=self.bits, stat_dtype=self.stat_dtype)
-        self.key_codes = _append(self.key_codes, pack(codes.reshape(batch, heads, length, head_dim), self.bits))
-        self.key_scales = _append(self.key_scales, scales.squeeze(-2))
-        self.key_zeros = _append(self.key_zeros, zeros.squeeze(-2))
+        key_codes, key_scales, key_zeros = quantize(chunks, dim=-2, bits=self.bits, stat_dtype=self.stat_dtype)
         groups = values.float().reshape(batch, heads, length, head_dim // self.value_group, self.value_group)
-        codes, scales, zeros = quantize(groups, dim=-1, bits=self.bits, stat_dtype=self.stat_dtype)
-        self.value_codes = _append(self.value_codes, pack(codes.reshape(batch, heads, length, head_dim), self.bits))
-        self.value_scales = _append(self.value_scales, scales.squeeze(-1))
-        self.value_zeros = _append(self.value_zeros, zeros.squeeze(-1))
+        value_codes, value_scales, value_zeros = quantize(groups, dim=-1, bits=self.bits, stat_dtype=self.stat_dtype)
+        new = {
+            "key_codes": pack(key_codes.reshape(batch, heads, length, head_dim), self.bits),
+            "key_scales": key_scales.squeeze(-2),
+            "key_zeros": key_zeros.squeeze(-2),
+            "value_codes": pack(value_codes.reshape(batch, heads, length, head_dim), self.bits),
+            "value_scales": value_scales.squeeze(-1),
+            "value_zeros": value_zeros.squeeze(-1),
+        }
+        self._append_stored(new, length)
 
     def dequantized_keys(self) -> torch.Tensor:
         """The stored keys in the model's dtype, unrotated: `[B, H, stored_length, D]`."""
@@ -141,9 +258,8 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: codes, scales and zeros, and the float window."""
-        tensors = (self.key_codes, self.key_scales, self.key_zeros, self.value_codes, self.value_scales)
-        tensors += (self.value_zeros, self.keys, self.values)
+        """Bytes held: codes, scales and zeros, and the float window (with `capacity`, all that is allocated)."""
+        tensors = [*self.buffers.values(), self._window_keys, self._window_values]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
@@ -151,18 +267,16 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Bytes a float32 cache of the same length would hold."""
         if not self.is_initialized:
             return 0
-        batch, heads, _, head_dim = self.keys.shape
+        batch, heads, _, head_dim = self._window_keys.shape
         return 2 * batch * heads * self.cumulative_length * head_dim * 4
 
-    def _stored(self) -> list[str]:
-        names = ["key_codes", "key_scales", "key_zeros", "value_codes", "value_scales", "value_zeros"]
-        return [name for name in names if getattr(self, name) is not None] + ["keys", "values"]
-
     def _map_batch(self, function) -> None:
+        """Replace every held tensor by `function` of it (a new batch order or selection)."""
         if not self.is_initialized:
             return
-        for name in self._stored():
-            setattr(self, name, function(getattr(self, name)))
+        self.buffers = {name: function(buffer) for name, buffer in self.buffers.items()}
+        self._window_keys, self._window_values = function(self._window_keys), function(self._window_values)
+        self.version += 1
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the batch (beam search): the stored chunks' codes and statistics are selected, not re-quantized."""
@@ -182,10 +296,12 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Drop everything held; the next `update` starts from scratch."""
-        self.keys = self.values = None
+        self._window_keys = self._window_values = None
+        self.window_length = 0
         self.cumulative_length = 0
         self.is_initialized = False
         self._clear_stored()
+        self.version += 1
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (a negative count, as `DynamicLayer.crop` takes).
@@ -200,26 +316,24 @@ class QuantizedKVLayer(CacheLayerMixin):
         keep = max(self.cumulative_length + tokens_to_remove, 0)
         if keep >= self.stored_length:
             window = keep - self.stored_length
-            self.keys, self.values = self.keys[..., :window, :], self.values[..., :window, :]
+            self._set_window(self.keys[..., :window, :].clone(), self.values[..., :window, :].clone())
         else:
             chunks = keep // self.residual_length
             stored = chunks * self.residual_length
             keys = self.dequantized_keys()[..., stored:keep, :]
             values = self.dequantized_values()[..., stored:keep, :]
             self._truncate_stored(chunks)
-            self.keys, self.values = keys, values
+            self._set_window(keys, values)
         self.cumulative_length = keep
 
     def _truncate_stored(self, chunks: int) -> None:
-        if chunks == 0:
-            rotation = self.rotation
-            self._clear_stored()
-            self.rotation = rotation
-            return
-        tokens = chunks * self.residual_length
-        self.key_codes, self.value_codes = self.key_codes[..., :tokens, :], self.value_codes[..., :tokens, :]
-        self.key_scales, self.key_zeros = self.key_scales[..., :chunks, :], self.key_zeros[..., :chunks, :]
-        self.value_scales, self.value_zeros = self.value_scales[..., :tokens, :], self.value_zeros[..., :tokens, :]
+        """Keep the first `chunks` stored chunks (without `capacity`, the rest is freed)."""
+        self.stored_length = chunks * self.residual_length
+        if self.capacity is None:
+            self.buffers = {
+                name: view.clone() for name in STORED_TENSORS if (view := self._view(name)) is not None and view.numel()
+            }
+            self.version += 1
 
 
 class QuantizedKVCache(Cache):
@@ -228,6 +342,11 @@ class QuantizedKVCache(Cache):
 
     `rotate_keys` (default: on at 4 bits when head_dim is a power of two) rotates keys by a
     normalized Hadamard matrix before quantizing them, which spreads outlier channels.
+
+    `capacity` (tokens) allocates every layer's storage once, on the first update, and lets the
+    native decode step read and write it in place (8 bits, keys not rotated, one float32 sequence:
+    `compile_for_decoding(model, kv_bits=8, native_step=True)` makes one per generation). Without it
+    the storage grows with the tokens, holding only what is used.
     """
 
     def __init__(
@@ -237,6 +356,7 @@ class QuantizedKVCache(Cache):
         residual_length: int = 128,
         group_size: int = 64,
         rotate_keys: bool | None = None,
+        capacity: int | None = None,
     ):
         text_config = config.get_text_config(decoder=True)
         _check_decoder(config, text_config)
@@ -247,6 +367,8 @@ class QuantizedKVCache(Cache):
             raise ConfigError(f"QuantizedKVCache residual_length must be an integer >= 1, got {residual_length}")
         if not isinstance(group_size, int) or group_size < 1:
             raise ConfigError(f"QuantizedKVCache group_size must be an integer >= 1, got {group_size}")
+        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
+            raise ConfigError(f"QuantizedKVCache capacity must be a number of tokens >= 1, got {capacity!r}")
         if bits == 4 and head_dim % 2:
             raise ConfigError(f"4-bit KV codes pack two a byte along head_dim, which is odd here ({head_dim})")
         power_of_two = head_dim & (head_dim - 1) == 0
@@ -260,13 +382,9 @@ class QuantizedKVCache(Cache):
             raise KVCacheModelError(
                 f"QuantizedKVCache serves full-attention layers only; this model also has {', '.join(others)} layers"
             )
-        self.bits, self.residual_length, self.group_size, self.rotate_keys = (
-            bits,
-            residual_length,
-            group_size,
-            rotate_keys,
-        )
-        layers = [QuantizedKVLayer(bits, residual_length, group_size, rotate_keys) for _ in layer_types]
+        self.bits, self.residual_length, self.group_size = bits, residual_length, group_size
+        self.rotate_keys, self.capacity = rotate_keys, capacity
+        layers = [QuantizedKVLayer(bits, residual_length, group_size, rotate_keys, capacity) for _ in layer_types]
         super().__init__(layers=layers)
 
     @property
@@ -351,7 +469,3 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return packed
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
-
-
-def _append(stored: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    return new.contiguous() if stored is None else torch.cat([stored, new], dim=-2)

@@ -20,10 +20,11 @@ states asked for) to transformers' `_sample`.
 from typing import Any
 
 import torch
-from transformers import StaticCache
+from transformers import Cache, StaticCache
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.configuration_utils import GenerationMode
 
+from quantlab.generation.kv_cache import QuantizedKVCache
 from quantlab.generation.native import NativeDecodeStep
 
 _LEAN_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -114,11 +115,43 @@ def _applies(model: Any, step: Any, input_ids: torch.Tensor, config: Any, model_
         return False
     if config.output_attentions or config.output_hidden_states or getattr(config, "is_assistant", False):
         return False
-    if set(model_kwargs) - _LEAN_MODEL_KWARGS or not isinstance(model_kwargs.get("past_key_values"), StaticCache):
+    if set(model_kwargs) - _LEAN_MODEL_KWARGS:
         return False
-    if not model._valid_auto_compile_criteria(model_kwargs, config):
+    cache = model_kwargs.get("past_key_values")
+    if isinstance(cache, QuantizedKVCache):
+        if not step.decoder.can_read_quantized_cache(cache):
+            return False
+    elif not isinstance(cache, StaticCache) or not model._valid_auto_compile_criteria(model_kwargs, config):
         return False
-    if getattr(model, "_last_compile_config", None) != config.compile_config:
+    elif getattr(model, "_last_compile_config", None) != config.compile_config:
         return False  # generate would compile a step of its own for this config, not take the native one
     mask = model_kwargs.get("attention_mask")
     return mask is None or bool(mask.all())
+
+
+class NativeCachePreparation:
+    """The model's `_prepare_cache_for_generation` while the native step is installed: a cache passed to
+    `generate` (a QuantizedKVCache, a static cache filled before) is taken as it is (transformers refuses
+    any cache beside the static cache implementation `compile_for_decoding` sets), and with `kv_bits`
+    every generation without a cache of its own gets a QuantizedKVCache of that many bits, allocated for
+    the longer of `capacity` and the generation. Everything else is transformers' business."""
+
+    def __init__(self, model: Any, kv_bits: int | None, capacity: int) -> None:
+        self.model = model
+        self.kv_bits = kv_bits
+        self.capacity = capacity
+
+    def __call__(
+        self, generation_config: Any, model_kwargs: dict, generation_mode: Any, batch_size: int, max_cache_length: int
+    ) -> None:
+        cache = model_kwargs.get("past_key_values")
+        if isinstance(cache, Cache):
+            cache._is_user_defined = True  # generate returns it, as it returns any cache passed in
+            return
+        if cache is None and self.kv_bits is not None and generation_config.use_cache is not False:
+            capacity = max(self.capacity, max_cache_length)
+            model_kwargs["past_key_values"] = QuantizedKVCache(self.model.config, bits=self.kv_bits, capacity=capacity)
+            return
+        type(self.model)._prepare_cache_for_generation(
+            self.model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )

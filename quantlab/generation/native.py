@@ -31,6 +31,7 @@ from transformers import StaticCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from quantlab.errors import ConfigError
+from quantlab.generation.kv_cache import QuantizedKVCache
 from quantlab.kernels.cpu import native
 from quantlab.kernels.cpu.native import QuantlabCpuWeight
 from quantlab.kernels.cpu.weights import NativeWeight, describable, native_weight
@@ -89,11 +90,29 @@ class NativeCacheStruct(ctypes.Structure):
     ]
 
 
+_QUANTIZED_CACHE_TENSORS = ("key_codes", "value_codes", "key_scales", "key_zeros", "value_scales", "value_zeros")
+_QUANTIZED_CACHE_TENSORS += ("window_keys", "window_values")
+
+
+class NativeQuantizedCacheStruct(ctypes.Structure):
+    """Mirror of `ql_quantized_cache`."""
+
+    _fields_ = [
+        *((name, ctypes.POINTER(ctypes.c_void_p)) for name in _QUANTIZED_CACHE_TENSORS),
+        ("capacity", ctypes.c_int64),
+        ("residual", ctypes.c_int64),
+        ("group", ctypes.c_int64),
+        ("stored", ctypes.c_int64),
+        ("window", ctypes.c_int64),
+    ]
+
+
 def _bind(lib: ctypes.CDLL) -> Any:
     function = lib.ql_decode_step
     function.argtypes = [
         ctypes.POINTER(NativeDecoderStruct),
         ctypes.POINTER(NativeCacheStruct),
+        ctypes.POINTER(NativeQuantizedCacheStruct),
         ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_void_p,
@@ -237,16 +256,19 @@ class NativeDecoder:
 
     # ---- one step ---------------------------------------------------------------------------------------
 
+    def _check_unchanged(self) -> None:
+        if not self._unchanged():
+            raise ConfigError(
+                "the model's layers or stored tensors were replaced after native_step was set up; call "
+                "compile_for_decoding(..., native_step=True) again"
+            )
+
     def _cache(self, cache: StaticCache) -> NativeCacheStruct:
         """The cache's tensors as `ql_cache` (rebuilt when generate made a new cache)."""
         layers = cache.layers
         key = (layers[0].keys.data_ptr(), layers[-1].values.data_ptr())
         if self.cache_ref() is not cache or key != self.cache_key:  # a new generation: is the model unchanged?
-            if not self._unchanged():
-                raise ConfigError(
-                    "the model's layers or stored tensors were replaced after native_step was set up; call "
-                    "compile_for_decoding(..., native_step=True) again"
-                )
+            self._check_unchanged()
             count = len(layers)
             keys = (ctypes.c_void_p * count)(*(layer.keys.data_ptr() for layer in layers))
             values = (ctypes.c_void_p * count)(*(layer.values.data_ptr() for layer in layers))
@@ -257,13 +279,49 @@ class NativeDecoder:
             self.cache_key = key
         return self.cache_struct
 
+    def _quantized_cache(self, cache: QuantizedKVCache) -> NativeQuantizedCacheStruct:
+        """The quantized cache's tensors as `ql_quantized_cache` (rebuilt when a tensor was allocated anew or
+        generate made a new cache), with this step's counts."""
+        if not self.reads_quantized_cache(cache):
+            raise ConfigError(
+                "native_step reads a QuantizedKVCache of 8 bits, keys not rotated, allocated with a capacity, "
+                "holding one float32 sequence; generate with another cache, or without native_step"
+            )
+        layers = cache.layers
+        key = tuple(layer.version for layer in layers)
+        if self.cache_ref() is not cache or key != self.cache_key:
+            self._check_unchanged()
+            held = [layer.allocated_tensors() for layer in layers]
+            arrays = {
+                name: (ctypes.c_void_p * len(layers))(*(tensors[name].data_ptr() for tensors in held))
+                for name in _QUANTIZED_CACHE_TENSORS
+            }
+            first = layers[0]
+            self.cache_struct = NativeQuantizedCacheStruct(
+                **arrays,
+                capacity=first.buffers["key_codes"].shape[-2],
+                residual=first.residual_length,
+                group=first.value_group,
+            )
+            self.cache_arrays = arrays  # the struct points into them
+            self.cache_ref = weakref.ref(cache)
+            self.cache_key = key
+        self.cache_struct.stored = layers[0].stored_length
+        self.cache_struct.window = layers[0].window_length
+        return self.cache_struct
+
     def takes(self, input_ids: Any, cache: Any, attention_mask: Any, kwargs: dict) -> bool:
-        """True when the step is one token of one unpadded sequence on an initialized static cache."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.shape != (1, 1) or not isinstance(cache, StaticCache):
+        """True when the step is one token of one unpadded sequence on an initialized static cache, or on a
+        quantized cache the step reads (`reads_quantized_cache`)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.shape != (1, 1):
             return False
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
             return False
         if kwargs.get("inputs_embeds") is not None:
+            return False
+        if isinstance(cache, QuantizedKVCache):
+            return self.reads_quantized_cache(cache) and _causal_without_padding(attention_mask, cache.get_seq_length())
+        if not isinstance(cache, StaticCache):
             return False
         layers = cache.layers
         if len(layers) != self.struct.blocks or not all(getattr(layer, "is_initialized", False) for layer in layers):
@@ -272,6 +330,31 @@ class NativeDecoder:
         if first.keys.dtype != torch.float32 or first.keys.shape[0] != 1 or getattr(first, "is_sliding", False):
             return False
         return _causal_without_padding(attention_mask, int(first.cumulative_length))
+
+    def can_read_quantized_cache(self, cache: Any) -> bool:
+        """True for a QuantizedKVCache of a layout the step reads and writes in place: 8 bits, keys not
+        rotated, allocated up front (`capacity`), a layer per block."""
+        return (
+            isinstance(cache, QuantizedKVCache)
+            and cache.bits == 8
+            and not cache.rotate_keys
+            and cache.capacity is not None
+            and len(cache.layers) == self.struct.blocks
+        )
+
+    def reads_quantized_cache(self, cache: Any) -> bool:
+        """True when the step reads `cache` now: a layout it reads (`can_read_quantized_cache`), initialized,
+        one float32 sequence, every layer at the same length."""
+        if not self.can_read_quantized_cache(cache) or not all(layer.is_initialized for layer in cache.layers):
+            return False
+        layers = cache.layers
+        first = layers[0]
+        window = first.allocated_tensors()["window_keys"]
+        if window.dtype != torch.float32 or window.shape[0] != 1 or window.device.type != "cpu":
+            return False
+        return all(
+            (layer.stored_length, layer.window_length) == (first.stored_length, first.window_length) for layer in layers
+        )
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token's row `[1, 1, hidden]`: decoded by one native call from a quantized table (the values
@@ -286,14 +369,20 @@ class NativeDecoder:
             raise RuntimeError(f"quantlab's native embedding lookup failed with status {status} (a quantlab bug)")
         return hidden
 
-    def step(self, input_ids: torch.Tensor, cache: StaticCache, position_ids: torch.Tensor | None) -> torch.Tensor:
-        """Logits `[1, 1, vocab]` of the token, its keys and values written to `cache`."""
-        cache_struct = self._cache(cache)
-        position = int(cache.layers[0].cumulative_length)
-        if position >= cache_struct.max_len:
-            raise ConfigError(
-                f"the static cache holds {cache_struct.max_len} positions and is full; pass a larger max_cache_len"
-            )
+    def step(self, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Logits `[1, 1, vocab]` of the token, its keys and values written to `cache` (a static cache, or a
+        quantized cache the step reads)."""
+        quantized = isinstance(cache, QuantizedKVCache)
+        if quantized:
+            position = cache.get_seq_length()
+            cache_struct, quantized_struct = None, self._quantized_cache(cache)
+        else:
+            position = int(cache.layers[0].cumulative_length)
+            cache_struct, quantized_struct = self._cache(cache), None
+            if position >= cache_struct.max_len:
+                raise ConfigError(
+                    f"the static cache holds {cache_struct.max_len} positions and is full; pass a larger max_cache_len"
+                )
         body = self.model.model
         hidden = self._embed(input_ids)
         if position_ids is None:
@@ -304,7 +393,8 @@ class NativeDecoder:
         logits = torch.empty(1, 1, head.contents.n if head else 0)
         status = self.step_function(
             ctypes.byref(self.struct),
-            ctypes.byref(cache_struct),
+            None if quantized else ctypes.byref(cache_struct),
+            ctypes.byref(quantized_struct) if quantized else None,
             hidden.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
@@ -315,6 +405,9 @@ class NativeDecoder:
         )
         if status:
             raise RuntimeError(f"quantlab's native decode step failed with status {status} (a quantlab bug)")
+        if quantized:
+            for layer in cache.layers:
+                layer.window_token_written()
         if not head:
             logits = self.model.lm_head(hidden)
         return logits

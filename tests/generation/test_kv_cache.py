@@ -8,8 +8,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Llam
 
 from quantlab.errors import ConfigError
 from quantlab.eval.perplexity import chunked_window_losses, evaluation_windows, perplexity_of, window_losses
-from quantlab.generation.kv_cache import KVCacheModelError, QuantizedKVCache, hadamard, quantize
+from quantlab.generation.kv_cache import STORED_TENSORS, KVCacheModelError, QuantizedKVCache, hadamard, quantize
 from quantlab.testing import byte_tokenizer, tiny_bert, tiny_llama, tiny_llama_checkpoint
+from quantlab.testing.greedy import GREEDY_64, SMOLLM2_PROMPTS, assert_same_tokens_but_near_ties
 
 PROMPTS = [list(range(40, 52)), [7, 99, 3, 180, 64, 64, 12, 250, 31], list(range(200, 240, 3))]
 
@@ -79,7 +80,7 @@ def test_bytes_held(bits, bound):
 def test_stored_chunks_are_quantized_once():
     cache = synthetic_cache(4, residual_length=32, tokens=64, step=16)
     layer = cache.layers[0]
-    stored = {name: getattr(layer, name).clone() for name in layer._stored()[:6]}
+    stored = {name: getattr(layer, name).clone() for name in STORED_TENSORS}
     for _ in range(40):  # decoding: one token at a time, three more flushes
         cache.update(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64), 0)
     assert layer.stored_length == 96 and layer.keys.shape[-2] == 8 and cache.get_seq_length() == 104
@@ -228,16 +229,17 @@ def test_eval_command_with_a_quantized_cache(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_match_the_float_cache():
+    """64 greedy tokens on an int8 cache with a float window of 8 tokens (nearly everything attended to is
+    codes) equal the float cache's on 3 prompts, but at near-ties (one, at token 53 of a prompt, margin 0.015)."""
     from quantlab.assets.models import smollm2_dir
 
     directory = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-    for prompt in prompts:
+    for prompt in SMOLLM2_PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-        reference = model.generate(ids, max_new_tokens=32, do_sample=False, past_key_values=DynamicCache())
+        reference = model.generate(ids, past_key_values=DynamicCache(), **GREEDY_64)
         cache = QuantizedKVCache(model.config, bits=8, residual_length=8)
-        quantized = model.generate(ids, max_new_tokens=32, do_sample=False, past_key_values=cache)
-        assert torch.equal(quantized, reference), prompt
-        assert cache.layers[0].stored_length >= 32
+        quantized = model.generate(ids, past_key_values=cache, **GREEDY_64)
+        assert_same_tokens_but_near_ties(reference, quantized, prompt)
+        assert cache.layers[0].stored_length >= 64

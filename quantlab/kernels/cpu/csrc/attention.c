@@ -187,27 +187,32 @@ QL_AVX2 static float ql_exps256(float *scores, int64_t length, float top) {
 }
 #endif
 
-/* out[dim] = one query row's attention over `length` positions (keys and values: rows of dim floats),
- * scores: scratch for `length` floats. */
-void ql_attend(int isa, const float *q, const float *keys, const float *values, const float *bias, int64_t length,
-               int64_t dim, float scale, float *scores, float *out) {
-    memset(out, 0, (size_t)dim * sizeof(float));
+/* scores[t] = q . keys[t] * scale (+ bias[t]) for t < length (keys: rows of dim floats). */
+void ql_scores(int isa, const float *q, const float *keys, const float *bias, int64_t length, int64_t dim, float scale,
+               float *scores) {
 #ifdef QL_X86
-    if (isa == QL_ISA_AVX512 && dim % 16 == 0)
+    if (isa == QL_ISA_AVX512 && dim % 16 == 0) {
         ql_scores512(q, keys, bias, length, dim, scale, scores);
-    else if (isa == QL_ISA_AVX2 && dim % 8 == 0)
+        return;
+    }
+    if (isa == QL_ISA_AVX2 && dim % 8 == 0) {
         ql_scores256(q, keys, bias, length, dim, scale, scores);
-    else
+        return;
+    }
 #endif
-        for (int64_t t = 0; t < length; t++) scores[t] = ql_dot(isa, q, keys + t * dim, dim) * scale + (bias ? bias[t] : 0.0f);
+    for (int64_t t = 0; t < length; t++) scores[t] = ql_dot(isa, q, keys + t * dim, dim) * scale + (bias ? bias[t] : 0.0f);
+}
+
+/* scores = softmax(scores) over t < length, in place; returns 0 (scores untouched) when every score is -inf. */
+int ql_softmax(int isa, float *scores, int64_t length) {
     float top = -INFINITY;
     for (int64_t t = 0; t < length; t++) top = scores[t] > top ? scores[t] : top;
-    if (top == -INFINITY) return; /* nothing to attend to (or no positions): zeros */
+    if (top == -INFINITY) return 0;
     float total;
 #ifdef QL_X86
-    if (isa == QL_ISA_AVX512 && dim % 16 == 0)
+    if (isa == QL_ISA_AVX512)
         total = ql_exps512(scores, length, top);
-    else if (isa == QL_ISA_AVX2 && dim % 8 == 0)
+    else if (isa == QL_ISA_AVX2)
         total = ql_exps256(scores, length, top);
     else
 #endif
@@ -217,18 +222,38 @@ void ql_attend(int isa, const float *q, const float *keys, const float *values, 
     }
     const float inverse = 1.0f / total;
     for (int64_t t = 0; t < length; t++) scores[t] *= inverse;
+    return 1;
+}
+
+/* out[i] = sum over t < length of weights[t] * values[t][i] (value rows of dim floats), positions the bias
+ * masks skipped (out is overwritten). */
+void ql_weighted_sum(int isa, const float *weights, const float *values, const float *bias, int64_t length, int64_t dim,
+                     float *out) {
 #ifdef QL_X86
     if (isa == QL_ISA_AVX2 && dim % 8 == 0) {
-        ql_weighted_sum256(scores, values, bias, length, dim, out);
+        ql_weighted_sum256(weights, values, bias, length, dim, out);
         return;
     }
 #endif
+    memset(out, 0, (size_t)dim * sizeof(float));
     for (int64_t t = 0; t < length; t++) {
         /* the vector exp floors its input at -87.3 (e^-87.3 ~ 1e-38, below the total's last bit): a masked
          * position is skipped here, so it weighs exactly 0 */
         if (bias && QL_MASKED(bias[t])) continue;
-        ql_axpy(isa, out, scores[t], values + t * dim, dim);
+        ql_axpy(isa, out, weights[t], values + t * dim, dim);
     }
+}
+
+/* out[dim] = one query row's attention over `length` positions (keys and values: rows of dim floats),
+ * scores: scratch for `length` floats. */
+void ql_attend(int isa, const float *q, const float *keys, const float *values, const float *bias, int64_t length,
+               int64_t dim, float scale, float *scores, float *out) {
+    ql_scores(isa, q, keys, bias, length, dim, scale, scores);
+    if (!ql_softmax(isa, scores, length)) { /* nothing to attend to (or no positions): zeros */
+        memset(out, 0, (size_t)dim * sizeof(float));
+        return;
+    }
+    ql_weighted_sum(isa, scores, values, bias, length, dim, out);
 }
 
 /* ---- a batch of one-token queries ----------------------------------------------------------------- */

@@ -112,8 +112,10 @@ static int ql_project(const ql_weight *weights, const float *const *biases, int 
 typedef struct {
     const ql_decoder *decoder;
     const float *q;     /* [heads, head_dim], rope applied */
-    const float *keys;  /* [kv_heads, max_len, head_dim] */
+    const float *keys;  /* [kv_heads, max_len, head_dim] (a float cache) */
     const float *values;
+    const ql_quantized_cache *quantized; /* else this cache, at layer `block` */
+    int64_t block;
     int64_t length;     /* positions attended: 0..length-1 */
     int64_t max_len;    /* positions the cache holds */
     int isa;
@@ -121,12 +123,58 @@ typedef struct {
     float *out;         /* [heads, head_dim] */
 } ql_step_attention;
 
+/* Key/value head `kv` of a quantized cache's layer `b`, the step's token in the window included. */
+static ql_kv_head ql_quantized_head(const ql_quantized_cache *c, int64_t b, int64_t kv, int64_t dim) {
+    const int64_t chunks = c->capacity / c->residual, groups = dim / c->group;
+    ql_kv_head head = {
+        c->key_codes[b] + kv * c->capacity * dim,
+        c->key_scales[b] + kv * chunks * dim,
+        c->key_zeros[b] + kv * chunks * dim,
+        c->value_codes[b] + kv * c->capacity * dim,
+        c->value_scales[b] + kv * c->capacity * groups,
+        c->value_zeros[b] + kv * c->capacity * groups,
+        c->window_keys[b] + kv * c->residual * dim,
+        c->window_values[b] + kv * c->residual * dim,
+        c->stored,
+        c->window + 1,
+        c->residual,
+        c->group,
+    };
+    return head;
+}
+
 static void ql_attention_head(void *arg, int64_t head) {
     const ql_step_attention *job = (const ql_step_attention *)arg;
     const ql_decoder *d = job->decoder;
     const int64_t dim = d->head_dim, kv = head / (d->heads / d->kv_heads);
+    float *scores = job->scores + head * job->length, *out = job->out + head * dim;
+    if (job->quantized) { /* its shapes were checked by ql_check_quantized_cache */
+        const ql_kv_head kv_head = ql_quantized_head(job->quantized, job->block, kv, dim);
+        ql_attend_quantized(job->isa, job->q + head * dim, &kv_head, dim, d->attention_scale, scores, out);
+        return;
+    }
     ql_attend(job->isa, job->q + head * dim, job->keys + kv * job->max_len * dim, job->values + kv * job->max_len * dim,
-              NULL, job->length, dim, d->attention_scale, job->scores + head * job->length, job->out + head * dim);
+              NULL, job->length, dim, d->attention_scale, scores, out);
+}
+
+/* Writes the token's keys and values (k, v: [kv_heads, head_dim]) at `position` of a float cache's layer, or at
+ * slot `window` of a quantized cache's window. */
+static void ql_write_token(const ql_decoder *d, const ql_cache *cache, const ql_quantized_cache *quantized, int64_t b,
+                           int64_t position, const float *k, const float *v) {
+    const int64_t dim = d->head_dim;
+    const size_t bytes = (size_t)dim * sizeof(float);
+    for (int64_t h = 0; h < d->kv_heads; h++) {
+        float *key, *value;
+        if (quantized) {
+            key = quantized->window_keys[b] + (h * quantized->residual + quantized->window) * dim;
+            value = quantized->window_values[b] + (h * quantized->residual + quantized->window) * dim;
+        } else {
+            key = cache->keys[b] + (h * cache->max_len + position) * dim;
+            value = cache->values[b] + (h * cache->max_len + position) * dim;
+        }
+        memcpy(key, k + h * dim, bytes);
+        memcpy(value, v + h * dim, bytes);
+    }
 }
 /* ---- the step --------------------------------------------------------------------------------- */
 
@@ -147,13 +195,28 @@ static int ql_check_decoder(const ql_decoder *d, int64_t position, int64_t max_l
     return QL_OK;
 }
 
+/* A quantized cache the step can read: whole chunks stored, room in the window for the token, groups
+ * dividing head_dim, the token at `position` = stored + window. */
+static int ql_check_quantized_cache(const ql_decoder *d, const ql_quantized_cache *c, int64_t position) {
+    if (c->residual < 1 || c->group < 1 || d->head_dim % c->group || d->head_dim > QL_MAX_HEAD_DIM || c->stored < 0 ||
+        c->stored % c->residual || c->capacity % c->residual || c->stored > c->capacity || c->window < 0 ||
+        c->window >= c->residual || position != c->stored + c->window)
+        return QL_BAD_FORMAT;
+    return QL_OK;
+}
+
 /* hidden: in, the token's embedding [hidden]; out, the final norm's output. cos/sin: [head_dim]
- * for the token's position. The token's keys and values go to `position` of every layer's
- * cache (cache->keys[b]: [kv_heads, max_len, head_dim]) and cache->lengths[b] (the cache's own
- * count of positions written) grows by one. logits [head->n] when the decoder has a head. */
-QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, float *hidden, const float *cos, const float *sin,
-                          int64_t position, float *logits, int threads, int activation_bits) {
-    int status = ql_check_decoder(d, position, cache->max_len);
+ * for the token's position. With a float cache (`quantized` NULL), the token's keys and values go to
+ * `position` of every layer's cache (cache->keys[b]: [kv_heads, max_len, head_dim]) and cache->lengths[b]
+ * (the cache's own count of positions written) grows by one. With a quantized cache (`cache` NULL) they go
+ * to slot `window` of every layer's window and the caller counts them (and quantizes a full window).
+ * logits [head->n] when the decoder has a head. */
+QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, const ql_quantized_cache *quantized,
+                          float *hidden, const float *cos, const float *sin, int64_t position, float *logits,
+                          int threads, int activation_bits) {
+    if (!cache == !quantized) return QL_BAD_FORMAT;
+    int status = ql_check_decoder(d, position, quantized ? position + 1 : cache->max_len);
+    if (status == QL_OK && quantized) status = ql_check_quantized_cache(d, quantized, position);
     if (status != QL_OK) return status;
     int64_t q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim, length = position + 1;
     int64_t widest = q_size + 2 * kv_size;
@@ -166,7 +229,6 @@ QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, float *hid
     int isa = ql_isa();
     for (int64_t b = 0; b < d->blocks && status == QL_OK; b++) {
         const ql_block *block = &d->block[b];
-        float *keys = cache->keys[b], *values = cache->values[b];
         ql_rms_norm(hidden, block->attention_norm, d->hidden, d->norm_eps, normed);
         const ql_weight qkv[3] = {block->q, block->k, block->v};
         const float *qkv_bias[3] = {block->q_bias, block->k_bias, block->v_bias};
@@ -174,12 +236,14 @@ QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, float *hid
         if (status != QL_OK) break;
         float *q = wide, *k = wide + q_size, *v = k + kv_size;
         for (int64_t h = 0; h < d->heads; h++) ql_rope(q + h * d->head_dim, cos, sin, d->head_dim);
-        for (int64_t h = 0; h < d->kv_heads; h++) {
-            ql_rope(k + h * d->head_dim, cos, sin, d->head_dim);
-            memcpy(keys + (h * cache->max_len + position) * d->head_dim, k + h * d->head_dim, (size_t)d->head_dim * sizeof(float));
-            memcpy(values + (h * cache->max_len + position) * d->head_dim, v + h * d->head_dim, (size_t)d->head_dim * sizeof(float));
+        for (int64_t h = 0; h < d->kv_heads; h++) ql_rope(k + h * d->head_dim, cos, sin, d->head_dim);
+        ql_write_token(d, cache, quantized, b, position, k, v);
+        ql_step_attention attention = {d, q, NULL, NULL, quantized, b, length, 0, isa, scores, attended};
+        if (!quantized) {
+            attention.keys = cache->keys[b];
+            attention.values = cache->values[b];
+            attention.max_len = cache->max_len;
         }
-        ql_step_attention attention = {d, q, keys, values, length, cache->max_len, isa, scores, attended};
         ql_run(ql_attention_head, &attention, d->heads, length * d->heads * d->head_dim >= 32768 ? threads : 1);
         const float *o_bias[1] = {block->o_bias};
         status = ql_project(&block->o, o_bias, 1, attended, delta, threads, activation_bits);
@@ -201,7 +265,8 @@ QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, float *hid
     if (status == QL_OK) {
         ql_rms_norm(hidden, d->final_norm, d->hidden, d->norm_eps, normed);
         memcpy(hidden, normed, (size_t)d->hidden * sizeof(float));
-        for (int64_t b = 0; b < d->blocks; b++) cache->lengths[b][0] += 1;
+        if (!quantized)
+            for (int64_t b = 0; b < d->blocks; b++) cache->lengths[b][0] += 1;
         if (d->head) {
             const float *no_bias[1] = {d->head_bias};
             status = ql_project(d->head, no_bias, 1, hidden, logits, threads, activation_bits);

@@ -22,7 +22,7 @@
 
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
-#define QL_ABI_VERSION 9
+#define QL_ABI_VERSION 10
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 #define QL_DECODED_FEATURES 32 /* AVX2 at many rows: 16 features decoded, and their input-major panel (avx2.c) */
 #define QL_AVX512_PANEL_ROWS 32 /* from this many rows on, AVX-512 multiplies panels of 32 decoded features (avx512.c) */
@@ -324,14 +324,50 @@ typedef struct {
     int64_t max_len;
 } ql_cache;
 
+/* Keys and values of one attention layer held as 8-bit codes (quantlab/generation/kv_cache.py's layout),
+ * mirrors `NativeQuantizedCacheStruct` in quantlab/generation/native.py. Every layer's tensors: key and
+ * value codes [kv_heads, capacity, head_dim] uint8; key scales and zeros [kv_heads, capacity / residual,
+ * head_dim] and value scales and zeros [kv_heads, capacity, head_dim / group], float16; the float window
+ * [kv_heads, residual, head_dim]. `stored` positions are codes (whole chunks of `residual`), then `window`
+ * (< residual) in the window, the same in every layer; the step writes its token at slot `window`. */
+typedef struct {
+    uint8_t **key_codes, **value_codes;     /* [blocks] */
+    uint16_t **key_scales, **key_zeros;     /* [blocks] */
+    uint16_t **value_scales, **value_zeros; /* [blocks] */
+    float **window_keys, **window_values;   /* [blocks] */
+    int64_t capacity, residual, group;
+    int64_t stored, window;
+} ql_quantized_cache;
+
+/* One key/value head of such a cache, from position 0 (kv_attention.c). */
+typedef struct {
+    const uint8_t *key_codes;                   /* [stored, dim] */
+    const uint16_t *key_scales, *key_zeros;     /* [stored / residual, dim] */
+    const uint8_t *value_codes;                 /* [stored, dim] */
+    const uint16_t *value_scales, *value_zeros; /* [stored, dim / group] */
+    const float *window_keys, *window_values;   /* [window, dim] */
+    int64_t stored, window, residual, group;
+} ql_kv_head;
+
+#define QL_MAX_HEAD_DIM 512
+
 /* attention.c: one-token queries over a KV cache */
+void ql_scores(int isa, const float *q, const float *keys, const float *bias, int64_t length, int64_t dim, float scale,
+               float *scores);
+int ql_softmax(int isa, float *scores, int64_t length);
+void ql_weighted_sum(int isa, const float *weights, const float *values, const float *bias, int64_t length, int64_t dim,
+                     float *out);
+/* kv_attention.c: one query row over a quantized cache's head (scores: stored + window floats) */
+int ql_attend_quantized(int isa, const float *q, const ql_kv_head *kv, int64_t dim, float scale, float *scores,
+                        float *out);
 void ql_attend(int isa, const float *q, const float *keys, const float *values, const float *bias, int64_t length,
                int64_t dim, float scale, float *scores, float *out); /* one query row */
 QL_API int ql_attention(const float *q, const float *keys, const float *values, const float *bias,
                         const uint8_t *allowed, int64_t batch, int64_t kv_heads, int64_t groups, int64_t length,
                         int64_t dim, float scale, float *out, int threads);
 
-QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, float *hidden, const float *cos, const float *sin,
-                          int64_t position, float *logits, int threads, int activation_bits);
+QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, const ql_quantized_cache *quantized,
+                          float *hidden, const float *cos, const float *sin, int64_t position, float *logits,
+                          int threads, int activation_bits);
 
 #endif
