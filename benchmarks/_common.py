@@ -70,3 +70,30 @@ def number(value: float | None, digits: int) -> str | None:
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     with atomic_file(path) as staging:
         staging.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def cpu_line(threads: int) -> str:
+    """The CPU as every figure should name it: vendor and model, the instruction sets that matter to the
+    kernels, and torch's own fp32 matmul rate on `threads` threads (a 1024^3 product, best of 5)."""
+    fields: dict[str, str] = {}
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().split("\n\n")[0].splitlines():  # the first processor
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields:
+        model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    flags = set(fields.get("flags", "").split())
+    sets = [name for name in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16") if name in flags]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(before)
+    rate = 2 * 1024**3 / best / 1e9
+    return f"{model}, {' '.join(sets) or 'no AVX2'}, torch fp32 matmul {rate:.0f} GFLOP/s on {threads} threads"
