@@ -8,6 +8,7 @@ fast path (`quantlab.generation.compile_for_decoding`), with llama.cpp as an opt
     python benchmarks/decode.py --methods "4bit e8" --paths fast fast-int8 --no-memory --no-onnx
     python benchmarks/decode.py --methods "4bit e8" "int8 e8" --paths fast native native-int8 --no-memory --no-onnx
     python benchmarks/decode.py --isa avx2 --methods fp32 "4bit e8" --paths eager native-int8  # AVX2 kernels
+    python benchmarks/decode.py --contexts 512 2048 8192 --rounds 3 --tokens 32  # float vs int8 KV cache
 
 Every model is loaded once (quantized while loading); the eager and fast paths of a method share
 its weights (one `generate` call each, with its own generation config); `fast-unfused`, the fast path
@@ -405,6 +406,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="quantlab's kernels on this instruction set or lower (llama.cpp keeps its own build's)",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    parser.add_argument(
+        "--contexts", nargs="*", type=int, default=[], help="decode after contexts of these lengths (long_context.py)"
+    )
     parser.add_argument("--no-onnx", dest="onnx", action="store_false", help="skip the onnxruntime 4-bit candidate")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--peak-memory-of", help=argparse.SUPPRESS)
@@ -413,6 +417,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.contexts:  # the context-length axis: long_context.py
+        import long_context
+
+        rounds = ["--rounds", str(args.rounds), "--threads", str(args.threads), "--tokens", str(args.tokens)]
+        return long_context.main(["--contexts", *map(str, args.contexts), *rounds])
     torch.set_num_threads(args.threads)
     if args.isa != "native":
         native.force_isa(args.isa)

@@ -18,12 +18,14 @@ its cache once, untimed. Every round then times, for every candidate in rotated 
 tokens after the context: quantlab by two `generate` calls on copies of the filled cache (1 and N new
 tokens; the difference is N - 1 decode steps), llama.cpp by its own loop after dropping what the last
 round added to its cache. Tables print the median and [min-max] over rounds, ratios taken inside each
-round, and the KV cache's bytes at the context.
+round, and the KV cache's bytes at the context; `--peak-memory` adds each candidate's peak resident
+memory in a fresh process of its own (load, the context, the new tokens).
 """
 
 import argparse
 import copy
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,11 +78,12 @@ class QuantlabCandidate:
     def seconds(self, context: torch.Tensor, tokens: int) -> tuple[float, int]:
         """Seconds of `generate` for `tokens` new tokens after the filled cache, and the tokens made."""
         cache = copy.deepcopy(self.filled)
+        config = copy.copy(self.config)
+        config.max_new_tokens, config.do_sample = tokens, False
         start = time.perf_counter()
         out = self.model.generate(
-            context, attention_mask=torch.ones_like(context), past_key_values=cache, max_new_tokens=tokens,
-            do_sample=False, generation_config=self.config,
-        )  # fmt: skip
+            context, attention_mask=torch.ones_like(context), past_key_values=cache, generation_config=config
+        )
         return time.perf_counter() - start, out.shape[1] - context.shape[1]
 
     def rate(self, context: torch.Tensor, tokens: int) -> float:
@@ -153,6 +156,49 @@ def context_tokens(tokenizer, length: int) -> torch.Tensor:
     return ids[:, EVALUATION_TOKENS : EVALUATION_TOKENS + length]
 
 
+QUANTLAB_CANDIDATES = {"ql 4bit e8, float cache": None, "ql 4bit e8, int8 cache": 8}
+LLAMA_CPP_CANDIDATES = {"llama.cpp Q4_0, f16 cache": "f16", "llama.cpp Q4_0, q8_0 cache": "q8_0"}
+
+
+def build(names: list[str], directory: Path, threads: int, capacity: int) -> dict[str, object]:
+    """The candidates named (SmolLM2 loaded and quantized once for quantlab's)."""
+    candidates: dict[str, object] = {}
+    if any(name in QUANTLAB_CANDIDATES for name in names):
+        config = CustomBitsConfig(bits=4, group_size=64, embedding_bits=8)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, quantization_config=config)
+        compile_for_decoding(model.eval(), max_cache_len=capacity, native_step=True, int8_activations=True)
+        generation_config = copy.deepcopy(model.generation_config)
+        generation_config.cache_implementation = None  # each call passes its filled cache
+    for name in names:
+        if name in QUANTLAB_CANDIDATES:
+            candidates[name] = QuantlabCandidate(model, QUANTLAB_CANDIDATES[name], generation_config)
+        else:
+            path = _llama_cpp.quantized_file("Q4_0", threads)
+            candidates[name] = LlamaCppCandidate(path, LLAMA_CPP_CANDIDATES[name], threads, capacity)
+    return candidates
+
+
+def peak_memory_mib(name: str, length: int, args) -> float | None:
+    """Maximum resident memory of a fresh process that loads this candidate, reads a `length`-token context
+    into its cache and decodes `--tokens` tokens after it."""
+    command = [sys.executable, __file__, "--peak-memory-of", name, "--contexts", str(length)]
+    command += ["--tokens", str(args.tokens), "--threads", str(args.threads)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        print(f"  peak memory of {name} failed: {result.stderr.strip().splitlines()[-1:]}")
+        return None
+    return float(lines[-1])
+
+
+def peak_resident_mib() -> float:
+    """This process's peak resident memory (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise SystemExit("no VmHWM in /proc/self/status")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
@@ -160,27 +206,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="skip llama.cpp")
+    parser.add_argument("--peak-memory", action="store_true", help="also each candidate's peak RSS, alone")
+    parser.add_argument("--peak-memory-of", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"{cpu_line(args.threads)}; quantlab kernels: {native.isa()}", flush=True)
     directory = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    config = CustomBitsConfig(bits=4, group_size=64, embedding_bits=8)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, quantization_config=config).eval()
     capacity = max(args.contexts) + args.tokens + 1
-    compile_for_decoding(model, max_cache_len=capacity, native_step=True, int8_activations=True)
-    generation_config = copy.deepcopy(model.generation_config)
-    generation_config.cache_implementation = None  # each call passes its filled cache
-    names = ["ql 4bit e8, float cache", "ql 4bit e8, int8 cache"]
-    candidates: dict[str, object] = {}
-    for name, kv_bits in zip(names, (None, 8), strict=True):
-        candidates[name] = QuantlabCandidate(model, kv_bits, generation_config)
+    if args.peak_memory_of:  # the child of peak_memory_mib
+        candidate = build([args.peak_memory_of], directory, args.threads, capacity)[args.peak_memory_of]
+        context = context_tokens(tokenizer, args.contexts[0])
+        candidate.fill(context, capacity)
+        candidate.rate(context, args.tokens)
+        print(peak_resident_mib())
+        return 0
+    print(f"{cpu_line(args.threads)}; quantlab kernels: {native.isa()}", flush=True)
+    names = list(QUANTLAB_CANDIDATES)
     if args.peers and _llama_cpp.available():
-        path = _llama_cpp.quantized_file("Q4_0", args.threads)
-        for kv_type in ("f16", "q8_0"):
-            candidates[f"llama.cpp Q4_0, {kv_type} cache"] = LlamaCppCandidate(path, kv_type, args.threads, capacity)
+        names += list(LLAMA_CPP_CANDIDATES)
     elif args.peers:
         print("llama.cpp skipped: llama-cpp-python is not installed (pip install 'quantlab[peers]')")
+    candidates = build(names, directory, args.threads, capacity)
     rows = []
     for length in args.contexts:
         context = context_tokens(tokenizer, length)
@@ -192,26 +238,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {length} tokens into {name}: {time.perf_counter() - started:.0f} s", flush=True)
         rates = {name: Spread() for name in candidates}
         ratios = {name: Spread() for name in candidates}
-        order = list(candidates)
         for round_index in range(args.rounds):
             measured = {}
-            for name in order[round_index % len(order) :] + order[: round_index % len(order)]:
+            for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
                 measured[name] = candidates[name].rate(context, args.tokens)
                 rates[name].values.append(measured[name])
             for name in candidates:
                 ratios[name].values.append(measured[name] / measured[names[0]])
-            print(
-                f"  context {length}, round {round_index + 1}/{args.rounds}, load {os.getloadavg()[0]:.1f}", flush=True
-            )
+            load = os.getloadavg()[0]
+            print(f"  context {length}, round {round_index + 1}/{args.rounds}, load {load:.1f}", flush=True)
         for name in candidates:
+            peak = peak_memory_mib(name, length, args) if args.peak_memory else None
             rows.append([
                 str(length), name, rates[name].range_text(1), ratios[name].range_text(2),
-                f"{cache_bytes[name] / 2**20:.1f}",
+                f"{cache_bytes[name] / 2**20:.1f}", "" if peak is None else f"{peak:.0f}",
             ])  # fmt: skip
     print_table(
         f"decode tokens/s after the context, {args.tokens} new tokens, {args.threads} threads, {args.rounds} rounds, "
         f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
-        ["context", "candidate", "tokens/s", "x float cache", "KV cache MiB"],
+        ["context", "candidate", "tokens/s", "x float cache", "KV cache MiB", "peak RSS MiB (alone)"],
         rows,
     )
     for candidate in candidates.values():
