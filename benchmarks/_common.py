@@ -3,6 +3,8 @@
 import json
 import os
 import platform
+import resource
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -97,3 +99,24 @@ def cpu_line(threads: int) -> str:
     torch.set_num_threads(before)
     rate = 2 * 1024**3 / best / 1e9
     return f"{model}, {' '.join(sets) or 'no AVX2'}, torch fp32 matmul {rate:.0f} GFLOP/s on {threads} threads"
+
+
+def peak_resident_mib() -> float:
+    """This process's peak resident memory (VmHWM): unlike `ru_maxrss`, not inherited from the parent
+    across fork and exec (the forked child starts with the parent's pages resident)."""
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.is_file() else ():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_peak_mib(command: list[str], name: str) -> float | None:
+    """Run a benchmark's child process whose last printed line is its peak memory in MiB; None (with a
+    note) when it fails."""
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        print(f"  peak memory of {name} failed: {result.stderr.strip().splitlines()[-1:]}")
+        return None
+    return float(lines[-1])

@@ -48,8 +48,6 @@ import argparse
 import copy
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,6 +66,7 @@ from quantlab.kernels.cpu import native
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _llama_cpp
+from _common import child_peak_mib, peak_resident_mib
 from kernel_speed import Spread, print_table
 
 METHODS = {
@@ -298,12 +297,7 @@ def peak_memory_mib(args, name: str) -> float | None:
     command = [sys.executable, __file__, "--peak-memory-of", name, "--tokens", str(args.tokens)]
     command += ["--prompt-tokens", str(args.prompt_tokens), "--threads", str(args.threads), "--isa", args.isa]
     command += ["--compile-mode", args.compile_mode]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    lines = result.stdout.strip().splitlines()
-    if result.returncode != 0 or not lines:
-        print(f"  peak memory of {name} failed: {result.stderr.strip().splitlines()[-1:]}")
-        return None
-    return float(lines[-1])
+    return child_peak_mib(command, name)
 
 
 def run_alone(args, name: str) -> float:
@@ -322,15 +316,6 @@ def run_alone(args, name: str) -> float:
     candidate.generate(as_input(candidate, prompt), args.tokens)
     candidate.prefill_seconds(as_input(candidate, long_prompt))
     return peak_resident_mib()
-
-
-def peak_resident_mib() -> float:
-    """This process's peak resident memory (VmHWM): unlike `ru_maxrss`, not inherited from the parent
-    across fork and exec (the forked child starts with the parent's pages resident)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def report(args, figures: dict[str, Figures], memory: dict[str, float | None]) -> None:

@@ -25,7 +25,6 @@ memory in a fresh process of its own (load, the context, the new tokens).
 import argparse
 import copy
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from quantlab.kernels.cpu import native
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _llama_cpp
-from _common import cpu_line, default_text_path
+from _common import child_peak_mib, cpu_line, default_text_path, peak_resident_mib
 from kernel_speed import Spread, print_table
 
 CONTEXTS = (512, 2048, 8192)
@@ -183,20 +182,7 @@ def peak_memory_mib(name: str, length: int, args) -> float | None:
     into its cache and decodes `--tokens` tokens after it."""
     command = [sys.executable, __file__, "--peak-memory-of", name, "--contexts", str(length)]
     command += ["--tokens", str(args.tokens), "--threads", str(args.threads)]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    lines = result.stdout.strip().splitlines()
-    if result.returncode != 0 or not lines:
-        print(f"  peak memory of {name} failed: {result.stderr.strip().splitlines()[-1:]}")
-        return None
-    return float(lines[-1])
-
-
-def peak_resident_mib() -> float:
-    """This process's peak resident memory (VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise SystemExit("no VmHWM in /proc/self/status")
+    return child_peak_mib(command, name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -175,3 +175,24 @@ def test_smollm2_native_steps_on_int8_codes_keep_the_float_cache_greedy_tokens()
         assert_same_tokens_but_near_ties(reference, model.generate(ids, past_key_values=cache, **GREEDY_64), prompt)
         assert cache.layers[0].stored_length >= 64
     assert model._compiled_call.native_steps == 6 * 63
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_a_cache_filled_before_generate_continues_on_the_native_step(kv_bits):
+    """A cache passed to generate (beside the static implementation compile_for_decoding sets) is taken as it is:
+    a prompt read into it beforehand is not read again, and the steps after it run natively."""
+    from transformers import StaticCache
+
+    model = _quantized()
+    compile_for_decoding(model, max_cache_len=96, native_step=True, kv_bits=kv_bits)
+    reference = model.generate(PROMPT, **GENERATE)
+    if kv_bits is None:
+        cache = StaticCache(config=model.config, max_cache_len=96)
+    else:
+        cache = QuantizedKVCache(model.config, bits=8, capacity=96)
+    with torch.no_grad():
+        model(PROMPT[:, :-1], past_key_values=cache, use_cache=True)
+    steps = model._compiled_call.native_steps
+    assert torch.equal(model.generate(PROMPT, past_key_values=cache, **GENERATE), reference)
+    assert model._compiled_call.native_steps - steps == TOKENS - 1
+    assert cache.get_seq_length() == PROMPT.shape[1] + TOKENS - 1
