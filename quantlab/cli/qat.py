@@ -43,6 +43,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     group = parser.add_argument_group("quantization-aware training")
     group.add_argument(
+        "--train",
+        choices=["auto", "weights", "grids"],
+        default="auto",
+        help="weights: every weight through a fake quantizer (the codes move; about 25 bytes a weight); grids: "
+        "the codes frozen, only scales and zero points trained (1 byte a weight); auto (default): weights "
+        "where that fits in the memory available, else grids",
+    )
+    group.add_argument(
+        "--teacher-weights",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="dtype the teacher's Linear weights are held in; bfloat16 halves the teacher's memory and still "
+        "computes in float32 (default: float32)",
+    )
+    group.add_argument(
         "--max-offset",
         type=finite_float,
         metavar="F",
@@ -89,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console.from_args(args)
     training_run = resolve_training_flags(args, "qat")
-    options = QATOptions(max_offset=args.max_offset, learn_scales=args.learn_scales,
+    options = QATOptions(train=args.train, max_offset=args.max_offset, learn_scales=args.learn_scales,
                          scale_lr_ratio=args.scale_lr_ratio, norm_lr_ratio=args.norm_lr_ratio)  # fmt: skip
     distillation = DistillationConfig(alpha=args.alpha, temperature=args.temperature)
     config = config_from_args(args) if args.method is not None or args.preset is not None else None
@@ -102,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         options=options,
         distillation=distillation,
         evaluate=text,
+        teacher_weights=args.teacher_weights,
         progress=console.progress,
         notify=console.note,
     )
@@ -114,16 +130,21 @@ def report_rows(report: QATReport) -> list[tuple[str, str]]:
     """The report's lines for people."""
     start = "quantized first" if report.quantized_first else "as saved"
     bound = "unbounded" if report.max_offset is None else f"within {report.max_offset:g} grid steps"
+    if report.trained == "grids":
+        trained = "scales and zero points (codes frozen)"
+    else:
+        trained = f"weights {bound}, scales {'learned' if report.learn_scales else 'fixed'}"
     norms = "frozen" if report.norm_lr_ratio is None else f"trained at {report.norm_lr_ratio:g} x lr"
     losses = "" if report.loss_first is None else f", loss {report.loss_first:.4f} -> {report.loss_last:.4f}"
     rows = [
         ("student", f"{report.method} ({start}), {report.layers_trained} layers, "
                     f"{report.layers_from_float_weights} from the teacher's float weights"),
         ("teacher", report.teacher),
-        ("trained", f"weights {bound}, scales {'learned' if report.learn_scales else 'fixed'}, norms {norms}; "
-                    f"loss alpha={report.alpha:g}, T={report.temperature:g}"),
+        ("trained", f"{trained}, norms {norms}; loss alpha={report.alpha:g}, T={report.temperature:g}; "
+                    f"teacher weights in {report.teacher_weights}"),
         ("training", f"{report.steps} steps at lr {report.learning_rate:g}, {seconds(report.train_seconds)}, "
-                     f"peak {mebibytes(report.peak_memory_bytes)}{losses}"),
+                     f"peak {mebibytes(report.peak_memory_bytes)} (predicted "
+                     f"{mebibytes(report.predicted_peak_memory_bytes)}){losses}"),
         ("size on disk", f"{disk_size(report.size_bytes)}, {report.bits_per_quantized_weight:.3f} bits per weight"),
     ]  # fmt: skip
     if report.embedding_cosine_after is not None:

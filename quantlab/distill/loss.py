@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantlab.distill.chunked_kl import kl_and_cross_entropy
 from quantlab.distill.compat import VocabularyMismatchError
 from quantlab.distill.config import DistillationConfig
 from quantlab.distill.hidden import hidden_state_error
@@ -56,17 +57,20 @@ class DistillationLoss:
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         with torch.no_grad():
             teacher_out = teacher(**inputs, output_hidden_states=hidden)
-        student_out = model(**batch, num_items_in_batch=num_items, output_hidden_states=hidden)
+        if config.alpha == 1.0:  # no cross-entropy gradient: the log's comes with the KL, from the same chunks
+            student_out = model(**inputs, output_hidden_states=hidden)
+        else:
+            student_out = model(**batch, num_items_in_batch=num_items, output_hidden_states=hidden)
         scored = batch["labels"][:, 1:] != IGNORE_INDEX  # the positions the cross-entropy scores
-        student_logits = student_out.logits[:, :-1][scored]
-        teacher_logits = teacher_out.logits[:, :-1][scored]
-        if student_logits.shape[-1] != teacher_logits.shape[-1]:
+        if student_out.logits.shape[-1] != teacher_out.logits.shape[-1]:
             raise VocabularyMismatchError(
-                f"the teacher gives {teacher_logits.shape[-1]} logits per token, the student "
-                f"{student_logits.shape[-1]}: they do not share a vocabulary"
+                f"the teacher gives {teacher_out.logits.shape[-1]} logits per token, the student "
+                f"{student_out.logits.shape[-1]}: they do not share a vocabulary"
             )
-        kl = token_kl(teacher_logits, student_logits, config.temperature).sum() / num_items
-        ce = student_out.loss
+        kl_sum, ce_sum = kl_and_cross_entropy(student_out.logits, teacher_out.logits, batch["labels"],
+                                              config.temperature)  # fmt: skip
+        kl = kl_sum / num_items
+        ce = ce_sum / num_items if config.alpha == 1.0 else student_out.loss
         loss = config.alpha * config.temperature**2 * kl + (1.0 - config.alpha) * ce
         metrics = {"kl": kl.detach(), "ce": ce.detach()}
         if hidden:

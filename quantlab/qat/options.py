@@ -4,11 +4,18 @@ import dataclasses
 
 from quantlab.errors import ConfigError
 
+TRAINED = ("weights", "grids", "auto")
+
 
 @dataclasses.dataclass(frozen=True)
 class QATOptions:
-    """The trained numbers of each layer's fake quantizer (`quantlab.nn.fake_quant.FakeQuantizedWeight`).
+    """What a run trains in each quantized layer.
 
+    `train`: "weights" trains every weight through a fake quantizer (`quantlab.nn.fake_quant`: the
+    codes move; five floats of state a weight); "grids" keeps the codes and trains only each group's
+    scale and zero point (`quantlab.nn.grid_trained`: EfficientQAT's E2E-QP; one byte a weight), so
+    memory does not grow with the weights trained; "auto" (the default) takes "weights" where its
+    predicted peak fits the memory available and "grids" where it would not (`quantlab.qat.memory`).
     `max_offset`: bound of each weight's move from its start, in grid steps; None (the default)
     leaves it unbounded, so the latent float weight itself trains through the straight-through
     estimator (LSQ and EfficientQAT train the weights; 0.5 is AutoRound's bounded rounding).
@@ -20,18 +27,32 @@ class QATOptions:
     them frozen. They stay float in the saved checkpoint, so its bits per weight do not change.
     """
 
+    train: str = "auto"
     max_offset: float | None = None
     learn_scales: bool = True
     scale_lr_ratio: float = 0.2
     norm_lr_ratio: float | None = None
 
     def __post_init__(self) -> None:
+        if self.train not in TRAINED:
+            raise ConfigError(f"train={self.train!r} is not valid; use one of {', '.join(TRAINED)}")
+        if self.train == "grids" and self.max_offset is not None:
+            raise ConfigError("max_offset bounds the weights' moves, and train='grids' keeps the codes; drop one")
+        if self.train == "grids" and not self.learn_scales:
+            raise ConfigError("train='grids' trains the scales and zero points only; drop learn_scales=False")
         if self.max_offset is not None and not self.max_offset > 0:
             raise ConfigError(f"max_offset={self.max_offset!r} must be > 0 grid steps, or None for unbounded")
         if not self.scale_lr_ratio > 0:
             raise ConfigError(f"scale_lr_ratio={self.scale_lr_ratio!r} must be > 0")
         if self.norm_lr_ratio is not None and not self.norm_lr_ratio > 0:
             raise ConfigError(f"norm_lr_ratio={self.norm_lr_ratio!r} must be > 0, or None to keep the norms frozen")
+
+    @property
+    def trains_weights(self) -> bool:
+        """Whether the codes move (a resolved "weights" run; "auto" must be resolved first)."""
+        if self.train == "auto":
+            raise ValueError("resolve train='auto' first (quantlab.qat.memory.resolve_training)")
+        return self.train == "weights"
 
     def settings(self) -> dict[str, object]:
         """What a resumed run must share with the saved one (joins the checkpoint's fingerprint)."""

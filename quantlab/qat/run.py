@@ -5,6 +5,7 @@ from typing import Any
 
 from torch import nn
 
+from quantlab.qat.memory import TrainingMemory, predict_peak, resolve_training
 from quantlab.qat.options import QATOptions
 from quantlab.qat.swap import dropout_off, fake_quantize, float_linear_weights, write_back
 from quantlab.qat.trainer import QATTrainer
@@ -13,12 +14,15 @@ from quantlab.training.data import CausalLMCollator
 
 @dataclasses.dataclass
 class QATResult:
-    """What the run trained: its logged losses, the layers trained and how many started from float weights."""
+    """What the run trained: its logged losses, the layers trained and how many started from float weights,
+    and the options it ran with (`train` resolved)."""
 
     losses: list[float]
     layers: int
     float_started: int
     log: list[dict[str, Any]]
+    options: QATOptions
+    predicted_peak: TrainingMemory
 
 
 def train_quantized(
@@ -41,9 +45,14 @@ def train_quantized(
     grids equal bit for bit to what the fake quantizers computed. The student's dropout is off while it
     trains: it matches the teacher as the teacher runs. An encoder (no language-modelling head) trains
     on its last hidden states (`quantlab.distill.EncoderDistillationLoss`). `args` are `TrainingArguments`;
-    `distillation` a `DistillationConfig`.
+    `distillation` a `DistillationConfig`. `options.train="auto"` becomes "weights" where that run's
+    predicted peak fits the memory available, else "grids" (`quantlab.qat.memory`).
     """
     options = options or QATOptions()
+    checkpointing = bool(getattr(args, "gradient_checkpointing", False))
+    shape = (args.per_device_train_batch_size, _longest_example(train), checkpointing)
+    options = resolve_training(options, student, teacher, *shape)
+    predicted = predict_peak(student, teacher, options.train, *shape)
     swapped = fake_quantize(student, float_linear_weights(teacher), options)
     student.train()
     try:
@@ -63,4 +72,14 @@ def train_quantized(
         layers=len(swapped),
         float_started=sum(layer.float_start for layer in swapped.values()),
         log=log,
+        options=options,
+        predicted_peak=predicted,
     )
+
+
+def _longest_example(train: Any, looked_at: int = 256) -> int:
+    """Tokens in the longest of the first examples (what a micro-batch's activations are sized by)."""
+    try:
+        return max((len(train[i]["input_ids"]) for i in range(min(len(train), looked_at))), default=0)
+    except (TypeError, KeyError, IndexError):
+        return 0

@@ -1,10 +1,13 @@
-"""A quantized model's layers swapped for fake-quantized ones, and the trained codes written back.
+"""A quantized model's layers swapped for trainable ones, and the trained codes and grids written back.
 
-Each `QuantizedLinear` becomes a `FakeQuantLinear` on its own storage layout, starting exactly from
+Training weights (`QATOptions.train="weights"`), each `QuantizedLinear` becomes a `FakeQuantLinear`
+on its own storage layout, starting exactly from
 its stored codes and grids (the first forward pass computes the checkpoint's weights bit for bit).
 Where the float model's weight of the layer is known, the latent weight starts from it: a weight
 that rounds to its stored code keeps its float value, one whose code the solver moved starts at
-that code's level (`FakeQuantizedWeight`). Otherwise every weight starts at its level. With
+that code's level (`FakeQuantizedWeight`). Otherwise every weight starts at its level. Training
+grids (`train="grids"`), it becomes a `GridTrainedLinear`: its codes frozen, its scales and zero
+points trained, no float weight kept. With
 `QATOptions.norm_lr_ratio` the normalization layers' float weights train too. Writing back stores
 what the fake quantizer computes as ordinary codes and grids: the model is then the same quantized
 model as before, with other codes (and, if they trained, other normalization weights).
@@ -17,8 +20,10 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
+from quantlab.distill.teacher import CompactLinear
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.fake_quant import FakeQuantizedWeight, FakeQuantLinear
+from quantlab.nn.grid_trained import GridTrainedLinear, TrainedGrid
 from quantlab.qat.options import QATOptions
 
 
@@ -27,17 +32,19 @@ class SwappedLayer:
     """One layer while it trains: the quantized module taken out, and the fake-quantized one in its place."""
 
     quantized: QuantizedLinear
-    fake: FakeQuantLinear
+    fake: FakeQuantLinear | GridTrainedLinear
     float_start: bool  # the latent weight started from the float model's weight (else from the levels)
 
     @property
-    def quantizer(self) -> FakeQuantizedWeight:
+    def quantizer(self) -> FakeQuantizedWeight | TrainedGrid:
         return self.fake.weight_quantizer
 
 
 def float_linear_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The `[out, in]` weights of a float model's Linear layers by module name (where training starts from)."""
-    return {name: module.weight for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    """The `[out, in]` weights of a float model's Linear layers by module name (where training starts from);
+    a teacher's weights held in 16 bits (`quantlab.distill.teacher`) as they are held."""
+    kinds = (nn.Linear, CompactLinear)
+    return {name: module.weight for name, module in model.named_modules() if isinstance(module, kinds)}
 
 
 NORMALIZATION_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
@@ -57,13 +64,15 @@ def normalization_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 def fake_quantize(
     model: nn.Module, float_weights: Mapping[str, torch.Tensor] | None = None, options: QATOptions | None = None
 ) -> dict[str, SwappedLayer]:
-    """Freeze `model` and put a trainable `FakeQuantLinear` in place of each of its `QuantizedLinear` layers.
+    """Freeze `model` and put a trainable layer in place of each of its `QuantizedLinear` layers: a
+    `FakeQuantLinear` (`options.train="weights"`, the default here) or a `GridTrainedLinear` ("grids").
 
     `float_weights`: the float model's weights by module name (`float_linear_weights`); a layer
-    whose name or shape is not there starts from its stored levels. The normalization layers' weights
-    train too when `options.norm_lr_ratio` is set. Returns the swapped layers by name.
+    whose name or shape is not there starts from its stored levels (training weights only). The
+    normalization layers' weights train too when `options.norm_lr_ratio` is set. Returns the swapped
+    layers by name.
     """
-    options = options or QATOptions()
+    options = options or QATOptions(train="weights")
     float_weights = float_weights or {}
     model.requires_grad_(False)
     swapped: dict[str, SwappedLayer] = {}
@@ -71,6 +80,11 @@ def fake_quantize(
         if not isinstance(module, QuantizedLinear):
             continue
         stored = module.stored_tensors()
+        if options.train == "grids":
+            grid = GridTrainedLinear(TrainedGrid.from_stored(module.layout, stored), module.bias)
+            model.set_submodule(name, grid)
+            swapped[name] = SwappedLayer(module, grid, False)
+            continue
         weight = float_weights.get(name)
         float_start = weight is not None and tuple(weight.shape) == (module.out_features, module.in_features)
         if not float_start:

@@ -9,6 +9,7 @@ weight decay, which pulls them back to their start), and after every optimizer s
 are put back in their ranges (`FakeQuantizedWeight.project`).
 """
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ from transformers import TrainerCallback
 from quantlab.distill.trainer import DistillationTrainer
 from quantlab.errors import QuantlabError
 from quantlab.nn.fake_quant import FakeQuantizedWeight
+from quantlab.nn.grid_trained import GridTrainedLinear, TrainedGrid
 from quantlab.qat.options import QATOptions
 from quantlab.qat.swap import SwappedLayer, normalization_parameters
 
@@ -31,7 +33,7 @@ class ProjectQuantizers(TrainerCallback):
 
     Its `settings()` join the checkpoint's fingerprint, so a resume with other QAT options is refused."""
 
-    def __init__(self, quantizers: list[FakeQuantizedWeight], options: QATOptions) -> None:
+    def __init__(self, quantizers: list[FakeQuantizedWeight | TrainedGrid], options: QATOptions) -> None:
         self.quantizers, self.options = quantizers, options
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -59,7 +61,8 @@ class QATTrainer(DistillationTrainer):
     ) -> None:
         if not swapped:
             raise QuantlabError("the student has no quantized Linear layer to train; quantize it first")
-        self.qat_options = options or QATOptions()
+        trained = "grids" if all(isinstance(layer.fake, GridTrainedLinear) for layer in swapped.values()) else "weights"
+        self.qat_options = dataclasses.replace(options or QATOptions(), train=trained)
         quantizers = [layer.quantizer for layer in swapped.values()]
         callbacks = [*(callbacks or []), ProjectQuantizers(quantizers, self.qat_options)]
         super().__init__(student, teacher, args, train_dataset, callbacks=callbacks, **kwargs)

@@ -52,6 +52,9 @@ class QATReport:
     quantized_first: bool
     layers_trained: int
     layers_from_float_weights: int
+    trained: str
+    teacher_weights: str
+    predicted_peak_memory_bytes: int
     steps: int
     learning_rate: float
     max_offset: float | None
@@ -86,6 +89,7 @@ def qat_model(
     options: Any = None,
     distillation: Any = None,
     evaluate: EvaluationText | None = None,
+    teacher_weights: str = "float32",
     progress: bool = False,
     notify: Notify | None = None,
 ) -> QATReport:
@@ -94,12 +98,17 @@ def qat_model(
 
     `options`: a `quantlab.qat.QATOptions`; `distillation`: a `DistillationConfig` (default: the KL term
     alone at temperature 1). `evaluate`: the teacher's and the student's perplexity before and after.
+    `teacher_weights`: the dtype the teacher's Linear weights are held in ("bfloat16" halves its memory;
+    it computes in float32 either way: `quantlab.distill.teacher`).
     """
     from quantlab.distill import DistillationConfig
+    from quantlab.distill.teacher import HELD_DTYPES
     from quantlab.qat import QATOptions
 
     note = notifier(notify)
     run.validate(steps_required=True)
+    if teacher_weights not in HELD_DTYPES:
+        raise QuantlabError(f"teacher_weights={teacher_weights!r} is not valid; use one of {', '.join(HELD_DTYPES)}")
     options = options if options is not None else QATOptions()
     distillation = distillation if distillation is not None else DistillationConfig(alpha=1.0, temperature=1.0)
     if model is None:
@@ -117,7 +126,8 @@ def qat_model(
         open_model(student_source, scratch=scratch, progress=progress) as opened_student,
     ):
         opened_teacher.refuse_quantized("the teacher must be the float model; pass its float original as --teacher")
-        report = _train(opened_teacher, opened_student, run, options, distillation, evaluate, progress, note)
+        report = _train(opened_teacher, opened_student, run, options, distillation, evaluate, teacher_weights,
+                        progress, note)  # fmt: skip
     report.model, report.quantized_first = str(source), config is not None
     write_report(run.output_dir, report.as_dict())
     return report
@@ -215,10 +225,12 @@ def _train(
     options: Any,
     distillation: Any,
     text: EvaluationText | None,
+    teacher_weights: str,
     progress: bool,
     note: Notify,
 ) -> QATReport:
     from quantlab.distill import check_vocabularies
+    from quantlab.distill.teacher import HELD_DTYPES, hold_linear_weights_in
     from quantlab.eval.embeddings import position_limit
     from quantlab.eval.size import stored_bits_per_weight
     from quantlab.qat import train_quantized
@@ -236,6 +248,7 @@ def _train(
     if tokenizer is None:
         raise TrainingRunError("training needs the model's tokenizer, and the model folder has none")
     scores = Scores(teacher, tokenizer, text, language_model, progress)
+    hold_linear_weights_in(teacher, HELD_DTYPES[teacher_weights])  # after the teacher's own perplexity
     if text is not None:
         note(f"measuring {'perplexity' if language_model else 'embedding cosine to the teacher'} on "
              f"{scores.describe()}")  # fmt: skip
@@ -266,6 +279,9 @@ def _train(
         quantized_first=False,
         layers_trained=result.layers,
         layers_from_float_weights=result.float_started,
+        trained=result.options.train,
+        teacher_weights=teacher_weights,
+        predicted_peak_memory_bytes=result.predicted_peak.total,
         steps=run.max_steps,
         learning_rate=training_args.learning_rate,
         max_offset=options.max_offset,

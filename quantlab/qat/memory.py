@@ -1,0 +1,133 @@
+"""The peak memory a quantization-aware training run should need, and the choice of what it trains.
+
+    peak = teacher + student + per quantized weight (25 bytes training weights, 1 byte training grids)
+           + activations + logits + RUNTIME_BYTES
+
+- teacher: its parameters as held (float32, or its Linear weights in bfloat16: `--teacher-weights`);
+- student: its tensors as loaded (packed codes, grids, the float embeddings and norms);
+- training weights (`train="weights"`): per weight a float latent weight, its offset, the offset's
+  gradient, two Adam moments (5 x 4 bytes), the fake quantizer's saved flag and scale gradient (5);
+  training grids (`train="grids"`): the codes unpacked (1 byte); the grids' own state is a few numbers
+  a group (4 floats and 2 Adam moments per scale and zero point: 1.5 bytes a weight at groups of 32);
+- activations: what the student's backward pass keeps, per token of a micro-batch and block:
+  4 bytes x (10 x hidden + 5 x intermediate + heads x sequence length) (Llama-shaped); with activation
+  checkpointing one block's worth plus each block's input;
+- logits: per token 3 x vocabulary x 4 bytes (the teacher's, the student's and their gradient:
+  `quantlab.distill.loss` computes the loss by chunks of rows);
+- RUNTIME_BYTES: the interpreter, torch and transformers.
+
+`resolve_training` takes "weights" for `train="auto"` where that peak fits `MemAvailable` and
+"grids" where it would not. `benchmarks/scale.py --methods qat` compares the formula with measured peaks.
+"""
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from quantlab.nn import QuantizedLinear
+from quantlab.qat.options import QATOptions
+
+RUNTIME_BYTES = 400 * 1024**2
+WEIGHTS_BYTES_PER_WEIGHT = 25
+GRIDS_BYTES_PER_WEIGHT = 1
+GRID_STATE_BYTES_PER_GROUP = 2 * 4 * 4  # scale and zero point: value, gradient, two Adam moments
+FITS_SHARE = 0.9  # of the memory available: room for what the formula leaves out
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingMemory:
+    """The predicted peak of one run, in bytes, by term."""
+
+    teacher: int
+    student: int
+    trained_state: int
+    activations: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.teacher + self.student + self.trained_state + self.activations + self.logits + RUNTIME_BYTES
+
+    def terms(self) -> dict[str, int]:
+        return {**dataclasses.asdict(self), "runtime": RUNTIME_BYTES, "total": self.total}
+
+
+def predict_peak(
+    student: nn.Module,
+    teacher: nn.Module,
+    train: str,
+    batch_size: int,
+    seq_len: int,
+    activation_checkpointing: bool = False,
+) -> TrainingMemory:
+    """The peak of training `student` (quantized) against `teacher` with `train` "weights" or "grids"."""
+    quantized = [m for m in student.modules() if isinstance(m, QuantizedLinear)]
+    weights = sum(m.in_features * m.out_features for m in quantized)
+    groups = sum(m.layout.out_features * m.layout.groups for m in quantized)
+    if train == "weights":
+        state = WEIGHTS_BYTES_PER_WEIGHT * weights + GRID_STATE_BYTES_PER_GROUP * groups
+    else:
+        state = GRIDS_BYTES_PER_WEIGHT * weights + GRID_STATE_BYTES_PER_GROUP * groups
+    tokens = batch_size * seq_len
+    config = getattr(student, "config", None)
+    return TrainingMemory(
+        teacher=_tensor_bytes(teacher),
+        student=_tensor_bytes(student),
+        trained_state=state,
+        activations=tokens * _activation_bytes_per_token(config, seq_len, activation_checkpointing),
+        logits=tokens * 3 * 4 * int(getattr(config, "vocab_size", 0) or 0),
+    )
+
+
+def resolve_training(
+    options: QATOptions,
+    student: nn.Module,
+    teacher: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    activation_checkpointing: bool = False,
+    available: int | None = None,
+) -> QATOptions:
+    """`options` with `train="auto"` made "weights" or "grids"; a bound on the offsets asks for "weights"."""
+    if options.train != "auto":
+        return options
+    if options.max_offset is not None or not options.learn_scales:
+        return dataclasses.replace(options, train="weights")
+    available = available_memory() if available is None else available
+    full = predict_peak(student, teacher, "weights", batch_size, seq_len, activation_checkpointing)
+    fits = available is None or full.total <= FITS_SHARE * available
+    return dataclasses.replace(options, train="weights" if fits else "grids")
+
+
+def available_memory() -> int | None:
+    """`MemAvailable` of /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _tensor_bytes(model: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen and tensor.device.type != "meta":
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _activation_bytes_per_token(config: Any, seq_len: int, checkpointing: bool) -> int:
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    intermediate = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    heads = int(getattr(config, "num_attention_heads", 0) or 1)
+    blocks = int(getattr(config, "num_hidden_layers", 0) or 1)
+    block = 4 * (10 * hidden + 5 * intermediate + heads * seq_len)
+    if checkpointing:
+        return block + blocks * 4 * hidden
+    return blocks * block

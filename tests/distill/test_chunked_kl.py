@@ -1,0 +1,42 @@
+"""The chunked KL: the same sums and gradient as `token_kl` over the scored positions, at any temperature."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from quantlab.distill import chunked_kl
+from quantlab.distill.chunked_kl import kl_and_cross_entropy
+from quantlab.distill.loss import token_kl
+from quantlab.training.data import IGNORE_INDEX
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_sums_and_gradient_equal_the_plain_expression(monkeypatch, temperature):
+    monkeypatch.setattr(chunked_kl, "CHUNK_BYTES", 4 * 50 * 7)  # 7 rows a chunk: chunks cross sequences
+    generator = torch.Generator().manual_seed(0)
+    student = torch.randn(3, 11, 50, generator=generator, requires_grad=True)
+    teacher = torch.randn(3, 11, 50, generator=generator)
+    labels = torch.randint(0, 50, (3, 11), generator=generator)
+    labels[1, 6:] = IGNORE_INDEX  # padding
+    labels[2, 3] = IGNORE_INDEX
+    kl, ce = kl_and_cross_entropy(student, teacher, labels, temperature)
+    kl.backward()
+    got = student.grad.clone()
+    student.grad = None
+    scored = labels[:, 1:] != IGNORE_INDEX
+    expected_kl = token_kl(teacher[:, :-1][scored], student[:, :-1][scored], temperature).sum()
+    expected_ce = F.cross_entropy(student[:, :-1][scored], labels[:, 1:][scored], reduction="sum")
+    expected_kl.backward()
+    assert torch.allclose(kl, expected_kl, rtol=1e-5)
+    assert torch.allclose(ce, expected_ce.detach(), rtol=1e-5)
+    assert torch.allclose(got, student.grad, rtol=1e-4, atol=1e-7)
+    assert torch.all(got[:, -1] == 0) and torch.all(got[1, 5:] == 0)
+
+
+def test_without_gradients_it_keeps_nothing_and_gives_the_same_sums():
+    student, teacher = torch.randn(2, 5, 9), torch.randn(2, 5, 9)
+    labels = torch.randint(0, 9, (2, 5))
+    with torch.no_grad():
+        kl, ce = kl_and_cross_entropy(student, teacher, labels)
+    kl_grad, ce_grad = kl_and_cross_entropy(student.requires_grad_(True), teacher, labels)
+    assert torch.allclose(kl, kl_grad.detach()) and torch.equal(ce, ce_grad)
