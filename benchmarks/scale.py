@@ -1,5 +1,6 @@
-"""How quantizing scales with the model: wall time and peak resident memory of `quantlab quantize` on
-Llama-shaped models from 135M to ~2.7B parameters, for round to nearest and GPTQ.
+"""How quantizing and quantization-aware training scale with the model: wall time and peak resident memory
+of `quantlab quantize` on Llama-shaped models from 135M to ~2.7B parameters, for round to nearest and GPTQ,
+and of `quantlab qat` on them (`--methods qat-grids,qat-weights`).
 
 Each shape is built from a config with seeded random weights (N(0, 0.02); norms 1) and written as
 sharded safetensors into a scratch folder, one shard in memory at a time, with a byte-level
@@ -8,6 +9,14 @@ Each run is `python -m quantlab quantize` (4-bit g64 `custom_bits`; GPTQ on 32 x
 windows) in a child process, measured from outside: wall time around the child, peak resident
 memory from `/usr/bin/time -v` (else polling `/proc` of the child's process tree). The predicted
 peak is read from the checkpoint's `quantlab_report.json` when quantlab reports one.
+
+QAT runs (`qat-grids`: scales and zero points trained, codes frozen; `qat-weights`: every weight through a
+fake quantizer) start from the round-to-nearest checkpoint (made first, not timed) and train `--qat-steps`
+steps of `--qat-batch` x `--seq-len` tokens against the float checkpoint (teacher weights in `--teacher-weights`).
+Their "predicted" peak is the run report's (`quantlab.qat.memory`); their time column is seconds per step
+(the run's training time over its steps) against the step's arithmetic: 2 FLOPs per weight and token for the
+teacher's forward, the student's forward and each of the student's two backward products (input and weight
+gradients; attention's products included), at torch's own fp32 GFLOP/s measured in this process.
 
 Derived columns: seconds per 1e9 parameters; for RTN, that figure's growth over the next smaller
 shape run; for GPTQ, the time its arithmetic predicts from the next smaller shape run, scaling the
@@ -19,6 +28,7 @@ time against parameters; needs matplotlib: `pip install quantlab[bench]`) into `
     python benchmarks/scale.py --shapes h1024x12,h1024x24 --output scale-results
     python benchmarks/scale.py --output scale-results            # every shape (hours on 2 cores)
     python benchmarks/scale.py --shapes tinyllama --methods gptq --scratch /big/disk --keep
+    python benchmarks/scale.py --shapes smollm2-135m,tinyllama --methods qat-grids --teacher-weights bfloat16
 """
 
 import argparse
@@ -101,6 +111,9 @@ class Run:
     peak_bytes: list[int] = field(default_factory=list)
     predicted_peak_bytes: int | None = None
     load_average: list[float] = field(default_factory=list)  # 1-minute load average after each round
+    step_seconds: list[float] = field(default_factory=list)  # QAT: training seconds per step
+    step_flops: float = 0.0  # QAT: the arithmetic of one step
+    fp32_flops_per_second: float = 0.0  # torch's own fp32 matrix product on this machine
 
     @property
     def wall(self) -> float:
@@ -175,6 +188,43 @@ def quantize_command(checkpoint: Path, output: Path, method: str, args: argparse
     return command
 
 
+QAT_METHODS = {"qat-grids": "grids", "qat-weights": "weights"}
+
+
+def qat_command(quantized: Path, teacher: Path, output: Path, method: str, args: argparse.Namespace) -> list[str]:
+    command = [sys.executable, "-m", "quantlab", "qat", str(quantized), "--teacher", str(teacher), "-o", str(output)]
+    command += ["--overwrite", "--train", QAT_METHODS[method], "--teacher-weights", args.teacher_weights]
+    command += ["--max-steps", str(args.qat_steps), "--batch-size", str(args.qat_batch)]
+    command += ["--max-seq-length", str(args.seq_len), "--learning-rate", "1e-3", "--quiet", "--json"]
+    if args.activation_checkpointing:
+        command += ["--activation-checkpointing"]
+    return command
+
+
+def qat_step_flops(shape: Shape, batch: int, seq_len: int, recomputed: int = 0) -> float:
+    """Teacher forward, student forward, student input and weight gradients: 4 x 2 FLOPs per weight and token
+    on every Linear (the output head included), and attention's two products in each of the four; with
+    activation checkpointing (`recomputed` = 1) the student's forward once more."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(shape.config(torch.float32))
+    linear = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    tokens = batch * seq_len
+    attention = shape.blocks * 2 * 2 * tokens * seq_len * shape.hidden
+    return (4.0 + recomputed) * (2 * linear * tokens + attention)
+
+
+def fp32_rate(size: int = 2048, repeats: int = 5) -> float:
+    """torch's own fp32 matrix product in FLOP/s (the best of `repeats`)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best
+
+
 def measure(command: list[str], log: Path) -> tuple[float, int]:
     """Wall seconds and peak resident bytes of `command`, measured from outside the process."""
     environment_ = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -199,7 +249,7 @@ def measure(command: list[str], log: Path) -> tuple[float, int]:
 def _check(returncode: int, log: Path) -> None:
     if returncode != 0:
         tail = "\n".join(log.read_text(encoding="utf-8").splitlines()[-15:])
-        raise SystemExit(f"quantize failed (exit {returncode}); the end of {log}:\n{tail}")
+        raise SystemExit(f"the run failed (exit {returncode}); the end of {log}:\n{tail}")
 
 
 def _time_peak(report: str) -> int:
@@ -288,6 +338,10 @@ def _smaller(run: Run, runs: list[Run]) -> Run | None:
 
 
 def _versus_smaller(run: Run, runs: list[Run]) -> str:
+    if run.step_seconds:
+        predicted = run.step_flops / run.fp32_flops_per_second
+        step = statistics.median(run.step_seconds)
+        return f"{step:.1f} s a step, {step / predicted:.2f}x its arithmetic ({predicted:.1f} s)"
     smaller = _smaller(run, runs)
     if smaller is None:
         return ""
@@ -360,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     try:
         for shape in sorted((SHAPES[name] for name in args.shapes), key=lambda s: model_figures(s)[0]):
-            methods = [m for m in args.methods if m in shape.methods or args.all_methods]
+            methods = [m for m in args.methods if m in shape.methods or m in QAT_METHODS or args.all_methods]
             if not methods:
                 continue
             checkpoint = scratch / shape.name
@@ -369,18 +423,34 @@ def main(argv: list[str] | None = None) -> int:
             parameters, work = model_figures(shape)
             for method in methods:
                 run = Run(shape.name, method, parameters, parameters * 4, work)
+                if method in QAT_METHODS:
+                    run.step_flops = qat_step_flops(
+                        shape, args.qat_batch, args.seq_len, int(args.activation_checkpointing)
+                    )
+                    run.fp32_flops_per_second = fp32_rate()
+                    start = scratch / f"{shape.name}-rtn-start"
+                    if not (start / "config.json").is_file():
+                        measure(quantize_command(checkpoint, start, "rtn", args), output / f"{shape.name}-start.log")
                 for round_ in range(args.rounds):
                     quantized = scratch / f"{shape.name}-{method}"
                     print(f"{shape.name} {method} round {round_ + 1}", file=sys.stderr, flush=True)
-                    command = quantize_command(checkpoint, quantized, method, args)
-                    wall, peak = measure(command, output / f"{shape.name}-{method}-{round_ + 1}.log")
+                    if method in QAT_METHODS:
+                        command = qat_command(scratch / f"{shape.name}-rtn-start", checkpoint, quantized, method, args)
+                    else:
+                        command = quantize_command(checkpoint, quantized, method, args)
+                    log = output / f"{shape.name}-{method}-{round_ + 1}.log"
+                    wall, peak = measure(command, log)
                     run.wall_seconds.append(wall)
                     run.peak_bytes.append(peak)
                     run.load_average.append(os.getloadavg()[0])
                     run.predicted_peak_bytes = predicted_peak(quantized)
+                    if method in QAT_METHODS:
+                        report = json.loads((quantized / "quantlab_report.json").read_text(encoding="utf-8"))
+                        run.step_seconds.append(report["train_seconds"] / report["steps"])
                     shutil.rmtree(quantized, ignore_errors=True)
                 runs.append(run)
                 _write(runs, output)
+            shutil.rmtree(scratch / f"{shape.name}-rtn-start", ignore_errors=True)
             if not args.keep:
                 shutil.rmtree(checkpoint, ignore_errors=True)
     finally:
@@ -405,7 +475,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scratch", type=Path, default=None, help="where checkpoints go (default: under --output)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints written")
     parser.add_argument("--shapes", type=_names(SHAPES), default=list(SHAPES), help=f"of {', '.join(SHAPES)}")
-    parser.add_argument("--methods", type=_names({"rtn": 0, "gptq": 0}), default=["rtn", "gptq"])
+    parser.add_argument(
+        "--methods",
+        type=_names({"rtn": 0, "gptq": 0, **QAT_METHODS}),
+        default=["rtn", "gptq"],
+        help="rtn, gptq, qat-grids (scales and zero points trained), qat-weights (every weight trained)",
+    )
     parser.add_argument("--all-methods", action="store_true", help="also GPTQ on the shapes that run RTN only")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="of the checkpoints")
     parser.add_argument("--bits", type=int, default=4)
@@ -414,6 +489,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each (shape, method), for the spread")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--qat-steps", type=int, default=4, help="QAT: optimizer steps a run")
+    parser.add_argument("--qat-batch", type=int, default=1, help="QAT: examples of --seq-len tokens a step")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="QAT: recompute activations")
+    parser.add_argument("--teacher-weights", choices=["float32", "bfloat16"], default="float32", help="QAT's teacher")
     return parser.parse_args(argv)
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantlab.distill.chunked_head import heads_taken_out, kl_from_hidden_states, takes_chunked_head
 from quantlab.distill.chunked_kl import kl_and_cross_entropy
 from quantlab.distill.compat import VocabularyMismatchError
 from quantlab.distill.config import DistillationConfig
@@ -55,6 +56,9 @@ class DistillationLoss:
         teacher = trainer.extra_modules[TEACHER]
         hidden = config.matches_hidden_states
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        student = _student_of(trainer, model)
+        if config.alpha == 1.0 and not hidden and takes_chunked_head(student, teacher):
+            return self._from_hidden_states(model, student, teacher, inputs, batch["labels"], num_items)
         with torch.no_grad():
             teacher_out = teacher(**inputs, output_hidden_states=hidden)
         if config.alpha == 1.0:  # no cross-entropy gradient: the log's comes with the KL, from the same chunks
@@ -78,6 +82,18 @@ class DistillationLoss:
             loss = loss + config.hidden_weight * mse
             metrics["hidden_mse"] = mse.detach()
         return LossOutput(loss=loss, metrics=metrics)
+
+    def _from_hidden_states(self, model, student, teacher, inputs, labels, num_items) -> LossOutput:
+        """The KL term alone, each model's head applied a chunk of rows at a time (`quantlab.distill.chunked_head`)."""
+        with heads_taken_out(student, teacher) as (student_head, teacher_head):
+            with torch.no_grad():
+                teacher_hidden = teacher(**inputs).logits
+            student_hidden = model(**inputs).logits  # through `model`, so DDP syncs the student
+        kl_sum, ce_sum = kl_from_hidden_states(student_hidden, teacher_hidden, student_head, teacher_head, labels,
+                                               self.config.temperature)  # fmt: skip
+        kl = kl_sum / num_items
+        loss = self.config.temperature**2 * kl
+        return LossOutput(loss=loss, metrics={"kl": kl.detach(), "ce": (ce_sum / num_items).detach()})
 
     @staticmethod
     def count_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -111,6 +127,13 @@ class EncoderDistillationLoss:
     @staticmethod
     def count_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["attention_mask"].sum()
+
+
+def _student_of(trainer: Any, model: nn.Module) -> nn.Module:
+    """The student inside the model the trainer runs (DDP and `DistillationModel` unwrapped)."""
+    accelerator = getattr(trainer, "accelerator", None)
+    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
+    return getattr(unwrapped, "student", unwrapped)
 
 
 def distillation_loss(student: nn.Module, config: DistillationConfig) -> "DistillationLoss | EncoderDistillationLoss":

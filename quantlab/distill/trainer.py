@@ -41,6 +41,13 @@ class DistillationModel(nn.Module):
     def config(self) -> Any:
         return getattr(self.student, "config", None)
 
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None, **options: Any):
+        """Activation checkpointing of the student (what `Trainer` calls with `activation_checkpointing`);
+        non-reentrant by default, which needs no input that requires a gradient (the student's embeddings
+        are frozen)."""
+        kwargs = {"use_reentrant": False, **(activation_checkpointing_kwargs or {})}
+        return self.student.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **options)
+
     @property
     def peft_config(self) -> Any:
         return getattr(self.student, "peft_config", None)

@@ -49,7 +49,7 @@ def train_quantized(
     predicted peak fits the memory available, else "grids" (`quantlab.qat.memory`).
     """
     options = options or QATOptions()
-    checkpointing = bool(getattr(args, "gradient_checkpointing", False))
+    checkpointing = any(getattr(args, name, False) for name in ("activation_checkpointing", "gradient_checkpointing"))
     shape = (args.per_device_train_batch_size, _longest_example(train), checkpointing)
     options = resolve_training(options, student, teacher, *shape)
     predicted = predict_peak(student, teacher, options.train, *shape)

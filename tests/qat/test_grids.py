@@ -109,3 +109,25 @@ def test_the_cli_trains_grids_with_a_compact_teacher(tmp_path, capsys, make_chec
     assert all(torch.equal(a, b) for a, b in zip(_codes(start).values(), _codes(final).values(), strict=True))
     code = main([*argv[:8], "--train", "grids", "--max-offset", "0.5", "--max-steps", "1", "-o", str(tmp_path / "x")])
     assert code == 2 and "keeps the codes" in capsys.readouterr().err
+
+
+def test_activation_checkpointing_recomputes_the_student_and_gives_the_same_steps(tmp_path):
+    from quantlab.nn import grid_trained
+
+    calls = []
+    forward = grid_trained._GridLinear.forward
+    counting = staticmethod(lambda *args: calls.append(1) or forward(*args))
+    losses = {}
+    for checkpointing in (False, True):
+        calls.clear()
+        teacher, student = tiny_llama(0), quantlab.quantize(tiny_llama(0), quantlab.CustomBitsConfig(bits=2))
+        args = training_arguments({"output_dir": str(tmp_path / "run"), "max_steps": 2, "learning_rate": 0.05,
+                                   "per_device_train_batch_size": 4, "save_strategy": "no",
+                                   "activation_checkpointing": checkpointing})  # fmt: skip
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(grid_trained._GridLinear, "forward", counting)
+            result = train_quantized(student, teacher, args, _data(16), byte_tokenizer(),
+                                     options=QATOptions(train="grids"))  # fmt: skip
+        losses[checkpointing] = (result.losses, len(calls))
+    assert losses[True][0] == losses[False][0]
+    assert losses[True][1] == 2 * losses[False][1]
