@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from quantlab.formats import grouping
 from quantlab.formats.layout import GroupParams, StorageLayout
+from quantlab.utils.scratch import scratch
 
 SCALE_RANGE = (0.5, 1.5)  # a group's scale stays within these multiples of its starting scale
 
@@ -40,6 +41,7 @@ class TrainedGrid(nn.Module):
         self.register_buffer("start_scale", params.scale.clone(), persistent=False)
         self.scale_ratio = nn.Parameter(torch.ones_like(params.scale))
         self.zero = None if params.zero is None else nn.Parameter(params.zero.clone(), requires_grad=learn_zero)
+        self._integer_levels = layout.levels() is None  # level[q] = q: decoded by one subtraction, in place
 
     @classmethod
     def from_stored(cls, layout: StorageLayout, stored: dict[str, torch.Tensor]) -> "TrainedGrid":
@@ -65,10 +67,14 @@ class TrainedGrid(nn.Module):
             return scale, stored.zero
         return scale, self.zero + (stored.zero - self.zero).detach()
 
-    def levels_minus_zero(self, zero: torch.Tensor | None) -> torch.Tensor:
-        """`level[q] - zero` `[out, groups, length]`: the weight at scale 1, and its gradient per unit of scale."""
+    def levels_minus_zero(self, zero: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`level[q] - zero` `[out, groups, length]`: the weight at scale 1, and its gradient per unit of scale
+        (into `out` when given)."""
+        if self._integer_levels and out is not None:
+            return torch.sub(self.codes, self.layout.constant_zero if zero is None else zero.unsqueeze(-1), out=out)
         ones = torch.ones((*self.codes.shape[:2], 1), dtype=torch.float32, device=self.codes.device)
-        return self.layout.decode(self.codes, ones, None if zero is None else zero.unsqueeze(-1))
+        unit = self.layout.decode(self.codes, ones, None if zero is None else zero.unsqueeze(-1))
+        return unit if out is None else out.copy_(unit)
 
     def weight(self) -> torch.Tensor:
         """The float `[out, in]` weight the grids decode to now (no gradient)."""
@@ -119,42 +125,38 @@ class GridTrainedLinear(nn.Module):
 
 
 class _GridLinear(torch.autograd.Function):
-    """`x W^T + b` with `W` decoded from frozen codes and trainable grids, nothing weight-sized saved."""
+    """`x W^T + b` with `W` decoded from frozen codes and trainable grids, nothing weight-sized saved.
+
+    The decoded weight and the weight's gradient live in scratch buffers (`quantlab.utils.scratch`)
+    reused by every layer, and the backward pass works in place on them."""
 
     @staticmethod
     def forward(ctx, x, scale, trained_zero, grid, fixed_zero, bias):
         zero = trained_zero if trained_zero is not None else fixed_zero
-        unit = grid.levels_minus_zero(zero)
-        weight = grouping.ungroup(unit * scale.unsqueeze(-1), grid.layout.in_features)
-        del unit
+        shape = grid.codes.shape
+        weight = grid.levels_minus_zero(zero, out=scratch("grid.weight", shape)).mul_(scale.unsqueeze(-1))
         ctx.save_for_backward(x, scale, zero)
         ctx.grid, ctx.trains_zero = grid, trained_zero is not None
-        return F.linear(x, weight.to(x.dtype), bias)
+        return F.linear(x, grouping.ungroup(weight, grid.layout.in_features).to(x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, scale, zero = ctx.saved_tensors
         grid = ctx.grid
-        in_features = grid.layout.in_features
-        unit = grid.levels_minus_zero(zero)  # [out, groups, length]
+        shape, in_features = grid.codes.shape, grid.layout.in_features
+        unit = grid.levels_minus_zero(zero, out=scratch("grid.unit", shape))
+        rows = grad_output.reshape(-1, grad_output.shape[-1]).float()
+        inputs = x.reshape(-1, x.shape[-1]).float()
+        grouped = scratch("grid.gradient", shape)
+        if shape[1] * shape[2] == in_features:
+            torch.mm(rows.t(), inputs, out=grouped.view(shape[0], in_features))
+        else:  # a padded last group: no gradient on the padding
+            grouped.zero_()
+            grouped.view(shape[0], -1)[:, :in_features] = rows.t() @ inputs
+        grad_zero = -(grouped.sum(-1) * scale) if ctx.trains_zero else None
+        grad_scale = grouped.mul_(unit).sum(-1)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            weight = grouping.ungroup(unit * scale.unsqueeze(-1), in_features)
+            weight = grouping.ungroup(unit.mul_(scale.unsqueeze(-1)), in_features)
             grad_x = (grad_output @ weight.to(grad_output.dtype)).to(x.dtype)
-            del weight
-        rows = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_weight = rows.t().float() @ x.reshape(-1, x.shape[-1]).float()  # [out, in], freed on return
-        grouped = _grouped_with_zero_padding(grad_weight, unit.shape)
-        del grad_weight
-        grad_scale = (grouped * unit).sum(-1)
-        grad_zero = -(grouped.sum(-1) * scale) if ctx.trains_zero else None
         return grad_x, grad_scale, grad_zero, None, None, None
-
-
-def _grouped_with_zero_padding(gradient: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """`[out, in]` -> `[out, groups, length]` with zeros on the padding (a padded position has no gradient)."""
-    in_features = gradient.shape[1]
-    padding = shape[1] * shape[2] - in_features
-    if padding:
-        gradient = F.pad(gradient, (0, padding))
-    return gradient.reshape(shape)

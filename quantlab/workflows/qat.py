@@ -235,6 +235,7 @@ def _train(
     from quantlab.eval.size import stored_bits_per_weight
     from quantlab.qat import train_quantized
     from quantlab.saving import save_model
+    from quantlab.streaming.reader import CheckpointReader
     from quantlab.training.encoder_data import encoder_examples
     from quantlab.utils.model_kind import is_language_model
 
@@ -247,8 +248,10 @@ def _train(
     language_model = is_language_model(student)
     if tokenizer is None:
         raise TrainingRunError("training needs the model's tokenizer, and the model folder has none")
+    if teacher_weights != "float32":
+        with CheckpointReader(opened_teacher.folder) as reader:
+            hold_linear_weights_in(teacher, HELD_DTYPES[teacher_weights], reader)
     scores = Scores(teacher, tokenizer, text, language_model, progress)
-    hold_linear_weights_in(teacher, HELD_DTYPES[teacher_weights])  # after the teacher's own perplexity
     if text is not None:
         note(f"measuring {'perplexity' if language_model else 'embedding cosine to the teacher'} on "
              f"{scores.describe()}")  # fmt: skip

@@ -131,3 +131,15 @@ def test_activation_checkpointing_recomputes_the_student_and_gives_the_same_step
         losses[checkpointing] = (result.losses, len(calls))
     assert losses[True][0] == losses[False][0]
     assert losses[True][1] == 2 * losses[False][1]
+
+
+def test_a_teacher_read_from_its_files_holds_the_same_weights(tmp_path, make_checkpoint):
+    from quantlab.loading import load_checkpoint
+    from quantlab.streaming.reader import CheckpointReader
+
+    folder = make_checkpoint(tmp_path / "float", 0)
+    mapped, read = load_checkpoint(folder), load_checkpoint(folder)
+    hold_linear_weights_in(mapped, torch.bfloat16)
+    with CheckpointReader(folder) as reader:
+        assert hold_linear_weights_in(read, torch.bfloat16, reader) == 15
+    assert all(torch.equal(a, b) for a, b in zip(mapped.state_dict().values(), read.state_dict().values(), strict=True))
