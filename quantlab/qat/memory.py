@@ -1,7 +1,7 @@
 """The peak memory a quantization-aware training run should need, and the choice of what it trains.
 
     peak = teacher + student + per quantized weight (25 bytes training weights, 1 byte training grids)
-           + activations + logits + RUNTIME_BYTES
+           + activations + logits + scratch + RUNTIME_BYTES
 
 - teacher: its parameters as held (float32, or its Linear weights in bfloat16: `--teacher-weights`);
 - student: its tensors as loaded (packed codes, grids, the float embeddings and norms);
@@ -10,10 +10,13 @@
   training grids (`train="grids"`): the codes unpacked (1 byte); the grids' own state is a few numbers
   a group (4 floats and 2 Adam moments per scale and zero point: 1.5 bytes a weight at groups of 32);
 - activations: what the student's backward pass keeps, per token of a micro-batch and block:
-  4 bytes x (10 x hidden + 5 x intermediate + heads x sequence length) (Llama-shaped); with activation
-  checkpointing one block's worth plus each block's input;
+  4 bytes x (14 x hidden + 7 x intermediate + heads x sequence length) (Llama-shaped, measured at 135M
+  and 1.1B); with activation checkpointing one block's worth plus each block's input;
 - logits: per token 3 x vocabulary x 4 bytes (the teacher's, the student's and their gradient:
-  `quantlab.distill.loss` computes the loss by chunks of rows);
+  `quantlab.distill.chunked_kl`); where the output heads run a chunk of rows at a time
+  (`quantlab.distill.chunked_head`), two chunks of 32 MiB;
+- scratch: the decoded weight, its gradient and the teacher's weight in float32, each as large as the
+  largest layer (`quantlab.utils.scratch`), 4 of them;
 - RUNTIME_BYTES: the interpreter, torch and transformers.
 
 `resolve_training` takes "weights" for `train="auto"` where that peak fits `MemAvailable` and
@@ -25,6 +28,7 @@ from typing import Any
 
 from torch import nn
 
+from quantlab.distill.chunked_head import CHUNK_BYTES, PLAIN_HEAD_MODELS
 from quantlab.nn import QuantizedLinear
 from quantlab.qat.options import QATOptions
 
@@ -32,6 +36,7 @@ RUNTIME_BYTES = 400 * 1024**2
 WEIGHTS_BYTES_PER_WEIGHT = 25
 GRIDS_BYTES_PER_WEIGHT = 1
 GRID_STATE_BYTES_PER_GROUP = 2 * 4 * 4  # scale and zero point: value, gradient, two Adam moments
+SCRATCH_COPIES = 4
 FITS_SHARE = 0.9  # of the memory available: room for what the formula leaves out
 
 
@@ -44,10 +49,12 @@ class TrainingMemory:
     trained_state: int
     activations: int
     logits: int
+    scratch: int
 
     @property
     def total(self) -> int:
-        return self.teacher + self.student + self.trained_state + self.activations + self.logits + RUNTIME_BYTES
+        terms = self.teacher + self.student + self.trained_state + self.activations + self.logits + self.scratch
+        return terms + RUNTIME_BYTES
 
     def terms(self) -> dict[str, int]:
         return {**dataclasses.asdict(self), "runtime": RUNTIME_BYTES, "total": self.total}
@@ -71,12 +78,17 @@ def predict_peak(
         state = GRIDS_BYTES_PER_WEIGHT * weights + GRID_STATE_BYTES_PER_GROUP * groups
     tokens = batch_size * seq_len
     config = getattr(student, "config", None)
+    plain_heads = all(getattr(getattr(m, "config", None), "model_type", None) in PLAIN_HEAD_MODELS
+                      for m in (student, teacher))  # fmt: skip
+    logits = 2 * CHUNK_BYTES if plain_heads else tokens * 3 * 4 * int(getattr(config, "vocab_size", 0) or 0)
+    largest = max([m.in_features * m.out_features for m in teacher.modules() if hasattr(m, "in_features")] or [0])
     return TrainingMemory(
         teacher=_tensor_bytes(teacher),
         student=_tensor_bytes(student),
         trained_state=state,
         activations=tokens * _activation_bytes_per_token(config, seq_len, activation_checkpointing),
-        logits=tokens * 3 * 4 * int(getattr(config, "vocab_size", 0) or 0),
+        logits=logits,
+        scratch=SCRATCH_COPIES * 4 * largest,
     )
 
 
@@ -127,7 +139,7 @@ def _activation_bytes_per_token(config: Any, seq_len: int, checkpointing: bool) 
     intermediate = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
     heads = int(getattr(config, "num_attention_heads", 0) or 1)
     blocks = int(getattr(config, "num_hidden_layers", 0) or 1)
-    block = 4 * (10 * hidden + 5 * intermediate + heads * seq_len)
+    block = 4 * (14 * hidden + 7 * intermediate + heads * seq_len)
     if checkpointing:
         return block + blocks * 4 * hidden
     return blocks * block
