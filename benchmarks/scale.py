@@ -14,7 +14,7 @@ QAT runs (`qat-grids`: scales and zero points trained, codes frozen; `qat-weight
 fake quantizer) start from the round-to-nearest checkpoint (made first, not timed) and train `--qat-steps`
 steps of `--qat-batch` x `--seq-len` tokens against the float checkpoint (teacher weights in `--teacher-weights`).
 Their "predicted" peak is the run report's (`quantlab.qat.memory`); their time column is seconds per step
-(the run's training time over its steps) against the step's arithmetic: 2 FLOPs per weight and token for the
+(the report's median of the steps after the first) against the step's arithmetic: 2 FLOPs per weight and token for the
 teacher's forward, the student's forward and each of the student's two backward products (input and weight
 gradients; attention's products included), at torch's own fp32 GFLOP/s measured in this process.
 
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                     run.predicted_peak_bytes = predicted_peak(quantized)
                     if method in QAT_METHODS:
                         report = json.loads((quantized / "quantlab_report.json").read_text(encoding="utf-8"))
-                        run.step_seconds.append(report["train_seconds"] / report["steps"])
+                        run.step_seconds.append(report["step_seconds_median"])
                     shutil.rmtree(quantized, ignore_errors=True)
                 runs.append(run)
                 _write(runs, output)

@@ -135,6 +135,7 @@ def report_rows(report: QATReport) -> list[tuple[str, str]]:
     else:
         trained = f"weights {bound}, scales {'learned' if report.learn_scales else 'fixed'}"
     norms = "frozen" if report.norm_lr_ratio is None else f"trained at {report.norm_lr_ratio:g} x lr"
+    per_step = "" if report.step_seconds_median is None else f" ({report.step_seconds_median:.1f} s a step)"
     losses = "" if report.loss_first is None else f", loss {report.loss_first:.4f} -> {report.loss_last:.4f}"
     rows = [
         ("student", f"{report.method} ({start}), {report.layers_trained} layers, "
@@ -142,7 +143,7 @@ def report_rows(report: QATReport) -> list[tuple[str, str]]:
         ("teacher", report.teacher),
         ("trained", f"{trained}, norms {norms}; loss alpha={report.alpha:g}, T={report.temperature:g}; "
                     f"teacher weights in {report.teacher_weights}"),
-        ("training", f"{report.steps} steps at lr {report.learning_rate:g}, {seconds(report.train_seconds)}, "
+        ("training", f"{report.steps} steps at lr {report.learning_rate:g}, {seconds(report.train_seconds)}{per_step}, "
                      f"peak {mebibytes(report.peak_memory_bytes)} (predicted "
                      f"{mebibytes(report.predicted_peak_memory_bytes)}){losses}"),
         ("size on disk", f"{disk_size(report.size_bytes)}, {report.bits_per_quantized_weight:.3f} bits per weight"),

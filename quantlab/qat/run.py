@@ -23,6 +23,7 @@ class QATResult:
     log: list[dict[str, Any]]
     options: QATOptions
     predicted_peak: TrainingMemory
+    step_seconds: list[float]
 
 
 def train_quantized(
@@ -74,6 +75,7 @@ def train_quantized(
         log=log,
         options=options,
         predicted_peak=predicted,
+        step_seconds=list(trainer.step_times.seconds),
     )
 
 

@@ -10,6 +10,7 @@ are put back in their ranges (`FakeQuantizedWeight.project`).
 """
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +45,20 @@ class ProjectQuantizers(TrainerCallback):
         return self.options.settings()
 
 
+class StepTimes(TrainerCallback):
+    """Wall seconds of each optimizer step (forward, backward, optimizer and projection), for the report."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._started = 0.0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._started = time.perf_counter()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.seconds.append(time.perf_counter() - self._started)
+
+
 class QATTrainer(DistillationTrainer):
     """Trains the fake quantizers of `student` (swapped in by `quantlab.qat.fake_quantize`) to match `teacher`."""
 
@@ -64,7 +79,8 @@ class QATTrainer(DistillationTrainer):
         trained = "grids" if all(isinstance(layer.fake, GridTrainedLinear) for layer in swapped.values()) else "weights"
         self.qat_options = dataclasses.replace(options or QATOptions(), train=trained)
         quantizers = [layer.quantizer for layer in swapped.values()]
-        callbacks = [*(callbacks or []), ProjectQuantizers(quantizers, self.qat_options)]
+        self.step_times = StepTimes()
+        callbacks = [*(callbacks or []), ProjectQuantizers(quantizers, self.qat_options), self.step_times]
         super().__init__(student, teacher, args, train_dataset, callbacks=callbacks, **kwargs)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

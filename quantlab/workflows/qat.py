@@ -20,6 +20,7 @@ sentence embeddings with the teacher's on the first 256 lines of the evaluation 
 
 import json
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,6 +67,7 @@ class QATReport:
     loss_first: float | None
     loss_last: float | None
     train_seconds: float
+    step_seconds_median: float | None
     peak_memory_bytes: int
     size_bytes: int
     bits_per_quantized_weight: float
@@ -296,6 +298,7 @@ def _train(
         loss_first=result.losses[0] if result.losses else None,
         loss_last=result.losses[-1] if result.losses else None,
         train_seconds=train_seconds,
+        step_seconds_median=_steady_step_seconds(result.step_seconds),
         peak_memory_bytes=peak_memory_bytes(),
         size_bytes=weights_size(output / FINAL_DIR),
         bits_per_quantized_weight=stored_bits_per_weight(student),
@@ -306,6 +309,12 @@ def _train(
         embedding_cosine_after=scores.cosine.get("after"),
         evaluation_text=scores.describe() if text else None,
     )
+
+
+def _steady_step_seconds(seconds: list[float]) -> float | None:
+    """The median step time after the first (which also warms up the allocator and the kernels)."""
+    steady = seconds[1:] or seconds
+    return statistics.median(steady) if steady else None
 
 
 class Scores:
