@@ -13,10 +13,11 @@ peak is read from the checkpoint's `quantlab_report.json` when quantlab reports 
 QAT runs (`qat-grids`: scales and zero points trained, codes frozen; `qat-weights`: every weight through a
 fake quantizer) start from the round-to-nearest checkpoint (made first, not timed) and train `--qat-steps`
 steps of `--qat-batch` x `--seq-len` tokens against the float checkpoint (teacher weights in `--teacher-weights`).
-Their "predicted" peak is the run report's (`quantlab.qat.memory`); their time column is seconds per step
-(the report's median of the steps after the first) against the step's arithmetic: 2 FLOPs per weight and token for the
-teacher's forward, the student's forward and each of the student's two backward products (input and weight
-gradients; attention's products included), at torch's own fp32 GFLOP/s measured in this process.
+Their "predicted" peak is the run report's (`quantlab.qat.memory`); their time column is seconds per step (the
+report's median of the steps after the first) against the step's arithmetic: 2 FLOPs per weight and token for
+the teacher's forward, the student's forward and each of the student's two backward products (input and
+weight gradients; attention's products included), at torch's own fp32 rate on the model's Linear shapes at
+the step's rows, measured in this process.
 
 Derived columns: seconds per 1e9 parameters; for RTN, that figure's growth over the next smaller
 shape run; for GPTQ, the time its arithmetic predicts from the next smaller shape run, scaling the
@@ -213,16 +214,28 @@ def qat_step_flops(shape: Shape, batch: int, seq_len: int, recomputed: int = 0) 
     return (4.0 + recomputed) * (2 * linear * tokens + attention)
 
 
-def fp32_rate(size: int = 2048, repeats: int = 5) -> float:
-    """torch's own fp32 matrix product in FLOP/s (the best of `repeats`)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - started)
-    return 2 * size**3 / best
+def fp32_rate(shape: Shape, tokens: int, repeats: int = 3) -> float:
+    """torch's own fp32 rate in FLOP/s on the step's products: each distinct Linear shape of the model at
+    `tokens` rows (the best of `repeats` calls each), weighted by how often the model has it."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(shape.config(torch.float32))
+    counts: dict[tuple[int, int], int] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            key = (module.in_features, module.out_features)
+            counts[key] = counts.get(key, 0) + 1
+    flops = seconds = 0.0
+    for (inputs, outputs), count in counts.items():
+        x, weight = torch.randn(tokens, inputs), torch.randn(outputs, inputs)
+        torch.nn.functional.linear(x, weight)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            torch.nn.functional.linear(x, weight)
+            best = min(best, time.perf_counter() - started)
+        flops += count * 2.0 * tokens * inputs * outputs
+        seconds += count * best
+    return flops / seconds
 
 
 def measure(command: list[str], log: Path) -> tuple[float, int]:
@@ -427,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                     run.step_flops = qat_step_flops(
                         shape, args.qat_batch, args.seq_len, int(args.activation_checkpointing)
                     )
-                    run.fp32_flops_per_second = fp32_rate()
+                    run.fp32_flops_per_second = fp32_rate(shape, args.qat_batch * args.seq_len)
                     start = scratch / f"{shape.name}-rtn-start"
                     if not (start / "config.json").is_file():
                         measure(quantize_command(checkpoint, start, "rtn", args), output / f"{shape.name}-start.log")
