@@ -17,6 +17,7 @@ from quantlab.replacement import (
     dequantize_layers,
     raise_nothing_to_quantize,
     replace_linear_layers,
+    warn_padded_groups,
     without_vocabulary,
 )
 from quantlab.vocabulary import replace_vocabulary
@@ -57,6 +58,7 @@ def quantize(
         selected = lambda name: should_convert_module(name, skip)  # noqa: E731
     selected = without_vocabulary(model, config, selected)
     check_layer_options(model, config, selected)
+    warn_padded_groups(model, config, method.module_class, selected)
     converted, data_free = [], config
     if config.needs_calibration:
         # calibration's modules load when a config needs them, not with `import quantlab`

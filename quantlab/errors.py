@@ -30,3 +30,7 @@ class CheckpointError(QuantlabError, ValueError):
 
 class RequantizationWarning(UserWarning):
     """Merging a LoRA adapter into a quantized base rounded the merged weights again (see the message)."""
+
+
+class PaddedGroupsWarning(UserWarning):
+    """A group size that does not divide a layer's inputs: its last group stores padding."""

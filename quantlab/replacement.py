@@ -6,13 +6,14 @@ quantized from the float weight), and refuse a model left with nothing to quanti
 `layer_options` entry that names none of the layers to convert (a typo would otherwise change nothing).
 """
 
+import warnings
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from quantlab.config import QuantlabConfig
-from quantlab.errors import ConfigError, QuantizationError
+from quantlab.errors import ConfigError, PaddedGroupsWarning, QuantizationError
 from quantlab.nn import QuantizedLinear
 from quantlab.vocabulary import dequantize_vocabulary, vocabulary_linears
 
@@ -95,6 +96,33 @@ def check_layer_options(model: nn.Module, config: QuantlabConfig, selected: Call
             f"{config.method}: layer_options names {unknown[0]!r}{more}, which is not a layer this model "
             f"quantizes{example}: correct the name, or remove the entry"
         )
+
+
+def warn_padded_groups(
+    model: nn.Module, config: QuantlabConfig, module_class: type[QuantizedLinear], selected: Callable[[str], bool]
+) -> list[str]:
+    """Warn (one line) when a group size does not divide a selected layer's inputs: its last group is padded,
+    so every row stores codes for inputs it does not have (groups of 128 on 576 inputs store 640 codes a row).
+    Returns the padded layers' names."""
+    padded: list[tuple[str, int, int, int]] = []
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and selected(name):
+            layout = module_class.layout_for(module.in_features, module.out_features, config.config_for(name))
+            stored = layout.groups * layout.group_length
+            if stored != module.in_features:
+                padded.append((name, module.in_features, layout.group_length, stored))
+    if padded:
+        name, inputs, group, stored = padded[0]
+        more = f" and {len(padded) - 1} more layer(s)" if len(padded) > 1 else ""
+        fits = [size for size in (32, 64, 128, 256) if inputs % size == 0]
+        hint = f"groups of {', '.join(map(str, fits))} divide {inputs}" if fits else "a smaller group divides it"
+        warnings.warn(
+            f"{config.method}: {name}{more} pad their last group: {inputs} inputs in groups of {group} store "
+            f"{stored} codes a row (+{100 * (stored - inputs) / inputs:.0f} %); {hint}",
+            PaddedGroupsWarning,
+            stacklevel=3,
+        )
+    return [entry[0] for entry in padded]
 
 
 def raise_nothing_to_quantize(model: nn.Module, config: QuantlabConfig) -> None:

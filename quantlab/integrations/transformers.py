@@ -46,6 +46,7 @@ from quantlab.replacement import (
     dequantize_layers,
     raise_nothing_to_quantize,
     replace_linear_layers,
+    warn_padded_groups,
     without_vocabulary,
 )
 from quantlab.utils.pages import release_mapped_tensor
@@ -180,6 +181,8 @@ class QuantlabHfQuantizer(HfQuantizer):
         skip = self.modules_to_not_convert
         selected = without_vocabulary(model, config, lambda name: should_convert_module(name, skip))
         check_layer_options(model, config, selected)
+        if not self.pre_quantized:
+            warn_padded_groups(model, config, self.module_class, selected)
         if self.calibrates_after_loading:
             return
         converted = replace_linear_layers(model, config, self.module_class, selected, False)

@@ -36,6 +36,7 @@ from quantlab.replacement import (
     check_layer_options,
     raise_nothing_to_quantize,
     replace_linear_layers,
+    warn_padded_groups,
     without_vocabulary,
 )
 from quantlab.streaming.blocks import REST, ReadBlocks, StreamedBlocks, write_part
@@ -99,6 +100,7 @@ def quantize_checkpoint(
             raise NotStreamableError(str(error)) from error
         selected = _selection(model, config)
         check_layer_options(model, config, selected)
+        warn_padded_groups(model, config, method_of(config).module_class, selected)
         with PartialOutput.start(output, reader.fingerprint(), config.to_dict(), resume, note) as partial:
             try:
                 activations = OffloadedActivations(offload_dir) if offload_dir is not None else Activations()
