@@ -14,18 +14,27 @@ from quantlab.errors import ConfigError
 from quantlab.formats import learned_table
 from quantlab.formats.layout import StorageLayout
 from quantlab.formats.learned_table import LUT
+from quantlab.methods.custom_bits import ALLOCATION_GROUP_SIZES
 from quantlab.nn import QuantizedLinear
 
 
 @dataclasses.dataclass(repr=False)
 class LutConfig(QuantlabConfig):
-    """A learned table of 2**`bits` levels per layer (`bits` 2-4) times a scale per group of `group_size`."""
+    """A learned table of 2**`bits` levels per layer (`bits` 2-4) times a scale per group of `group_size`.
+
+    With `target_bits`, mixed precision gives each layer its own width (2-4) and group size (32-128);
+    its measurement pass predicts each candidate's error on the normal-quantile starting table (fitting a
+    table per candidate and layer would cost minutes a layer), the table is then fitted to the choice."""
 
     method = "lut"
 
     bits: int = dataclasses.field(default=4, metadata={"help": "2, 3 or 4: a table of 4, 8 or 16 levels per layer"})
     group_size: int | None = 64
     scale_dtype: str = "float16"
+
+    def allocation_candidates(self) -> list[dict]:
+        """Tables of 4, 8 and 16 levels at groups of 32, 64 and 128 (each row of this list a layer's choice)."""
+        return [{"bits": b, "group_size": g} for b in learned_table.BITS for g in ALLOCATION_GROUP_SIZES]
 
     def validate(self) -> None:
         if self.bits not in learned_table.BITS:

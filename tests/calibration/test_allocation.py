@@ -132,3 +132,18 @@ def test_layer_options_naming_no_layer_of_the_model_are_refused(solver, entry, t
             quantlab.quantize(tiny_llama(), config, calibration=CALIBRATION, progress=False)
         else:
             AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint(tmp_path / "float"), quantization_config=config)
+
+
+def test_learned_tables_take_a_budget_with_widths_and_group_sizes_chosen_per_layer(tmp_path):
+    model = tiny_llama()
+    config = quantlab.LutConfig(bits=3, group_size=64, target_bits=3.3, solver="gptq")
+    quantlab.quantize(model, config, calibration=CALIBRATION, progress=False)
+    assert 3.0 < stored_bits_per_weight(model) <= 3.3
+    layers = quantized_layers(model).values()
+    assert len({(layer.config.bits, layer.config.group_size) for layer in layers}) > 1
+    assert all(type(layer).__name__ == "LutLinear" for layer in layers)
+    model.save_pretrained(tmp_path / "mixed")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mixed")
+    batch = CALIBRATION[:2]
+    with torch.no_grad():
+        assert torch.equal(reloaded(batch).logits, model(batch).logits)
