@@ -18,9 +18,9 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
+from quantlab.distill.chunked_kl import KLGradientMadeInForward
 from quantlab.training.data import IGNORE_INDEX
 
 CHUNK_BYTES = 32 * 1024 * 1024  # float32 bytes of one chunk's logits (a 16-bit head is cast once a chunk)
@@ -73,27 +73,14 @@ def kl_from_hidden_states(
     student_rows = student_hidden.reshape(-1, student_hidden.shape[-1])
     teacher_rows = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
     heads = (student_head, teacher_head)
+
+    def compute(with_gradient: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return _chunked(student_rows, teacher_rows, targets, temperature, heads, with_gradient)
+
     if torch.is_grad_enabled() and student_rows.requires_grad:
-        return _HeadKL.apply(student_rows, teacher_rows, targets, temperature, heads)
-    kl, ce, _ = _chunked(student_rows, teacher_rows, targets, temperature, heads, with_gradient=False)
+        return KLGradientMadeInForward.apply(student_rows, compute)
+    kl, ce, _ = compute(False)
     return kl, ce
-
-
-class _HeadKL(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, student_rows, teacher_rows, targets, temperature, heads):
-        kl, ce, gradient = _chunked(student_rows, teacher_rows, targets, temperature, heads, with_gradient=True)
-        ctx.save_for_backward(gradient)
-        ctx.mark_non_differentiable(ce)
-        return kl, ce
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_kl, grad_ce):
-        (gradient,) = ctx.saved_tensors
-        if grad_kl.item() != 1:
-            gradient = gradient * grad_kl.to(gradient.dtype)
-        return gradient, None, None, None, None
 
 
 def _chunked(

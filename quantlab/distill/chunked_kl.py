@@ -29,17 +29,23 @@ def kl_and_cross_entropy(
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)  # position t predicts label t + 1
     student_rows = student_logits.reshape(-1, vocabulary)
     teacher_rows = teacher_logits.detach().reshape(-1, vocabulary)
+
+    def compute(with_gradient: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return _chunked(student_rows, teacher_rows, targets, temperature, with_gradient)
+
     if torch.is_grad_enabled() and student_rows.requires_grad:
-        kl, ce = _ChunkedKL.apply(student_rows, teacher_rows, targets, temperature)
-        return kl, ce
-    kl, ce, _ = _chunked(student_rows, teacher_rows, targets, temperature, with_gradient=False)
+        return KLGradientMadeInForward.apply(student_rows, compute)
+    kl, ce, _ = compute(False)
     return kl, ce
 
 
-class _ChunkedKL(torch.autograd.Function):
+class KLGradientMadeInForward(torch.autograd.Function):
+    """The sums `(kl, ce)` that `compute(True)` returns with the KL's gradient in `rows` it made as it went;
+    backward hands that gradient on (scaled by the KL's own, when not 1). `ce` has no gradient."""
+
     @staticmethod
-    def forward(ctx, student_rows, teacher_rows, targets, temperature):
-        kl, ce, gradient = _chunked(student_rows, teacher_rows, targets, temperature, with_gradient=True)
+    def forward(ctx, rows, compute):
+        kl, ce, gradient = compute(True)
         ctx.save_for_backward(gradient)
         ctx.mark_non_differentiable(ce)
         return kl, ce
@@ -50,7 +56,7 @@ class _ChunkedKL(torch.autograd.Function):
         (gradient,) = ctx.saved_tensors
         if grad_kl.item() != 1:
             gradient = gradient * grad_kl.to(gradient.dtype)
-        return gradient, None, None, None
+        return gradient, None
 
 
 def _chunked(
