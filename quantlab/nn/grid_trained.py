@@ -41,7 +41,7 @@ class TrainedGrid(nn.Module):
         self.register_buffer("start_scale", params.scale.clone(), persistent=False)
         self.scale_ratio = nn.Parameter(torch.ones_like(params.scale))
         self.zero = None if params.zero is None else nn.Parameter(params.zero.clone(), requires_grad=learn_zero)
-        self._integer_levels = layout.levels() is None  # level[q] = q: decoded by one subtraction, in place
+        self._integer_levels = self._decodes_as_integers()  # level[q] = q: one subtraction, in place
 
     @classmethod
     def from_stored(cls, layout: StorageLayout, stored: dict[str, torch.Tensor]) -> "TrainedGrid":
@@ -91,6 +91,16 @@ class TrainedGrid(nn.Module):
     def project(self) -> None:
         """Keep the scales within `SCALE_RANGE` of their start (after each optimizer step)."""
         self.scale_ratio.clamp_(*SCALE_RANGE)
+
+    def _decodes_as_integers(self) -> bool:
+        """Whether the codec's decoding is `q - zero` at scale 1 (integer levels), checked on this layer's codes."""
+        if self.layout.levels() is not None:
+            return False
+        zero = self.start.zero
+        ones = torch.ones((*self.codes.shape[:2], 1), dtype=torch.float32, device=self.codes.device)
+        decoded = self.layout.decode(self.codes, ones, None if zero is None else zero.unsqueeze(-1))
+        direct = self.codes.float() - (self.layout.constant_zero if zero is None else zero.unsqueeze(-1))
+        return torch.equal(decoded, direct)
 
     def _at_start(self) -> bool:
         if not torch.all(self.scale_ratio == 1):

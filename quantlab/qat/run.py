@@ -10,6 +10,7 @@ from quantlab.qat.options import QATOptions
 from quantlab.qat.swap import dropout_off, fake_quantize, float_linear_weights, write_back
 from quantlab.qat.trainer import QATTrainer
 from quantlab.training.data import CausalLMCollator
+from quantlab.utils.scratch import release_scratch
 
 
 @dataclasses.dataclass
@@ -65,6 +66,7 @@ def train_quantized(
         with dropout_off(student):
             trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:
+        release_scratch()  # the decoding buffers of grid training: a largest layer's worth each
         student.eval()
         write_back(student, swapped)
     log = list(trainer.state.log_history)
