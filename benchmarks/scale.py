@@ -167,10 +167,15 @@ def _random_tensor(name: str, dims: tuple[int, ...], dtype: torch.dtype, seed: i
     return (torch.randn(dims, generator=generator) * 0.02).to(dtype)
 
 
+def _meta_model(shape: Shape) -> LlamaForCausalLM:
+    """`shape` on the meta device: its modules' shapes, no memory."""
+    with torch.device("meta"):
+        return LlamaForCausalLM(shape.config(torch.float32))
+
+
 def model_figures(shape: Shape) -> tuple[int, float]:
     """Parameters, and GPTQ's arithmetic over the Linear layers of the blocks."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(shape.config(torch.float32))
+    model = _meta_model(shape)
     parameters = sum(p.numel() for p in model.parameters())
     work = sum(
         float(m.in_features) ** 2 * m.out_features + float(m.in_features) ** 3
@@ -206,8 +211,7 @@ def qat_step_flops(shape: Shape, batch: int, seq_len: int, recomputed: int = 0) 
     """Teacher forward, student forward, student input and weight gradients: 4 x 2 FLOPs per weight and token
     on every Linear (the output head included), and attention's two products in each of the four; with
     activation checkpointing (`recomputed` = 1) the student's forward once more."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(shape.config(torch.float32))
+    model = _meta_model(shape)
     linear = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
     tokens = batch * seq_len
     attention = shape.blocks * 2 * 2 * tokens * seq_len * shape.hidden
@@ -217,8 +221,7 @@ def qat_step_flops(shape: Shape, batch: int, seq_len: int, recomputed: int = 0) 
 def fp32_rate(shape: Shape, tokens: int, repeats: int = 3) -> float:
     """torch's own fp32 rate in FLOP/s on the step's products: each distinct Linear shape of the model at
     `tokens` rows (the best of `repeats` calls each), weighted by how often the model has it."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(shape.config(torch.float32))
+    model = _meta_model(shape)
     counts: dict[tuple[int, int], int] = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):

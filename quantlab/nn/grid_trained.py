@@ -70,7 +70,7 @@ class TrainedGrid(nn.Module):
     def levels_minus_zero(self, zero: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """`level[q] - zero` `[out, groups, length]`: the weight at scale 1, and its gradient per unit of scale
         (into `out` when given)."""
-        if self._integer_levels and out is not None:
+        if out is not None and self._integer_levels:  # (the check at construction decodes without `out`)
             return torch.sub(self.codes, self.layout.constant_zero if zero is None else zero.unsqueeze(-1), out=out)
         ones = torch.ones((*self.codes.shape[:2], 1), dtype=torch.float32, device=self.codes.device)
         unit = self.layout.decode(self.codes, ones, None if zero is None else zero.unsqueeze(-1))
@@ -97,8 +97,7 @@ class TrainedGrid(nn.Module):
         if self.layout.levels() is not None:
             return False
         zero = self.start.zero
-        ones = torch.ones((*self.codes.shape[:2], 1), dtype=torch.float32, device=self.codes.device)
-        decoded = self.layout.decode(self.codes, ones, None if zero is None else zero.unsqueeze(-1))
+        decoded = self.levels_minus_zero(zero)  # the codec's own decoding at scale 1
         direct = self.codes.float() - (self.layout.constant_zero if zero is None else zero.unsqueeze(-1))
         return torch.equal(decoded, direct)
 
