@@ -27,9 +27,10 @@ one width are compared as well. Writes `scale.json`, `scale.md` and `scale.png` 
 time against parameters; needs matplotlib: `pip install quantlab[bench]`) into `--output`.
 
     python benchmarks/scale.py --shapes h1024x12,h1024x24 --output scale-results
-    python benchmarks/scale.py --output scale-results            # every shape (hours on 2 cores)
+    python benchmarks/scale.py --output scale-results            # every shape but the 70B-wide one (hours)
     python benchmarks/scale.py --shapes tinyllama --methods gptq --scratch /big/disk --keep
     python benchmarks/scale.py --shapes smollm2-135m,tinyllama --methods qat-grids --teacher-weights bfloat16
+    python benchmarks/scale.py --shapes llama70b-2blocks --methods gptq --dtype bfloat16 --samples 128
 """
 
 import argparse
@@ -70,6 +71,7 @@ class Shape:
     vocab: int
     tied: bool = False
     methods: tuple[str, ...] = ("rtn", "gptq")  # what runs by default
+    in_default_run: bool = True  # False: only when named in --shapes
 
     def config(self, dtype: torch.dtype) -> LlamaConfig:
         config = LlamaConfig(
@@ -97,6 +99,8 @@ SHAPES = {
         Shape("h1024x24", 1024, 24, 4864, 16, 4, 32000),  # ~0.5B
         Shape("tinyllama", 2048, 22, 5632, 32, 4, 32000),  # TinyLlama-1.1B's shape
         Shape("h2560x36", 2560, 36, 6912, 32, 8, 32000, methods=("rtn",)),  # ~2.7B
+        # Two blocks of Llama-2/3-70B's widths: GPTQ's statistics and working set at 28,672 inputs.
+        Shape("llama70b-2blocks", 8192, 2, 28672, 64, 8, 32000, methods=("gptq",), in_default_run=False),
     )
 }
 
@@ -490,7 +494,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=Path("scale-results"), help="where the table, JSON, PNG go")
     parser.add_argument("--scratch", type=Path, default=None, help="where checkpoints go (default: under --output)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints written")
-    parser.add_argument("--shapes", type=_names(SHAPES), default=list(SHAPES), help=f"of {', '.join(SHAPES)}")
+    defaults = [name for name, shape in SHAPES.items() if shape.in_default_run]
+    parser.add_argument("--shapes", type=_names(SHAPES), default=defaults, help=f"of {', '.join(SHAPES)}")
     parser.add_argument(
         "--methods",
         type=_names({"rtn": 0, "gptq": 0, **QAT_METHODS}),

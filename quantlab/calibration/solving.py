@@ -5,6 +5,8 @@ of them would solve a layer to the same codes. Rather than each solving every la
 goes to one rank, the least loaded so far when the layers are dealt largest first by GPTQ's
 arithmetic (`d_in^2 * d_out + d_in^3`: the column sweep and the inverse Hessian), and that rank
 broadcasts the layer's stored tensors to the others. Alone, every layer is solved here, in order.
+Each input's statistics are released once the last layer this rank solves from them is done, so a
+block's `in x in` matrices do not all wait for its widest layer (the MLP's down projection, last).
 """
 
 import torch
@@ -24,19 +26,23 @@ def quantize_layers(
     module_class: type[QuantizedLinear],
     stats: dict[str, InputStats],
 ) -> dict[str, QuantizedLinear]:
-    """Relative name → the quantized layer for each named float Linear of `block` (left as it is)."""
+    """Relative name → the quantized layer for each named float Linear of `block` (left as it is).
+    The statistics are used up: each is released after the last layer solved from it here."""
     linears = {relative: block.get_submodule(relative) for relative in names}
     owners = solver_ranks([_cost(linear) for linear in linears.values()], distributed.world_size())
     configs = {relative: config.config_for(full_name) for relative, full_name in names.items()}
+    mine = [relative for relative, owner in zip(names, owners, strict=True) if owner == distributed.rank()]
+    last_reader = {id(stats[relative]): relative for relative in mine}
     stored: dict[str, dict[str, torch.Tensor]] = {}
-    for (relative, full_name), owner in zip(names.items(), owners, strict=True):
-        if owner == distributed.rank():
-            linear = linears[relative]
-            with heap_for_temporaries():  # the solver's temporaries from warm heap pages, returned after
-                stored[relative] = module_class.quantize_checked(
-                    linear.weight, configs[relative], full_name, stats[relative]
-                )
-            return_freed_memory()  # this solver's temporaries, before the next one's
+    for relative in mine:
+        linear = linears[relative]
+        with heap_for_temporaries():  # the solver's temporaries from warm heap pages, returned after
+            stored[relative] = module_class.quantize_checked(
+                linear.weight, configs[relative], names[relative], stats[relative]
+            )
+        if last_reader[id(stats[relative])] == relative:
+            stats[relative].release()
+        return_freed_memory()  # this solver's temporaries, before the next one's
     quantized = {}
     for relative, owner in zip(names, owners, strict=True):
         linear = linears[relative]

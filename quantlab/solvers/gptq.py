@@ -51,8 +51,7 @@ class GptqSolver(Solver):
         damp, act_order, block_size, static, grid = _options(options)
         static = static or act_order or layout.double_quant
         grid = grid or ("minmax" if layout.bits >= 8 else "mse")
-        with single_thread():  # thousands of small steps: a second thread costs more than it gives
-            return self._solve(weight, layout, stats, damp, act_order, block_size, static, grid)
+        return self._solve(weight, layout, stats, damp, act_order, block_size, static, grid)
 
     def _solve(
         self,
@@ -65,7 +64,7 @@ class GptqSolver(Solver):
         static: bool,
         grid: str,
     ) -> Solution:
-        W = weight.detach().float().clone()
+        W = weight.detach().float()  # read only: the column sweep works on its own copy
         diagonal = stats.hessian.diagonal().double()
         dead = diagonal == 0
         diagonal[dead] = 1.0
@@ -73,21 +72,23 @@ class GptqSolver(Solver):
         grids = _Grids(layout, W, order, static, stats.channel_weights() if grid == "mse" else None)
         inverse = _inverse_cholesky(stats.hessian, order, dead[order], damp)
         # Columns of W as contiguous rows: each step reads and updates whole rows.
-        columns = W[:, order].T.contiguous()
+        columns = W.T.index_select(0, order)
+        del W
         codes = torch.empty(columns.shape, dtype=torch.uint8)
         for start in range(0, layout.in_features, block_size):
             end = min(start + block_size, layout.in_features)
             block = columns[start:end].clone()
             errors = torch.empty_like(block)
             block_inverse = inverse[start:end, start:end]
-            for i in range(end - start):
-                scale, zero = grids.at(start + i, block[i:], columns[end:])
-                column = block[i]
-                q = layout.encode(column, scale, zero)
-                codes[start + i] = q
-                error = (column - layout.decode(q, scale, zero)) / block_inverse[i, i]
-                block[i:].addr_(block_inverse[i, i:], error, alpha=-1)
-                errors[i] = error
+            with single_thread():  # hundreds of small steps: a second thread costs more than it gives
+                for i in range(end - start):
+                    scale, zero = grids.at(start + i, block[i:], columns[end:])
+                    column = block[i]
+                    q = layout.encode(column, scale, zero)
+                    codes[start + i] = q
+                    error = (column - layout.decode(q, scale, zero)) / block_inverse[i, i]
+                    block[i:].addr_(block_inverse[i, i:], error, alpha=-1)
+                    errors[i] = error
             columns[end:].sub_(inverse[start:end, end:].T @ errors)
         codes = codes.T
         unpermuted = torch.empty_like(codes)
@@ -149,9 +150,10 @@ def _inverse_cholesky(hessian: torch.Tensor, order: torch.Tensor, dead: torch.Te
     """Upper Cholesky factor (float32) of `(H + damp * mean(diag H) * I)^-1` for `H` the float32 `hessian` in
     `order` with its `dead` diagonal set to 1; more dampening if singular.
 
-    One float64 `in x in` buffer holds H, then its factor, the inverse and the inverse's factor: LAPACK
-    works in place on a column-major matrix, so each step writes over the last (the float32 result is a
-    second, half-size matrix). The steps and their inputs are those of out-of-place calls, bit for bit.
+    One float64 `in x in` buffer (8 in^2 bytes) holds H, then its factor, the inverse, the inverse's factor,
+    and last that factor rounded to float32: LAPACK works in place on a column-major matrix, so each step
+    writes over the last, and the float32 numbers fill the buffer's first half. The steps and their inputs
+    are those of out-of-place calls, bit for bit.
     """
     for attempt in range(_DAMP_RETRIES + 1):
         matrix = _permuted_float64(hessian, order)
@@ -163,12 +165,25 @@ def _inverse_cholesky(hessian: torch.Tensor, order: torch.Tensor, dead: torch.Te
             torch.cholesky_inverse(matrix, out=matrix)
             torch.linalg.cholesky_ex(matrix, upper=True, out=(matrix, info))
             if info == 0:
-                return matrix.float()
+                return _rounded_in_place(matrix)
         del matrix
     raise QuantizationError(
         f"gptq: the calibration Hessian stays singular with dampening up to {damp * 10**_DAMP_RETRIES:g}; "
         f"use more (or more varied) calibration samples, or the mse solver for this model"
     )
+
+
+def _rounded_in_place(matrix: torch.Tensor, rows: int = 256) -> torch.Tensor:
+    """`matrix.float()` for a column-major float64 `matrix`, written over the first half of its own storage.
+
+    Storage row j (column j of the matrix) goes to float32 bytes `[4 n j, 4 n (j + 1))`, inside float64 rows
+    `<= j`: every slice of rows is read whole before it is written, so nothing is overwritten unread."""
+    size = matrix.shape[0]
+    storage = matrix.mT  # row-major view: row j is the matrix's column j
+    halves = storage.reshape(-1).view(torch.float32)[: size * size].view(size, size)
+    for start in range(0, size, rows):
+        halves[start : start + rows] = storage[start : start + rows].float()
+    return halves.mT
 
 
 def _permuted_float64(hessian: torch.Tensor, order: torch.Tensor, rows: int = 1024) -> torch.Tensor:

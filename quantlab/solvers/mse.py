@@ -21,6 +21,7 @@ from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.solvers.base import InputStats, Solution, Solver
 
 DEFAULTS = {"grid": 20, "min_clip": 0.5, "refits": 4}
+SEARCH_WEIGHTS = 1 << 22  # weights searched at once: the search's temporaries are a few float copies of them
 
 
 class MseSolver(Solver):
@@ -45,7 +46,25 @@ def search_grid(
     min_clip: float = DEFAULTS["min_clip"],
     refits: int = DEFAULTS["refits"],
 ) -> GroupParams:
-    """The grids of grouped weights `[out, groups, length]` with the least importance-weighted error."""
+    """The grids of grouped weights `[out, groups, length]` with the least importance-weighted error.
+
+    Each group's search depends on that group alone, so rows go `SEARCH_WEIGHTS` weights at a time
+    (the same grids, temporaries bounded), except where a codec compresses all of a layer's grids
+    together (NF4's double quantization)."""
+    rows = max(1, SEARCH_WEIGHTS // max(1, grouped.shape[1] * grouped.shape[2]))
+    if layout.double_quant or grouped.shape[0] <= rows:
+        return _search_rows(grouped, layout, importance, grid, min_clip, refits)
+    parts = [
+        _search_rows(grouped[start : start + rows], layout, importance, grid, min_clip, refits)
+        for start in range(0, grouped.shape[0], rows)
+    ]
+    zero = None if parts[0].zero is None else torch.cat([part.zero for part in parts])
+    return GroupParams(torch.cat([part.scale for part in parts]), zero)
+
+
+def _search_rows(
+    grouped: torch.Tensor, layout: StorageLayout, importance: torch.Tensor, grid: int, min_clip: float, refits: int
+) -> GroupParams:
     params, error = _clip_search(grouped, layout, importance, grid, min_clip)
     for _ in range(refits):
         codes = layout.quantize_grouped(grouped, params)

@@ -3,18 +3,23 @@
     peak = memory before loading + max(blocks phase, end phase)
     blocks phase = one float block + its stored (quantized) tensors
                    [calibrated: + the input embedding
-                                + the block's input statistics: one float32 `in x in` matrix per Linear
-                                  layer (an upper bound: layers reading one input share one)
-                                + GPTQ's working set for the widest layer: a float64 and a float32 `in x in`
-                                  matrix and 2 float32 copies of its weight
                                 + the calibration activations, the block's inputs and outputs:
                                   2 x samples x seq_len x hidden (with --offload-dir, one batch of 8)
-                                + one batch's forward temporaries: 8 x seq_len x (3 x intermediate
-                                  + 2 x heads x seq_len)]
+                                + the largest of
+                                  summing: the statistics as float64 sums, 8 in^2 per Linear layer
+                                           + one batch's forward temporaries: 8 x seq_len x (3 x intermediate
+                                             + 2 x heads x seq_len) + a panel of X^T X: 4 in x min(in, 2048)
+                                  solving: the statistics as float32 means, 4 in^2 per Linear layer
+                                           + GPTQ's working set for the widest layer: one float64 `in x in`
+                                             (its factor rounded to float32 inside it), a float32 copy of its
+                                             weight and its codes, 6 in x out]
     end phase = every tensor outside the blocks in float + the quantized ones among them
 
-All in the dtype the model loads in (float32 for the statistics). It leaves out the allocator's
-slack, Python objects and the tokenizer; `benchmarks/RESULTS.md` compares it with measured peaks.
+Per Linear layer is an upper bound: layers reading one input share one statistics, and each is released
+once its last layer is solved. The float32 mean of the widest input is made while its float64 sum still
+exists (12 in^2 for that moment), which the solving term covers. All in the dtype the model loads in
+(float32 for the statistics). It leaves out the allocator's slack, Python objects and the tokenizer;
+`benchmarks/RESULTS.md` compares it with measured peaks.
 """
 
 from dataclasses import dataclass, field
@@ -27,6 +32,7 @@ from quantlab.calibration.sequential import BATCH_SIZE
 from quantlab.config import QuantlabConfig
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
+from quantlab.solvers import InputStats
 
 
 @dataclass
@@ -55,9 +61,6 @@ def predict_peak(
         hidden = _setting(shell, "hidden_size")
         sizes = _linear_sizes(blocks[0])
         terms["input embedding"] = _embedding_bytes(shell, itemsize)
-        terms["input statistics"] = sum(4 * i * i for i, _ in sizes)
-        widest = max(sizes, default=(0, 0), key=lambda s: s[0])
-        terms["solver working set"] = (8 + 4) * widest[0] ** 2 + 2 * 4 * widest[0] * widest[1]
         samples, seq_len = config.calibration_samples, config.calibration_seq_len
         held = min(samples, BATCH_SIZE) if offloaded else samples
         terms["calibration activations"] = 2 * held * seq_len * hidden * itemsize
@@ -65,7 +68,18 @@ def predict_peak(
             3 * _setting(shell, "intermediate_size", 4 * hidden)
             + 2 * _setting(shell, "num_attention_heads", 1) * seq_len
         )
-        terms["forward temporaries"] = BATCH_SIZE * seq_len * wide * itemsize
+        widest_in, widest_out = max(sizes, default=(0, 0), key=lambda s: s[0])
+        summing = {
+            "input statistics, summed in float64": sum(8 * i * i for i, _ in sizes),
+            "forward temporaries": BATCH_SIZE * seq_len * wide * itemsize,
+            "one panel of X^T X": 4 * widest_in * min(widest_in, InputStats.PRODUCT_COLUMNS),
+        }
+        solving = {
+            "input statistics, float32 means": sum(4 * i * i for i, _ in sizes),
+            "solver working set": 8 * widest_in**2 + 6 * widest_in * widest_out,
+        }
+        larger = max(summing, solving, key=lambda phase: sum(phase.values()))
+        terms.update(larger)
         blocks_phase += sum(terms[k] for k in list(terms)[3:])
     end_phase = outside_float + outside_stored
     terms["tensors outside the blocks, float and quantized (at the end)"] = end_phase

@@ -1,4 +1,5 @@
-"""GPTQ's inverse-Hessian factor, computed in place in one float64 buffer, equals the out-of-place computation."""
+"""GPTQ's inverse-Hessian factor, computed in place in one float64 buffer and rounded to float32 inside it,
+equals the out-of-place computation."""
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ def test_the_in_place_factor_is_the_out_of_place_one(size: int, dead_inputs: int
     assert torch.equal(got, expected)
     assert got.stride() == expected.stride()  # the column sweep reads it in the same layout
     assert torch.equal(got, got.triu())
+    assert got.untyped_storage().nbytes() == 8 * size * size  # no buffer beside the float64 one
 
 
 def test_a_hessian_that_stays_singular_is_refused() -> None:
