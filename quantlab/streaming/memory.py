@@ -11,8 +11,8 @@
                                              + 2 x heads x seq_len) + a panel of X^T X: 4 in x min(in, 2048)
                                   solving: the statistics as float32 means, 4 in^2 per Linear layer
                                            + GPTQ's working set for the widest layer: one float64 `in x in`
-                                             (its factor rounded to float32 inside it), a float32 copy of its
-                                             weight and its codes, 6 in x out]
+                                             (its factor rounded to float32 inside it), float32 copies of its
+                                             weight (two while its columns are reordered), 8 in x out]
     end phase = every tensor outside the blocks in float + the quantized ones among them
 
 Per Linear layer is an upper bound: layers reading one input share one statistics, and each is released
@@ -76,7 +76,7 @@ def predict_peak(
         }
         solving = {
             "input statistics, float32 means": sum(4 * i * i for i, _ in sizes),
-            "solver working set": 8 * widest_in**2 + 6 * widest_in * widest_out,
+            "solver working set": 8 * widest_in**2 + 8 * widest_in * widest_out,
         }
         larger = max(summing, solving, key=lambda phase: sum(phase.values()))
         terms.update(larger)

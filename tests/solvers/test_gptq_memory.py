@@ -1,6 +1,7 @@
 """GPTQ's memory bounds for wide layers (statistics by column panels, the float32 mean made a slice at a time,
-the factor rounded inside its own float64 buffer, grid searches by rows, statistics released after their last
-layer) leave every code as the plain computation chooses it."""
+the factor rounded inside its own float64 buffer, grid searches by rows, the later columns updated by slices,
+grids looked up per group, statistics released after their last layer) leave every code as the plain
+computation chooses it."""
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from quantlab.calibration.solving import quantize_layers
 from quantlab.formats import grouping
 from quantlab.formats.layout import StorageLayout
 from quantlab.methods.custom_bits import CustomBitsLinear
-from quantlab.solvers import InputStats, get_solver, mse
+from quantlab.solvers import InputStats, get_solver, gptq, mse
 from quantlab.solvers.gptq import _Grids
 from quantlab.testing.models import tiny_llama
 from quantlab.utils.threads import single_thread
@@ -83,6 +84,7 @@ def test_codes_and_grids_are_those_of_the_plain_computation(name, act_order, gri
     stats = _stats()
     expected_codes, expected_params = _plain_gptq(weight, layout, stats, act_order, grid)
     monkeypatch.setattr(mse, "SEARCH_WEIGHTS", 3 * IN)  # the grid search three rows at a time
+    monkeypatch.setattr(gptq, "UPDATE_ROWS", 24)  # the later columns' update in slices of 24
     options = {"act_order": act_order, "grid": grid, **({} if act_order else {"static_groups": True})}
     solution = get_solver("gptq").solve(weight, layout, stats, options)
     assert torch.equal(solution.codes, expected_codes)
