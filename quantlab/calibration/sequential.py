@@ -124,7 +124,9 @@ def collect_input_stats(
             if first != relative:
                 shares[relative] = first
                 return
-            stats.setdefault(relative, InputStats(inputs.shape[-1])).add(inputs)
+            if relative not in stats:  # (not `setdefault`: that would build an `in x in` matrix every batch)
+                stats[relative] = InputStats(inputs.shape[-1])
+            stats[relative].add(inputs)
 
         return hook
 

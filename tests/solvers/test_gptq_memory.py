@@ -133,3 +133,22 @@ def test_each_statistics_is_released_after_the_last_layer_solved_from_it():
     for relative in names:
         with pytest.raises(RuntimeError, match="released"):
             stats[relative].channel_weights()
+
+
+def test_each_input_builds_its_statistics_once(monkeypatch):
+    """One `in x in` matrix per distinct input for the whole pass, not one per batch."""
+    model = tiny_llama()
+    _, blocks = find_blocks(model)
+    batches = first_block_inputs(model, blocks[0], torch.randint(0, 256, (8, 32)), batch_size=2)
+    names = selected_linears(blocks[0], "model.layers.0", lambda name: True)
+    built = []
+    original = InputStats.__init__
+
+    def counted(self, in_features):
+        built.append(in_features)
+        original(self, in_features)
+
+    monkeypatch.setattr(InputStats, "__init__", counted)
+    stats = collect_input_stats(blocks[0], names, batches)
+    assert len(batches) == 4
+    assert len(built) == len({id(value) for value in stats.values()}) == 4  # q/k/v, o, gate/up, down
