@@ -101,6 +101,33 @@ def cpu_line(threads: int) -> str:
     return f"{model}, {' '.join(sets) or 'no AVX2'}, torch fp32 matmul {rate:.0f} GFLOP/s on {threads} threads"
 
 
+def linear_shape_counts(module: torch.nn.Module) -> dict[tuple[int, int], int]:
+    """(inputs, outputs) of each distinct Linear layer inside `module`, and how many it has."""
+    counts: dict[tuple[int, int], int] = {}
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Linear):
+            key = (layer.in_features, layer.out_features)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def fp32_linear_rate(counts: dict[tuple[int, int], int], tokens: int, repeats: int = 3) -> float:
+    """torch's own fp32 rate in FLOP/s on Linear products of these shapes at `tokens` rows (the best of
+    `repeats` calls each), each shape weighted by its count (`linear_shape_counts`)."""
+    flops = seconds = 0.0
+    for (inputs, outputs), count in counts.items():
+        x, weight = torch.randn(tokens, inputs), torch.randn(outputs, inputs)
+        torch.nn.functional.linear(x, weight)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            torch.nn.functional.linear(x, weight)
+            best = min(best, time.perf_counter() - started)
+        flops += count * 2.0 * tokens * inputs * outputs
+        seconds += count * best
+    return flops / seconds
+
+
 def peak_resident_mib() -> float:
     """This process's peak resident memory (VmHWM): unlike `ru_maxrss`, not inherited from the parent
     across fork and exec (the forked child starts with the parent's pages resident)."""

@@ -15,13 +15,14 @@ activations, optimizer).
 """
 
 import argparse
+import copy
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _common import cpu_line, environment, format_table, write_json
+from _common import cpu_line, environment, format_table, fp32_linear_rate, linear_shape_counts, write_json
 
 import quantlab
 from quantlab.assets.models import smollm2_dir
@@ -30,31 +31,11 @@ from quantlab.calibration import calibration_windows, reconstruction
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_scaled_dot_product")
 
 
-def block_step_flops(config, tokens: int, seq_len: int) -> float:
-    """FLOPs of one training step through one block: forward plus both backward products."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    head_dim = hidden // config.num_attention_heads
-    kv = config.num_key_value_heads * head_dim
-    weights = hidden * hidden * 2 + hidden * kv * 2 + 3 * hidden * inter
-    attention = 4 * tokens * seq_len * hidden
+def block_step_flops(block: torch.nn.Module, config, tokens: int, seq_len: int) -> float:
+    """FLOPs of one training step through `block`: forward plus both backward products."""
+    weights = sum(inputs * outputs * count for (inputs, outputs), count in linear_shape_counts(block).items())
+    attention = 4 * tokens * seq_len * config.hidden_size
     return 3 * (2 * weights * tokens) + 3 * attention
-
-
-def fp32_rate(config, tokens: int, repeats: int = 5) -> float:
-    """torch's fp32 FLOP/s on the block's Linear shapes at `tokens` rows (best of `repeats`)."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    kv = config.num_key_value_heads * (hidden // config.num_attention_heads)
-    shapes = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden), (hidden, inter), (hidden, inter)]
-    shapes.append((inter, hidden))
-    pairs = [(torch.randn(tokens, i), torch.randn(i, o)) for i, o in shapes]
-    flops = sum(2 * tokens * i * o for i, o in shapes)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for x, w in pairs:
-            x @ w
-        best = min(best, time.perf_counter() - start)
-    return flops / best
 
 
 class StepClock:
@@ -136,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         calibration_samples=args.samples,
         calibration_seq_len=seq_len,
     )
+    float_block = copy.deepcopy(model.model.layers[0])  # its Linear shapes (quantize replaces the layers)
     with StepClock(profile_step=args.steps // 2) as clock:
         quantlab.quantize(model, config, calibration=windows, progress=False)
     tokens = args.batch_size * seq_len
-    flops = block_step_flops(model.config, tokens, seq_len)
-    rate = fp32_rate(model.config, tokens)
+    flops = block_step_flops(float_block, model.config, tokens, seq_len)
+    rate = fp32_linear_rate(linear_shape_counts(float_block), tokens, repeats=5)
     median = statistics.median(clock.seconds[1:])
     arithmetic = flops / rate
     total = sum(seconds for _, seconds in clock.profile)

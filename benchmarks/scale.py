@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import environment, format_table, write_json
+from _common import environment, format_table, fp32_linear_rate, linear_shape_counts, write_json
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -224,25 +224,8 @@ def qat_step_flops(shape: Shape, batch: int, seq_len: int, recomputed: int = 0) 
 
 def fp32_rate(shape: Shape, tokens: int, repeats: int = 3) -> float:
     """torch's own fp32 rate in FLOP/s on the step's products: each distinct Linear shape of the model at
-    `tokens` rows (the best of `repeats` calls each), weighted by how often the model has it."""
-    model = _meta_model(shape)
-    counts: dict[tuple[int, int], int] = {}
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            key = (module.in_features, module.out_features)
-            counts[key] = counts.get(key, 0) + 1
-    flops = seconds = 0.0
-    for (inputs, outputs), count in counts.items():
-        x, weight = torch.randn(tokens, inputs), torch.randn(outputs, inputs)
-        torch.nn.functional.linear(x, weight)
-        best = float("inf")
-        for _ in range(repeats):
-            started = time.perf_counter()
-            torch.nn.functional.linear(x, weight)
-            best = min(best, time.perf_counter() - started)
-        flops += count * 2.0 * tokens * inputs * outputs
-        seconds += count * best
-    return flops / seconds
+    `tokens` rows, weighted by how often the model has it."""
+    return fp32_linear_rate(linear_shape_counts(_meta_model(shape)), tokens, repeats)
 
 
 def measure(command: list[str], log: Path) -> tuple[float, int]:
