@@ -168,6 +168,20 @@ def test_merge_and_unload_warns_with_the_measured_rounding_error(config):
     assert not torch.equal(_logits(merged), adapter_logits)
 
 
+def test_merge_and_unload_requantizes_a_calibrated_model_with_the_data_free_solver():
+    """A GPTQ layer keeps `solver="gptq"` in its config; merging has no calibration data, so it rounds the sum
+    with the data-free solver on the same format instead of failing."""
+    config = get_method("custom_bits").config_class(bits=4, group_size=32, solver="gptq", calibration_samples=4)
+    model = quantize(tiny_llama(0), config, calibration=torch.randint(0, 256, (4, 32)), progress=False)
+    peft_model = get_peft_model(model, _lora())
+    _randomize_adapters(peft_model)
+    adapter_logits = _logits(peft_model)
+    with pytest.warns(RequantizationWarning):
+        merged = peft_model.merge_and_unload()
+    assert len(quantized_layers(merged)) == 14
+    assert ((_logits(merged) - adapter_logits).norm() / adapter_logits.norm()) < 0.1
+
+
 def test_merge_adapter_warns_once_and_a_single_layer_merge_warns_for_itself():
     peft_model = get_peft_model(_quantized(CONFIGS[0]), _lora())
     _randomize_adapters(peft_model)

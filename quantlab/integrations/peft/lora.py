@@ -203,7 +203,10 @@ def zero_points_shifted(layer: QuantizedLinear, update: torch.Tensor) -> Quantiz
 
 
 def requantized_like(layer: QuantizedLinear, weight: torch.Tensor) -> QuantizedLinear:
-    """A new layer of `layer`'s class and config holding `weight` quantized; the bias is kept."""
+    """A new layer of `layer`'s class and config holding `weight` quantized (a calibrated solver's layer by
+    the data-free solver on the same format: no calibration data is at hand); the bias is kept."""
+    from quantlab.calibration.model import data_free_config
+
     bias = layer.bias
     new = type(layer)(
         layer.in_features,
@@ -213,7 +216,7 @@ def requantized_like(layer: QuantizedLinear, weight: torch.Tensor) -> QuantizedL
         dtype=bias.dtype if bias is not None else torch.float32,
         device=weight.device,
     )
-    new.load_stored(type(layer).quantize_checked(weight, layer.config, type(layer).__name__))
+    new.load_stored(type(layer).quantize_checked(weight, data_free_config(layer.config), type(layer).__name__))
     if bias is not None:
         new.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
     new.train(layer.training)
