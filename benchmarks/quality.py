@@ -25,6 +25,7 @@ Peer figures (benchmarks/RESULTS.md, "Peer baselines") are printed beside ours w
     python benchmarks/quality.py --quick         # a representative subset
     python benchmarks/quality.py --json out.json --text path/to/wiki.test.raw
     python benchmarks/quality.py --only hqq --only bitsandbytes   # some rows (fp32 always runs)
+    python benchmarks/quality.py --only "=custom_bits 3-bit g64 sym gptq"   # one row by its exact name
 """
 
 import argparse
@@ -122,6 +123,7 @@ def builtin_variants() -> list[Variant]:
     # 3-bit g32 symmetric also stores 3.5 bits per weight: a uniform rival of mixed precision at 3.5.
     variants.append(_custom_bits(3, 32, True, "gptq", False))
     variants += lut_variants()
+    variants += rotation_variants()
     variants += reconstruct_variants()
     variants += qat_variants()
     variants += minilm_qat_variants()
@@ -150,6 +152,28 @@ def lut_variants() -> list[Variant]:
             "quantlab",
             lambda bits=bits, solver=solver: quantlab.LutConfig(bits=bits, group_size=64, solver=solver),
             quick=solver == "gptq",
+        )
+        for bits in (4, 3, 2)
+        for solver in ("rtn", "gptq")
+    ]
+
+
+# The MLP's output projection of each model: SmolLM2's down projections, MiniLM's `encoder.layer.N.output.dense`
+# (not the attention's `...attention.output.dense`): the online Hadamard rotation of SpinQuant's R4.
+MLP_OUTPUT_LAYERS = ["down_proj", r"encoder\.layer\.\d+\.output\.dense"]
+
+
+def rotation_variants() -> list[Variant]:
+    """Symmetric integers in groups of 64 with the MLP output projections' inputs rotated by a Hadamard matrix
+    (`rotate_inputs`), round to nearest and GPTQ at 4, 3 and 2 bits: each beside its unrotated row."""
+    return [
+        Variant(
+            f"custom_bits {bits}-bit g64 sym {solver}, mlp output rotated",
+            "quantlab",
+            lambda bits=bits, solver=solver: quantlab.CustomBitsConfig(
+                bits=bits, group_size=64, symmetric=True, solver=solver, rotate_inputs=MLP_OUTPUT_LAYERS
+            ),
+            quick=solver == "gptq" and bits == 3,
         )
         for bits in (4, 3, 2)
         for solver in ("rtn", "gptq")
@@ -617,7 +641,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a representative subset of the rows")
     parser.add_argument("--models", choices=["smollm2", "minilm", "both"], default="both")
     parser.add_argument(
-        "--only", action="append", default=None, metavar="TEXT", help="only rows whose name contains TEXT (repeatable)"
+        "--only",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="only rows whose name contains TEXT, or is TEXT after a leading '=' (repeatable)",
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the peer baselines used 2)")
     parser.add_argument(
@@ -646,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         variants = [v for v in variants if v.quick]
     if args.only:
-        variants = [v for v in variants if v.family == "float" or any(text in v.name for text in args.only)]
+        variants = [v for v in variants if v.family == "float" or any(_selects(text, v.name) for text in args.only)]
     for note in notes:
         print(f"note: {note}", flush=True)
     print(f"text: {text_path}; threads: {torch.get_num_threads()}; rows: {len(variants)}", flush=True)
@@ -672,6 +700,11 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0
+
+
+def _selects(text: str, name: str) -> bool:
+    """`--only TEXT`: a row whose name contains TEXT, or is exactly the rest of a TEXT starting with '='."""
+    return name == text[1:] if text.startswith("=") else text in name
 
 
 def run_minilm(variants: list[Variant], text: str) -> list[dict[str, Any]]:

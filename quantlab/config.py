@@ -88,6 +88,13 @@ class QuantlabConfig(QuantizationConfigMixin):
             "layers keep them and the budget is spent on the others"
         },
     )
+    rotate_inputs: list[str] | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "layers (names or suffixes, e.g. down_proj) whose input is rotated by a Hadamard matrix on "
+            "every call and whose weight is quantized rotated: spreads outlier channels (SpinQuant's R4)"
+        },
+    )
     embedding_bits: int | None = dataclasses.field(
         default=None,
         metadata={"help": "store the embedding table and output head (tied: once) in 4-8 bits; none keeps float"},
@@ -97,8 +104,14 @@ class QuantlabConfig(QuantizationConfigMixin):
         metadata={"help": "weights per scale along each embedding row with --embedding-bits (channel: one per row)"},
     )
 
+    # Set by `config_for` on the config of one layer named in `rotate_inputs`: the layer rotates its input.
+    # Resolved per layer, so not an option: never saved, no flag (`option_names` leaves it out).
+    input_rotated: bool = dataclasses.field(default=False, repr=False, metadata={"resolved_per_layer": True})
+
     def __post_init__(self) -> None:
         self.quant_method = transformers_name(self.method)
+        if isinstance(self.rotate_inputs, str):
+            self.rotate_inputs = [self.rotate_inputs]
         if isinstance(self.modules_to_not_convert, str):
             self.modules_to_not_convert = [self.modules_to_not_convert]  # one name, not its characters
         if self.modules_to_not_convert is not None and not isinstance(self.modules_to_not_convert, list):
@@ -150,6 +163,13 @@ class QuantlabConfig(QuantizationConfigMixin):
                 f"{self.method}: self_calibration makes calibration text, and solver={self.solver!r} uses none; "
                 f"add solver='gptq' (or awq / target_bits), or drop self_calibration"
             )
+        if self.rotate_inputs is not None and not (
+            isinstance(self.rotate_inputs, list | tuple) and all(isinstance(n, str) and n for n in self.rotate_inputs)
+        ):
+            raise ConfigError(
+                f"{self.method}: rotate_inputs={self.rotate_inputs!r} is not valid; use a list of layer names or "
+                f"suffixes, such as ['down_proj']"
+            )
         self._validate_embedding()
         self._validate_layer_options()
 
@@ -181,11 +201,20 @@ class QuantlabConfig(QuantizationConfigMixin):
             self.config_for(name)  # each layer's config must be valid on its own
 
     def config_for(self, layer: str) -> "QuantlabConfig":
-        """The config of one layer: this config with the layer's `layer_options` applied."""
+        """The config of one layer: this config with the layer's `layer_options` applied, and
+        `input_rotated` set when `rotate_inputs` names the layer."""
         overrides = (self.layer_options or {}).get(layer)
-        if not overrides:
+        rotated = self.rotates_input_of(layer)
+        if not overrides and not rotated:
             return self
-        return self.for_one_layer(**overrides)
+        return self.for_one_layer(**(overrides or {}), input_rotated=rotated)
+
+    def rotates_input_of(self, layer: str) -> bool:
+        """Whether `rotate_inputs` names `layer` (matched as `modules_to_not_convert` is: a name, a prefix up to
+        a module boundary, a regex, or a suffix)."""
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        return bool(self.rotate_inputs) and not should_convert_module(layer, list(self.rotate_inputs))
 
     def for_one_layer(self, **overrides: Any) -> "QuantlabConfig":
         """This config as one layer is quantized with it: the options that act on the whole run
@@ -212,7 +241,11 @@ class QuantlabConfig(QuantizationConfigMixin):
 
     @classmethod
     def option_names(cls) -> list[str]:
-        return [field.name for field in dataclasses.fields(cls) if field.init]
+        return [
+            field.name
+            for field in dataclasses.fields(cls)
+            if field.init and not field.metadata.get("resolved_per_layer")
+        ]
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
@@ -246,11 +279,10 @@ class QuantlabConfig(QuantizationConfigMixin):
         return cls(**options)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "quant_method": self.quant_method,
-            "format_version": self.format_version,
-            **{name: getattr(self, name) for name in self.option_names()},
-        }
+        options = {name: getattr(self, name) for name in self.option_names()}
+        if options.get("rotate_inputs") is None:  # unset: a checkpoint earlier releases read as well
+            del options["rotate_inputs"]
+        return {"quant_method": self.quant_method, "format_version": self.format_version, **options}
 
     def __repr__(self) -> str:
         options = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.option_names())

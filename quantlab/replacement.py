@@ -15,6 +15,7 @@ from torch import nn
 from quantlab.config import QuantlabConfig
 from quantlab.errors import ConfigError, PaddedGroupsWarning, QuantizationError
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.rotation import rotation_block
 from quantlab.vocabulary import dequantize_vocabulary, vocabulary_linears
 
 
@@ -83,11 +84,15 @@ def without_vocabulary(
 
 
 def check_layer_options(model: nn.Module, config: QuantlabConfig, selected: Callable[[str], bool]) -> None:
-    """Raise `ConfigError` if a `layer_options` entry names no Linear layer of `model` that `selected` converts
-    (before any work is done: calibrating a large model takes hours)."""
-    if not config.layer_options:
+    """Raise `ConfigError` if a `layer_options` entry names no Linear layer of `model` that `selected` converts,
+    or `rotate_inputs` matches none, or a layer it matches cannot be rotated (before any work is done:
+    calibrating a large model takes hours)."""
+    if not config.layer_options and not config.rotate_inputs:
         return
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear and selected(name)]
+    _check_rotated_layers(model, config, names)
+    if not config.layer_options:
+        return
     unknown = sorted(set(config.layer_options) - set(names))
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
@@ -96,6 +101,23 @@ def check_layer_options(model: nn.Module, config: QuantlabConfig, selected: Call
             f"{config.method}: layer_options names {unknown[0]!r}{more}, which is not a layer this model "
             f"quantizes{example}: correct the name, or remove the entry"
         )
+
+
+def _check_rotated_layers(model: nn.Module, config: QuantlabConfig, names: list[str]) -> None:
+    if not config.rotate_inputs:
+        return
+    rotated = [name for name in names if config.rotates_input_of(name)]
+    if not rotated:
+        example = f" (they are named like {names[-1]!r})" if names else ""
+        raise ConfigError(
+            f"{config.method}: rotate_inputs={list(config.rotate_inputs)!r} matches no layer this model quantizes"
+            f"{example}: correct the names, or drop rotate_inputs"
+        )
+    for name in rotated:
+        try:
+            rotation_block(model.get_submodule(name).in_features)
+        except ConfigError as error:
+            raise ConfigError(f"{config.method}: {name}: {error}") from None
 
 
 def warn_padded_groups(

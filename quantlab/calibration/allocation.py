@@ -30,6 +30,7 @@ from quantlab.errors import ConfigError
 from quantlab.formats import grouping
 from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.rotation import rotate, rotate_square, rotation_block
 from quantlab.solvers.mse import column_importance
 
 BUDGET_STEPS = 20_000
@@ -134,11 +135,16 @@ def measure_layers(
         for relative, full_name in names.items():
             weight = block.get_submodule(relative).weight.detach().float()
             weights += weight.numel()
+            layer_stats = stats[relative]
+            if config.rotates_input_of(full_name):  # its codes store `W R`, for inputs `x R`
+                rotation = rotation_block(weight.shape[1])
+                weight = rotate(weight, rotation)
+                layer_stats = layer_stats.transformed(lambda hessian, r=rotation: rotate_square(hessian, r))
             if fisher is None:  # no loss to differentiate (encoders): the error relative to the layer's output
-                cost = 1.0 / (float((weight @ stats[relative].hessian * weight).sum()) or 1.0)  # 1 / ||W x||^2
+                cost = 1.0 / (float((weight @ layer_stats.hessian * weight).sum()) or 1.0)  # 1 / ||W x||^2
             else:  # the loss the layer's output error adds, to second order
                 cost = fisher[full_name] / 2
-            importance = stats[relative].channel_weights() * cost
+            importance = layer_stats.channel_weights() * cost
             candidates = layer_candidates(config, full_name)
             measured[full_name] = [_candidate(module_class, c, o, weight, importance) for o, c in candidates]
         block_weights.release(index, block)

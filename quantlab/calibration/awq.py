@@ -75,16 +75,17 @@ def scale_block(
     block: nn.Module,
     batches: list[BlockInputs],
     names: dict[str, str],
-    fake_quantize: Callable[[torch.Tensor], torch.Tensor],
+    fake_quantize: Callable[[torch.Tensor, str], torch.Tensor],
 ) -> dict[str, float]:
-    """Search and fold the scales of every group of `block`; returns each group's chosen alpha."""
+    """Search and fold the scales of every group of `block`; returns each group's chosen alpha.
+    `fake_quantize(weight, name)`: the weight as the layer `name` (full name) would store it, in float."""
     groups = scale_groups(block, names)
     if not groups:
         return {}
     inputs = _group_inputs(block, [group.layers[0] for group in groups], batches)
     chosen = {}
     for group in groups:
-        scales, alpha = _search(block, group, inputs[group.layers[0]], fake_quantize)
+        scales, alpha = _search(block, group, inputs[group.layers[0]], fake_quantize, names)
         if alpha > 0:
             _fold(block, group, scales)
         chosen[group.previous] = alpha
@@ -125,7 +126,8 @@ def _search(
     block: nn.Module,
     group: ScaleGroup,
     chunks: list[torch.Tensor],
-    fake_quantize: Callable[[torch.Tensor], torch.Tensor],
+    fake_quantize: Callable[[torch.Tensor, str], torch.Tensor],
+    names: dict[str, str],
 ) -> tuple[torch.Tensor, float]:
     """The scales with the least output error of the group's layers, and their alpha (0: none).
 
@@ -144,8 +146,8 @@ def _search(
         scales = magnitude.pow(step / ALPHAS)
         scales = (scales / (scales.max() * scales.min()).sqrt()).clamp(min=1e-4)
         candidates.append(scales)
-        for index, weight in enumerate(weights):
-            quantized = fake_quantize(weight * scales) / scales
+        for index, (layer, weight) in enumerate(zip(group.layers, weights, strict=True)):
+            quantized = fake_quantize(weight * scales, names[layer]) / scales
             for chunk, x in enumerate(chunks):
                 errors[chunk, step, index] = (x @ (quantized - weight).T).double().square().sum()
     totals = distributed.sum_rows_in_order(errors)

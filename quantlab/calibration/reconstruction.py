@@ -37,6 +37,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.fake_quant import FakeQuantizedWeight, FakeQuantLinear, weights_computed_once
+from quantlab.nn.rotation import rotate
 from quantlab.solvers import get_solver
 from quantlab.solvers.reconstruct import ReconstructOptions
 from quantlab.utils.allocator import heap_for_temporaries
@@ -108,14 +109,15 @@ class BlockReconstruction:
         quantizers = {
             name: FakeQuantizedWeight.from_solution(
                 layer.layout,
-                self._float_weights[name],
+                _stored_space(self._float_weights[name], layer),
                 layer.stored_tensors(),
                 self.options.max_offset,
                 self.options.learn_scales,
             )
             for name, layer in layers.items()
         }
-        with _frozen(block), _swapped(block, quantizers):
+        rotations = {name: layer.input_rotation for name, layer in layers.items()}
+        with _frozen(block), _swapped(block, quantizers, rotations):
             result, outputs = _Training(block, quantizers, batches, self._targets, self.options).run(progress, label)
         with torch.no_grad():
             for name, layer in layers.items():
@@ -311,13 +313,20 @@ class _frozen:
             parameter.requires_grad_(flag)
 
 
+def _stored_space(weight: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+    """A float weight as the layer's codes store it: `W R` when the layer rotates its input."""
+    return rotate(weight.float(), layer.input_rotation).to(weight.dtype) if layer.input_rotation else weight
+
+
 class _swapped:
     """Each named Linear layer of the block replaced by a `FakeQuantLinear` on its quantizer (put back after)."""
 
-    def __init__(self, block: nn.Module, quantizers: dict[str, FakeQuantizedWeight]) -> None:
+    def __init__(self, block: nn.Module, quantizers: dict[str, FakeQuantizedWeight], rotations: dict[str, int]) -> None:
         self.block = block
         self.originals = {name: block.get_submodule(name) for name in quantizers}
-        self.replacements = {name: FakeQuantLinear(q, self.originals[name].bias) for name, q in quantizers.items()}
+        self.replacements = {
+            name: FakeQuantLinear(q, self.originals[name].bias, rotations[name]) for name, q in quantizers.items()
+        }
 
     def __enter__(self) -> None:
         for name, module in self.replacements.items():

@@ -41,6 +41,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.formats import grouping
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.rotation import rotate, rotation_block
 from quantlab.solvers import InputStats
 from quantlab.utils.allocator import return_freed_memory
 
@@ -158,16 +159,20 @@ def selected_linears(block: nn.Module, prefix: str, selected: Callable[[str], bo
 
 def _fake_quantizer(
     config: QuantlabConfig, module_class: type[QuantizedLinear]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Weight → its round-to-nearest dequantized copy on the method's grid (what AWQ's search scores)."""
+) -> Callable[[torch.Tensor, str], torch.Tensor]:
+    """(weight, layer name) → the weight's round-to-nearest dequantized copy on the layer's grid, in the
+    layer's input space (a rotated layer's grid holds `W R`): what AWQ's search scores."""
 
-    def fake_quantize(weight: torch.Tensor) -> torch.Tensor:
-        layout = module_class.layout_for(weight.shape[1], weight.shape[0], config)
-        grouped = grouping.group(weight.float(), layout.group_size)
+    def fake_quantize(weight: torch.Tensor, layer: str) -> torch.Tensor:
+        layer_config = config.config_for(layer)
+        layout = module_class.layout_for(weight.shape[1], weight.shape[0], layer_config)
+        rotation = rotation_block(weight.shape[1]) if layer_config.input_rotated else 0
+        stored = rotate(weight.float(), rotation) if rotation else weight.float()
+        grouped = grouping.group(stored, layout.group_size)
         params = layout.fit(grouped)
         codes = layout.quantize_grouped(grouped, params)
         zero = None if params.zero is None else params.zero.unsqueeze(-1)
-        values = layout.decode(codes, params.scale.unsqueeze(-1), zero)
-        return grouping.ungroup(values, weight.shape[1]).to(weight.dtype)
+        values = grouping.ungroup(layout.decode(codes, params.scale.unsqueeze(-1), zero), weight.shape[1])
+        return (rotate(values, rotation) if rotation else values).to(weight.dtype)
 
     return fake_quantize

@@ -24,6 +24,8 @@ def lower_placeholders(model: ir.Model, layers: dict[str, QuantizedLinear], accu
             raise ExportError(f"{name}: the exported graph names a quantized layer the model does not have")
         x, y = node.inputs[0], node.outputs[0]
         ctx = LayerLowering(name=name, x=x, graph=graph, created=created, accuracy_level=accuracy_level)
+        if getattr(layers[name], "input_rotation", 0):
+            ctx.rotate_input(layers[name])
         out = lowering_for(name, layers[name])(ctx, layers[name])
         ir.convenience.replace_nodes_and_values(graph, node, [node], ctx.tape.nodes, [y], [out])
         operators[name] = ctx.operator

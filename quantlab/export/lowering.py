@@ -28,7 +28,7 @@ import torch
 
 from quantlab.export.errors import ExportError
 from quantlab.export.layouts import Bnb4Weight, NBitsWeight
-from quantlab.nn import QuantizedLinear
+from quantlab.nn import QuantizedLinear, rotation
 from quantlab.nn.layouts import declared_layout
 
 MS_DOMAIN = "com.microsoft"
@@ -78,7 +78,7 @@ def lowering_for(name: str, module: QuantizedLinear) -> Lowering:
 def lower_dequantized(ctx: "LayerLowering", module: QuantizedLinear) -> ir.Value:
     """The fallback of a codec with no lowering of its own: its dequantized weight (in the activation
     dtype) as an initializer, and a MatMul."""
-    weight = ctx.initializer("weight", module.dequantize_weight(ctx.activation_dtype()))
+    weight = ctx.initializer("weight", module.dequantize_stored(ctx.activation_dtype()))
     return ctx.dequantize_matmul(weight, module)
 
 
@@ -139,6 +139,23 @@ class LayerLowering:
         if module.bias is None:
             return None
         return self.initializer("bias", module.bias.to(self.activation_dtype()))
+
+    def rotate_input(self, module: QuantizedLinear) -> None:
+        """Make `x` the layer's rotated input `x R` (`quantlab.nn.rotation`): per block of inputs, the two
+        Hadamard factors as MatMuls, so the lowering that follows multiplies it by the stored codes of `W R`."""
+        block = module.input_rotation
+        left, right = rotation.factors(block)
+        dtype = self.activation_dtype()
+        name = str(dtype).removeprefix("torch.")
+        shape = self.constant("rotation_shape", [-1, module.in_features // block, left, right], torch.int64)
+        grouped = self.op("Reshape", [self.x, shape])
+        right_factor = self.shared_initializer(f"hadamard_{right}_{name}", rotation.hadamard(right, dtype))
+        grouped = self.op("MatMul", [grouped, right_factor])
+        left_factor = self.shared_initializer(f"hadamard_{left}_{name}", rotation.hadamard(left, dtype))
+        grouped = self.op("MatMul", [left_factor, grouped])
+        rotated = self.op("Reshape", [grouped, self.op("Shape", [self.x])])
+        rotated.type, rotated.shape = self.x.type, self.x.shape  # what the lowerings read of their input
+        self.x = rotated
 
     # -- the three ways to compute a layer ---------------------------------------------------
 

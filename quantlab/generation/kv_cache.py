@@ -31,6 +31,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from quantlab.errors import ConfigError, QuantlabError
+from quantlab.nn.rotation import hadamard
 
 BITS = (4, 8)
 
@@ -432,16 +433,6 @@ def _check_decoder(config: PretrainedConfig, text_config: PretrainedConfig) -> N
             f"QuantizedKVCache serves decoder-only causal LMs; "
             f"{model_type or type(config).__name__} is configured as an encoder"
         )
-
-
-def hadamard(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The normalized Hadamard matrix `H / sqrt(size)` (Sylvester's construction, symmetric and orthogonal), float32."""
-    if size < 1 or size & (size - 1):
-        raise ConfigError(f"a Hadamard matrix needs a power of two, got {size}")
-    matrix = torch.ones(1, 1, dtype=torch.float32, device=device)
-    while matrix.shape[0] < size:
-        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
-    return matrix / math.sqrt(size)
 
 
 def quantize(

@@ -57,6 +57,7 @@ class NativeBlock(ctypes.Structure):
         ("mlp_norm", ctypes.c_void_p),
         *((name, QuantlabCpuWeight) for name, _ in _PROJECTIONS),
         *((f"{name}_bias", ctypes.c_void_p) for name, _ in _PROJECTIONS),
+        ("down_rotation", ctypes.c_int64),
     ]
 
 
@@ -221,6 +222,14 @@ class NativeDecoder:
                 module = layer.get_submodule(path)
                 setattr(block, field, self._weight(module, name).struct)
                 setattr(block, f"{field}_bias", self._pointer(module.bias, f"{name}.bias"))
+                rotation = getattr(module, "input_rotation", 0)
+                if rotation and field != "down":
+                    raise ConfigError(
+                        f"native_step rotates the down projection's input only; {name} rotates its input too "
+                        f"(rotate_inputs): use compile_for_decoding without native_step"
+                    )
+                if field == "down":
+                    block.down_rotation = rotation
         self.keep.append(blocks)
         struct = NativeDecoderStruct(
             blocks=len(layers),

@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from quantlab.formats import grouping
 from quantlab.formats.layout import GroupParams, StorageLayout
+from quantlab.nn.rotation import rotate
 
 SCALE_RANGE = (0.5, 1.5)  # a group's scale stays within these multiples of its starting scale
 _CELL_MARGIN = 0.02  # a float weight this close to its cell's boundary (fraction of the way) starts at the level
@@ -178,13 +179,16 @@ class FakeQuantizedWeight(nn.Module):
 class FakeQuantLinear(nn.Module):
     """A Linear layer computing with a `FakeQuantizedWeight` (its bias kept fixed, as quantized layers keep it)."""
 
-    def __init__(self, weight: FakeQuantizedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: FakeQuantizedWeight, bias: torch.Tensor | None, input_rotation: int = 0) -> None:
         super().__init__()
         self.weight_quantizer = weight
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.shared_weight: torch.Tensor | None = None  # set by `weights_computed_once`
+        self.input_rotation = input_rotation  # the quantized layer's (`quantlab.nn.rotation`); 0: none
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_rotation:
+            x = rotate(x, self.input_rotation)
         weight = self.shared_weight if self.shared_weight is not None else self.weight_quantizer()
         return F.linear(x, weight.to(x.dtype), self.bias)
 

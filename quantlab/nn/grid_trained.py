@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from quantlab.formats import grouping
 from quantlab.formats.layout import GroupParams, StorageLayout
+from quantlab.nn.rotation import rotate
 from quantlab.utils.scratch import scratch
 
 SCALE_RANGE = (0.5, 1.5)  # a group's scale stays within these multiples of its starting scale
@@ -110,10 +111,11 @@ class TrainedGrid(nn.Module):
 class GridTrainedLinear(nn.Module):
     """A Linear layer computing with a `TrainedGrid`'s weight; its bias stays fixed, as a quantized layer's does."""
 
-    def __init__(self, grid: TrainedGrid, bias: torch.Tensor | None) -> None:
+    def __init__(self, grid: TrainedGrid, bias: torch.Tensor | None, input_rotation: int = 0) -> None:
         super().__init__()
         self.weight_quantizer = grid
         self.register_buffer("bias", None if bias is None else bias.detach())
+        self.input_rotation = input_rotation  # the quantized layer's (`quantlab.nn.rotation`); 0: none
 
     @property
     def in_features(self) -> int:
@@ -125,6 +127,8 @@ class GridTrainedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grid = self.weight_quantizer
+        if self.input_rotation:
+            x = rotate(x, self.input_rotation)
         if not torch.is_grad_enabled():
             return F.linear(x, grid.weight().to(x.dtype), self.bias)
         scale, zero = grid.learned()

@@ -12,6 +12,10 @@ of running integer codes as float weights.
 
 The forward pass asks the kernel table for the fastest kernel of this layer's storage
 format on the input's device; the reference kernel is dequantize-then-matmul.
+
+A layer named in the config's `rotate_inputs` rotates its input by a Hadamard matrix `R` first
+(`quantlab.nn.rotation`, `input_rotation` is the block size): its codes are those of `W R`
+(`dequantize_stored`), and `dequantize_weight` gives `W` back, the weight of the layer's own input.
 """
 
 from typing import TYPE_CHECKING, ClassVar
@@ -23,6 +27,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.kernels import select_kernel
+from quantlab.nn.rotation import rotate, rotate_square, rotation_block
 from quantlab.nn.stored import StoredTensorsModule
 
 StorageSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -59,6 +64,12 @@ class QuantizedLinear(StoredTensorsModule):
         for name, (shape, storage_dtype) in spec.items():
             self.register_buffer(name, torch.zeros(shape, dtype=storage_dtype, device=device))
         self.stored_names = tuple(spec)  # read on every call: a plain tuple traces without a guard
+        self.input_rotation = rotation_block(in_features) if config.input_rotated else 0  # 0: not rotated
+        if self.input_rotation and self._layout is None:
+            raise QuantizationError(
+                f"{type(self).__name__} declares no storage layout, so it cannot rotate its input; "
+                f"leave its layers out of rotate_inputs"
+            )
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
 
     # -- what a method defines --------------------------------------------------------------
@@ -95,7 +106,14 @@ class QuantizedLinear(StoredTensorsModule):
         return {name: (spec.shape, spec.dtype) for name, spec in tensors.items()}
 
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float `[out, in]` weight the stored tensors represent."""
+        """The float `[out, in]` weight of the layer's input (`x @ W.T` is its output, less the bias)."""
+        if not self.input_rotation:
+            return self.dequantize_stored(dtype)
+        return rotate(self.dequantize_stored(torch.float32), self.input_rotation).to(dtype)
+
+    def dequantize_stored(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float `[out, in]` weight the stored tensors represent: the rotated weight `W R` when the
+        layer rotates its input, the one kernels multiply the (rotated) input by."""
         return self.layout.dequantize(self.stored_tensors(), dtype)
 
     def codes_and_params(self) -> tuple[torch.Tensor, GroupParams]:
@@ -127,6 +145,10 @@ class QuantizedLinear(StoredTensorsModule):
                 f"{layer}: weight has {bad} NaN/Inf value(s) and cannot be quantized; repair the checkpoint, "
                 f"or keep this layer in float with modules_to_not_convert=[{layer!r}]"
             )
+        if config.input_rotated:  # the codes of `W R`, solved on the statistics of the rotated inputs
+            block = rotation_block(weight.shape[1])
+            weight = rotate(weight.detach().float(), block)
+            stats = None if stats is None else stats.transformed(lambda hessian: rotate_square(hessian, block))
         if config.solver == "rtn" and stats is None:
             stored = cls.quantize_weight(weight.detach(), config)
         else:
@@ -208,10 +230,14 @@ class QuantizedLinear(StoredTensorsModule):
         return linear.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_rotation:
+            x = rotate(x, self.input_rotation)
         return select_kernel(self.format, x.device.type)(self, x)
 
     def extra_repr(self) -> str:
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        if self.input_rotation:
+            shape += f", input_rotation={self.input_rotation}"
         return f"{shape}, bias={self.bias is not None}, config={self.config!r}"
 
     def stored_tensor_names(self) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ from quantlab.distill.teacher import CompactLinear
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.fake_quant import FakeQuantizedWeight, FakeQuantLinear
 from quantlab.nn.grid_trained import GridTrainedLinear, TrainedGrid
+from quantlab.nn.rotation import rotate
 from quantlab.qat.options import QATOptions
 
 
@@ -81,7 +82,7 @@ def fake_quantize(
             continue
         stored = module.stored_tensors()
         if options.train == "grids":
-            grid = GridTrainedLinear(TrainedGrid.from_stored(module.layout, stored), module.bias)
+            grid = GridTrainedLinear(TrainedGrid.from_stored(module.layout, stored), module.bias, module.input_rotation)
             model.set_submodule(name, grid)
             swapped[name] = SwappedLayer(module, grid, False)
             continue
@@ -89,10 +90,13 @@ def fake_quantize(
         float_start = weight is not None and tuple(weight.shape) == (module.out_features, module.in_features)
         if not float_start:
             weight = module.dequantize_weight(torch.float32)
+        weight = weight.detach().to(torch.float32)
+        if module.input_rotation:  # the codes are those of `W R`: so is the latent weight they train from
+            weight = rotate(weight, module.input_rotation)
         quantizer = FakeQuantizedWeight.from_solution(
-            module.layout, weight.detach().to(torch.float32), stored, options.max_offset, options.learn_scales
+            module.layout, weight, stored, options.max_offset, options.learn_scales
         )
-        fake = FakeQuantLinear(quantizer, module.bias)
+        fake = FakeQuantLinear(quantizer, module.bias, module.input_rotation)
         model.set_submodule(name, fake)
         swapped[name] = SwappedLayer(module, fake, float_start)
     if options.norm_lr_ratio is not None:

@@ -2,6 +2,7 @@
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -84,6 +85,13 @@ class InputStats:
     @property
     def abs_mean(self) -> torch.Tensor:
         return (self.abs_sum / max(self.count, 1)).float()
+
+    def transformed(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> "InputStats":
+        """The statistics of inputs `x R` for an orthogonal `R`, from `transform(H) = R^T H R` (this one is kept)."""
+        other = InputStats(0)
+        other.gram, other.abs_sum, other.count = None, None, self.count
+        other._hessian = transform(self.hessian)
+        return other
 
     def channel_weights(self) -> torch.Tensor:
         """`E[x_j^2]` per input channel: how much an error in column j costs at the output."""

@@ -81,7 +81,7 @@ def test_awq_combines_with_gptq():
 
 def test_scale_block_picks_no_scaling_when_rounding_is_exact():
     block, batches, names = _first_block(tiny_llama())
-    assert set(scale_block(block, batches, names, lambda weight: weight).values()) == {0.0}
+    assert set(scale_block(block, batches, names, lambda weight, name: weight).values()) == {0.0}
 
 
 def test_bert_blocks_take_awq():

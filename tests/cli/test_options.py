@@ -51,6 +51,7 @@ def test_flags_follow_the_config_fields_of_every_builtin() -> None:
         "--calibration-seq-len",
         "--target-bits",
         "--layer-options",
+        "--rotate-inputs",
         "--embedding-bits",
         "--embedding-group-size",
     ]
@@ -80,6 +81,7 @@ def test_kinds_and_defaults_come_from_annotations() -> None:
         "calibration_seq_len": ("int", False),
         "target_bits": ("float", True),
         "layer_options": ("json", True),
+        "rotate_inputs": ("list", True),
         "embedding_bits": ("int", True),
         "embedding_group_size": ("int", True),
     }

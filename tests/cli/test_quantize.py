@@ -141,3 +141,16 @@ def test_a_group_size_that_does_not_divide_the_inputs_is_reported(cli, llama_dir
     assert saved["padded_groups"]["model.layers.0.mlp.down_proj"] == [192, 128, 256]
     assert len(saved["padded_groups"]) == 14
     assert "with a padded last group (model.layers.0.self_attn.q_proj: 64 inputs in groups of 128" in result.stdout
+
+
+def test_rotate_inputs_from_the_command_line_and_a_name_that_matches_nothing(cli, llama_dir, tmp_path) -> None:
+    output = tmp_path / "rotated"
+    args = ("quantize", llama_dir, "--method", "custom_bits", "--bits", "4", "--group-size", "32", "--output")
+    result = cli.run(*args, output, "--rotate-inputs", "down_proj", "--json")
+    assert result.returncode == 0, result.stderr
+    assert result.json()["config"]["rotate_inputs"] == ["down_proj"]
+    config = json.loads((output / "config.json").read_text())
+    assert config["quantization_config"]["rotate_inputs"] == ["down_proj"]
+    refused = cli.run(*args, tmp_path / "never", "--rotate-inputs", "down_prj")
+    cli.assert_user_error(refused, "rotate_inputs=['down_prj'] matches no layer", notes_before=True)
+    assert not (tmp_path / "never").exists()

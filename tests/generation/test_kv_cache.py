@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Llam
 
 from quantlab.errors import ConfigError
 from quantlab.eval.perplexity import chunked_window_losses, evaluation_windows, perplexity_of, window_losses
-from quantlab.generation.kv_cache import STORED_TENSORS, KVCacheModelError, QuantizedKVCache, hadamard, quantize
+from quantlab.generation.kv_cache import STORED_TENSORS, KVCacheModelError, QuantizedKVCache, quantize
+from quantlab.nn.rotation import hadamard
 from quantlab.testing import byte_tokenizer, tiny_bert, tiny_llama, tiny_llama_checkpoint
 from quantlab.testing.greedy import GREEDY_64, SMOLLM2_PROMPTS, assert_same_tokens_but_near_ties
 

@@ -29,6 +29,15 @@ CASES = {
     "mixed precision": {"bits": 4, "group_size": 32, "solver": "gptq", "target_bits": 4.5, **CALIBRATION},
     "self-calibration": {"bits": 4, "group_size": 32, "solver": "gptq", "self_calibration": True, **CALIBRATION},
     "embedding_bits": {"bits": 4, "group_size": 32, "embedding_bits": 8},
+    "rotated rtn": {"bits": 3, "group_size": 32, "rotate_inputs": ["down_proj"]},
+    "rotated mixed precision": {
+        "bits": 3,
+        "group_size": 32,
+        "solver": "gptq",
+        "target_bits": 3.5,
+        "rotate_inputs": ["down_proj"],
+        **CALIBRATION,
+    },
 }
 
 

@@ -16,6 +16,7 @@ from quantlab.formats.codec import NotAnIntegerGrid
 from quantlab.interop import compressed_tensors as ct
 from quantlab.nn import QuantizedLinear, QuantizedOutputHead, TiedOutputHead
 from quantlab.nn.quantized_embedding import QuantizedTable
+from quantlab.nn.rotation import refusal, rotated_layers
 from quantlab.utils.atomic import atomic_directory, check_replaceable
 
 # The compressed-tensors release whose layout the files follow (its `version` key).
@@ -80,6 +81,9 @@ def to_compressed_tensors(
         raise CompressedTensorsExportError(
             f"a {type(model).__name__} has no transformers config; export a transformers model"
         )
+    rotated = rotated_layers(model)
+    if rotated:
+        raise CompressedTensorsExportError(refusal(rotated, "compressed-tensors"))
     converted = _Converted.of(model)
     if not converted.schemes:
         raise CompressedTensorsExportError(

@@ -12,6 +12,7 @@ from quantlab.export.gguf import architectures
 from quantlab.export.gguf.errors import GGUFExportError, require_gguf
 from quantlab.export.gguf.tensors import GGUFTensor, extra_tensors, model_tensors
 from quantlab.export.gguf.vocabulary import vocabulary
+from quantlab.nn.rotation import refusal, rotated_layers
 from quantlab.utils.atomic import atomic_file, check_replaceable
 
 
@@ -77,6 +78,9 @@ def to_gguf(
         raise GGUFExportError(f"output {path} is a folder; name the .gguf file to write")
     check_replaceable(path, overwrite)
     architecture = architectures.architecture_of(model)
+    rotated = rotated_layers(model)
+    if rotated:
+        raise GGUFExportError(refusal(rotated, "GGUF"))
     if tokenizer is None:
         raise GGUFExportError("a GGUF file carries its tokenizer: pass the model's tokenizer (none was found)")
     config = model.config

@@ -63,6 +63,23 @@ QL_AVX2 static void ql_silu_times256(float *gate, const float *up, int64_t n) {
 
 /* gate = silu(gate) * up = gate / (1 + exp(-gate)) * up, as LlamaMLP computes it. 16 at a time with AVX-512,
  * several times faster than the scalar loop in the decode step (benchmarks/RESULTS.md). */
+/* x R in place: the normalized Walsh-Hadamard transform (Sylvester's order) of each block of `block` values, the
+ * online rotation of a layer quantized with its input rotated (quantlab/nn/rotation.py); `block` a power of two. */
+static void ql_hadamard_blocks(float *x, int64_t n, int64_t block) {
+    const float norm = 1.0f / sqrtf((float)block);
+    for (int64_t start = 0; start < n; start += block) {
+        float *v = x + start;
+        for (int64_t half = 1; half < block; half <<= 1)
+            for (int64_t i = 0; i < block; i += 2 * half)
+                for (int64_t j = i; j < i + half; j++) {
+                    const float a = v[j], b = v[j + half];
+                    v[j] = a + b;
+                    v[j + half] = a - b;
+                }
+        for (int64_t i = 0; i < block; i++) v[i] *= norm;
+    }
+}
+
 static void ql_silu_times(int isa, float *gate, const float *up, int64_t n) {
 #ifdef QL_X86
     if (isa == QL_ISA_AVX512) {
@@ -257,6 +274,7 @@ QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, const ql_q
         if (status != QL_OK) break;
         float *gate = wide, *up = wide + d->intermediate;
         ql_silu_times(isa, gate, up, d->intermediate);
+        if (block->down_rotation > 0) ql_hadamard_blocks(gate, d->intermediate, block->down_rotation);
         const float *down_bias[1] = {block->down_bias};
         status = ql_project(&block->down, down_bias, 1, gate, delta, threads, activation_bits);
         if (status != QL_OK) break;

@@ -305,6 +305,7 @@ typedef struct {
     const float *mlp_norm;       /* [hidden] */
     ql_weight q, k, v, o, gate, up, down;
     const float *q_bias, *k_bias, *v_bias, *o_bias, *gate_bias, *up_bias, *down_bias; /* NULL: none */
+    int64_t down_rotation; /* > 0: down's input is rotated by a Hadamard transform of blocks of this many values */
 } ql_block;
 
 typedef struct {

@@ -1,0 +1,304 @@
+"""The online Hadamard rotation of a layer's input (`rotate_inputs`): the transform itself, the codes every
+solver stores under it, saving and reloading, exports that run it or refuse it, adapters and training on top."""
+
+import copy
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import quantlab
+from quantlab.calibration.blocks import BlockInputs
+from quantlab.calibration.sequential import collect_input_stats
+from quantlab.errors import ConfigError
+from quantlab.export import to_onnx
+from quantlab.export.compressed_tensors.exporter import CompressedTensorsExportError, to_compressed_tensors
+from quantlab.export.gguf.errors import GGUFExportError
+from quantlab.export.gguf.exporter import to_gguf
+from quantlab.nn.rotation import hadamard, rotate, rotate_square, rotation_block
+from quantlab.replacement import quantized_layers
+from quantlab.solvers import InputStats
+from quantlab.testing import byte_tokenizer, tiny_llama
+
+DOWN = ["down_proj"]
+
+
+def _block_matrix(width: int, block: int) -> torch.Tensor:
+    return torch.block_diag(*[hadamard(block)] * (width // block))
+
+
+@pytest.mark.parametrize(("width", "block"), [(96, 32), (1536, 512), (64, 64), (48, 16), (2048, 2048)])
+def test_rotation_is_the_block_diagonal_hadamard_matrix_and_its_own_inverse(width, block) -> None:
+    assert rotation_block(width) == block
+    x = torch.randn(5, 3, width, dtype=torch.float64)
+    matrix = _block_matrix(width, block).double()
+    torch.testing.assert_close(rotate(x, block), x @ matrix)
+    torch.testing.assert_close(rotate(rotate(x, block), block), x)
+    h = torch.randn(width, width, dtype=torch.float64)
+    h = h @ h.T
+    torch.testing.assert_close(rotate_square(h, block), matrix @ h @ matrix)
+
+
+def test_rotation_blocks_of_wide_layers_and_refusals() -> None:
+    assert rotation_block(28672) == 4096  # a 70B model's down projection: 7 x 4096
+    assert rotation_block(1 << 20) == 1 << 14  # capped
+    with pytest.raises(ConfigError, match="72 inputs would rotate blocks of 8"):
+        rotation_block(72)
+
+
+def test_config_names_rotated_layers_by_suffix_prefix_or_regex() -> None:
+    config = quantlab.CustomBitsConfig(bits=4, rotate_inputs=["down_proj", r"encoder\.layer\.\d+\.output\.dense"])
+    assert config.config_for("model.layers.3.mlp.down_proj").input_rotated
+    assert config.config_for("encoder.layer.2.output.dense").input_rotated
+    assert not config.config_for("encoder.layer.2.attention.output.dense").input_rotated
+    assert not config.config_for("model.layers.3.mlp.up_proj").input_rotated
+    assert quantlab.CustomBitsConfig(bits=4, rotate_inputs="down_proj").rotate_inputs == DOWN
+    assert "input_rotated" not in config.to_dict()  # resolved per layer, never saved
+    with pytest.raises(ConfigError, match=r"rotate_inputs=.* is not valid"):
+        quantlab.CustomBitsConfig(bits=4, rotate_inputs=[3])
+
+
+def test_a_name_that_matches_no_layer_and_a_layer_that_cannot_rotate_are_refused() -> None:
+    with pytest.raises(ConfigError, match="matches no layer this model quantizes"):
+        quantlab.quantize(tiny_llama(), quantlab.CustomBitsConfig(bits=4, rotate_inputs=["dwn_proj"]))
+    model = nn.Sequential(nn.Linear(72, 8))
+    with pytest.raises(ConfigError, match="0: a Hadamard rotation of 72 inputs"):
+        quantlab.quantize(model, quantlab.CustomBitsConfig(bits=4, group_size=None, rotate_inputs=["0"]))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=True),
+        quantlab.CustomBitsConfig(bits=4, group_size=32, solver="mse"),
+        quantlab.NF4Config(blocksize=32),
+        quantlab.Int8SymmetricConfig(),
+        quantlab.LutConfig(bits=3, group_size=32),
+    ],
+    ids=["cb3-rtn", "cb4-mse", "nf4", "int8", "lut3"],
+)
+def test_a_rotated_layer_stores_the_codes_of_the_rotated_weight_and_computes_the_float_layer(config) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40)
+    rotated_config = copy.deepcopy(config)
+    rotated_config.rotate_inputs = ["layer"]
+    layer = quantlab.quantize(linear, rotated_config.config_for("layer"))
+    assert layer.input_rotation == 32
+    plain = nn.Linear(96, 40)
+    plain.weight.data = rotate(linear.weight.detach(), 32)
+    expected = quantlab.quantize(plain, config)
+    for name, tensor in layer.stored_tensors().items():
+        assert torch.equal(tensor, expected.stored_tensors()[name]), name
+    x = torch.randn(7, 96)
+    torch.testing.assert_close(layer.dequantize_weight(), rotate(expected.dequantize_weight(), 32))
+    torch.testing.assert_close(layer(x), x @ layer.dequantize_weight().T + linear.bias, rtol=1e-4, atol=1e-5)
+    assert "input_rotation=32" in repr(layer)
+
+
+def test_gptq_solves_on_the_statistics_of_the_rotated_inputs() -> None:
+    """GPTQ of a rotated layer gives the codes GPTQ gives `W R` when it sees the inputs `x R` themselves."""
+    torch.manual_seed(1)
+    linear = nn.Linear(128, 48, bias=False)
+    x = torch.randn(4, 64, 128) * torch.linspace(0.1, 3.0, 128)
+    config = quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=True, solver="gptq", rotate_inputs=["fc"])
+    stats = collect_input_stats(nn.Sequential(linear), {"0": "fc"}, [BlockInputs(x, {})])["0"]
+    layer_class = type(quantlab.quantize(nn.Linear(128, 8), quantlab.CustomBitsConfig(bits=3, group_size=32)))
+    rotated = layer_class.quantize_checked(linear.weight, config.config_for("fc"), "fc", stats)
+    by_hand = InputStats(128)
+    by_hand.add(rotate(x, 128))
+    plain_config = quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=True, solver="gptq")
+    expected = layer_class.quantize_checked(rotate(linear.weight.detach(), 128), plain_config, "fc", by_hand)
+    assert rotated.keys() == expected.keys()
+    for name, tensor in rotated.items():  # the rotated Hessian differs from the one summed by float rounding
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-3, atol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def rotated_llama():
+    """A tiny Llama, 4-bit GPTQ with its down projections' inputs rotated, and the float model it came from."""
+    float_model = tiny_llama(seed=2)
+    config = quantlab.CustomBitsConfig(
+        bits=4, group_size=32, solver="gptq", rotate_inputs=DOWN, calibration_samples=8, calibration_seq_len=32
+    )
+    calibration = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    model = quantlab.quantize(copy.deepcopy(float_model), config, calibration=calibration, progress=False)
+    return model, float_model
+
+
+def test_only_the_named_layers_rotate_and_the_model_stays_close_to_float(rotated_llama) -> None:
+    model, float_model = rotated_llama
+    rotations = {name: layer.input_rotation for name, layer in quantized_layers(model).items()}
+    assert {name for name, block in rotations.items() if block} == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        quantized, reference = model(ids).logits, float_model(ids).logits
+        dequantized = quantlab.dequantize(copy.deepcopy(model))(ids).logits
+    torch.testing.assert_close(dequantized, quantized, rtol=1e-4, atol=1e-4)
+    assert ((quantized - reference).norm() / reference.norm()) < 0.1
+
+
+def test_a_saved_rotated_model_reloads_in_a_fresh_process_with_the_same_logits(rotated_llama, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    model, _ = rotated_llama
+    model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]["rotate_inputs"] == DOWN
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.save(ids, tmp_path / "ids.pt")
+    script = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "import quantlab\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "assert model.model.layers[0].mlp.down_proj.input_rotation == 64\n"
+        "assert model.model.layers[0].mlp.up_proj.input_rotation == 0\n"
+        "ids = torch.load(sys.argv[2], weights_only=True)\n"
+        "with torch.no_grad():\n"
+        "    torch.save(model(ids).logits, sys.argv[3])\n"
+    )
+    paths = [str(tmp_path / "saved"), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")]
+    subprocess.run([sys.executable, "-c", script, *paths], check=True, timeout=300)
+    assert torch.equal(torch.load(tmp_path / "logits.pt", weights_only=True), expected)
+
+
+def test_onnx_runs_the_rotation(rotated_llama, tmp_path) -> None:
+    model, _ = rotated_llama
+    export = to_onnx(model, tmp_path / "model.onnx")
+    session = ort.InferenceSession(str(export.path), providers=["CPUExecutionProvider"])
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+    names = {i.name for i in session.get_inputs()}
+    logits = session.run(["logits"], {k: v for k, v in feeds.items() if k in names})[0]
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits.numpy()
+    assert np.abs(logits - expected).max() < 1e-3
+
+
+def test_gguf_and_compressed_tensors_refuse_a_rotated_model_in_one_line(rotated_llama, tmp_path) -> None:
+    model, _ = rotated_llama
+    with pytest.raises(GGUFExportError, match=r"^model.layers.0.mlp.down_proj \(and 1 more\) rotates its input"):
+        to_gguf(model, tmp_path / "model.gguf", tokenizer=byte_tokenizer())
+    with pytest.raises(CompressedTensorsExportError, match="which compressed-tensors cannot express"):
+        to_compressed_tensors(model, tmp_path / "ct")
+    assert not (tmp_path / "model.gguf").exists() and not (tmp_path / "ct").exists()
+
+
+def test_a_lora_adapter_trains_on_a_rotated_layer_and_merges_into_it(rotated_llama) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model = copy.deepcopy(rotated_llama[0])
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["down_proj"], init_lora_weights=False))
+    ids = torch.randint(0, 256, (2, 8))
+    loss = peft_model(ids, labels=ids).loss
+    loss.backward()
+    adapters = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+    assert adapters and all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapters)
+    with torch.no_grad():
+        before = peft_model(ids).logits
+    merged = peft_model.merge_and_unload()
+    assert merged.model.layers[0].mlp.down_proj.input_rotation == 64
+    with torch.no_grad():
+        after = merged(ids).logits
+    assert ((after - before).norm() / before.norm()) < 0.05  # the merge requantizes: close, not equal
+
+
+def test_the_native_step_rotates_the_down_projection_input(rotated_llama) -> None:
+    from quantlab.generation import compile_for_decoding
+    from quantlab.kernels.cpu import native
+
+    if native.library() is None:
+        pytest.skip("the native CPU kernels are not built here")
+    model = copy.deepcopy(rotated_llama[0])
+    model.generation_config.pad_token_id = 0
+    prompt = torch.tensor([[1, 5, 9, 33, 70, 2, 8]])
+    options = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    options |= {"output_logits": True, "return_dict_in_generate": True}
+    reference = model.generate(prompt, **options)
+    compile_for_decoding(model, max_cache_len=32, native_step=True)
+    out = model.generate(prompt, **options)
+    assert model._compiled_call.native_steps == 11
+    assert torch.equal(out.sequences, reference.sequences)
+    expected = torch.stack(reference.logits)
+    assert ((torch.stack(out.logits) - expected).norm() / expected.norm()) < 1e-4
+
+
+def test_reconstruction_and_grid_training_keep_the_rotation() -> None:
+    from quantlab.qat import QATOptions
+    from quantlab.qat.swap import fake_quantize, write_back
+
+    config = quantlab.CustomBitsConfig(
+        bits=3,
+        group_size=32,
+        symmetric=True,
+        solver="reconstruct",
+        solver_options={"steps": 4, "batch_size": 4},
+        rotate_inputs=DOWN,
+        calibration_samples=8,
+        calibration_seq_len=32,
+    )
+    calibration = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(5))
+    model = quantlab.quantize(tiny_llama(seed=4), config, calibration=calibration, progress=False)
+    ids = torch.randint(0, 256, (2, 10))
+    with torch.no_grad():
+        quantized = model(ids).logits
+        dequantized = quantlab.dequantize(copy.deepcopy(model))(ids).logits
+    torch.testing.assert_close(dequantized, quantized, rtol=1e-4, atol=1e-4)
+    for train in ("grids", "weights"):
+        trained = copy.deepcopy(model)
+        swapped = fake_quantize(trained, options=QATOptions(train=train))
+        assert swapped["model.layers.0.mlp.down_proj"].fake.input_rotation == 64
+        with torch.no_grad():
+            torch.testing.assert_close(trained(ids).logits, quantized, rtol=1e-4, atol=1e-4)
+        write_back(trained, swapped)
+        with torch.no_grad():
+            torch.testing.assert_close(trained(ids).logits, quantized, rtol=1e-4, atol=1e-4)
+
+
+def test_the_compiled_step_traces_the_rotation(rotated_llama) -> None:
+    from quantlab.generation import compile_for_decoding
+    from quantlab.nn import rotation
+
+    model = copy.deepcopy(rotated_llama[0])
+    model.generation_config.pad_token_id = 0
+    prompt = torch.tensor([[1, 5, 9, 33, 70, 2, 8]])
+    options = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    options |= {"output_logits": True, "return_dict_in_generate": True}
+    reference = model.generate(prompt, **options)
+    rotation._FACTORS.clear()  # the Hadamard factors are made while the step is traced
+    compile_for_decoding(model, max_cache_len=24)
+    out = model.generate(prompt, **options)
+    assert torch.equal(out.sequences, reference.sequences)
+    expected = torch.stack(reference.logits)
+    assert ((torch.stack(out.logits) - expected).norm() / expected.norm()) < 1e-5
+
+
+def test_awq_searches_a_rotated_layer_on_the_grid_it_is_stored_on() -> None:
+    """AWQ's scales multiply the columns of `W`; the rotated layer stores `(W s) R`: the search scores that."""
+    from quantlab.calibration.sequential import _fake_quantizer
+
+    torch.manual_seed(6)
+    weight = torch.randn(16, 96)
+    config = quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=True, rotate_inputs=["fc"])
+    layer_class = type(quantlab.quantize(nn.Linear(96, 8), config.config_for("other")))
+    scored = _fake_quantizer(config, layer_class)(weight, "fc")
+    linear = nn.Linear(96, 16, bias=False)
+    linear.weight.data = weight.clone()
+    torch.testing.assert_close(scored, quantlab.quantize(linear, config.config_for("fc")).dequantize_weight())
+    plain = _fake_quantizer(config, layer_class)(weight, "other")
+    assert not torch.allclose(plain, scored)
+
+
+def test_a_config_without_rotation_saves_no_rotation_key() -> None:
+    """Checkpoints that rotate nothing stay readable by releases before `rotate_inputs`; rotating ones are
+    refused there by name (an unknown option) instead of running rotated codes on unrotated inputs."""
+    assert "rotate_inputs" not in quantlab.CustomBitsConfig(bits=4).to_dict()
+    saved = quantlab.CustomBitsConfig(bits=4, rotate_inputs=DOWN).to_dict()
+    assert saved["rotate_inputs"] == DOWN
+    assert quantlab.CustomBitsConfig.from_dict(saved).rotate_inputs == DOWN
