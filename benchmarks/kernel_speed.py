@@ -8,7 +8,8 @@
 Candidates: torch fp32, `torch.nn.functional.linear` on the float32 weight (what an fp32 layer
 computes, without `nn.Module.__call__`'s cost, which every quantlab layer call pays); quantlab's
 reference kernel (dequantize then matmul, 4-bit); quantlab's layers as users run them (int8 per
-channel, 4-bit asymmetric and symmetric, 3-bit and 8-bit with groups of 64, NF4 with double
+channel, 4-bit asymmetric and symmetric (and symmetric with its input rotated by a block Hadamard
+matrix, `ql 4b sym rot`), 3-bit and 8-bit with groups of 64, NF4 with double
 quantization, IQ4_NL), and each of them as the bare `quantlab::linear` operator that a compiled
 graph calls (`ql op ...`); the many-row alternative to the
 fused kernel, native dequantize then torch's GEMM (`ql dq+mm 4b`); torch fp32 through oneDNN
@@ -101,6 +102,10 @@ QUANTLAB = {
     "ql nf4": NF4Config(),
     "ql 3b": CustomBitsConfig(bits=3, group_size=64),
     "ql 4b sym": CustomBitsConfig(bits=4, group_size=64, symmetric=True),
+    # the same layer rotating its input by a block Hadamard matrix on every call (`rotate_inputs`)
+    "ql 4b sym rot": CustomBitsConfig(bits=4, group_size=64, symmetric=True, rotate_inputs=["layer"]).config_for(
+        "layer"
+    ),
     "ql 8b": CustomBitsConfig(bits=8, group_size=64),
     "ql iq4_nl": IQ4NLConfig(),
     "ql lut4": LutConfig(bits=4, group_size=64),
@@ -157,7 +162,7 @@ def bare_operators(name: str, layer: quantlab.QuantizedLinear) -> dict[str, Forw
     """A layer as a compiled graph calls it: the bare `quantlab::linear` operator (`ql op 4b` for `ql 4b`),
     and for the 4-bit layer `quantlab::linear_group` on int8 activations (`ql op 4b i8act`, the fast path's
     `int8_activations=True`: not bit-exact) where this CPU has the kernel for it."""
-    if not ops.available():
+    if not ops.available() or layer.input_rotation:  # the bare operator would skip the rotation
         return {}
     arguments = ops.linear_arguments(layer)
     op_name = name.replace("ql ", "ql op ", 1)

@@ -209,21 +209,27 @@ def test_a_lora_adapter_trains_on_a_rotated_layer_and_merges_into_it(rotated_lla
     assert ((after - before).norm() / before.norm()) < 0.05  # the merge requantizes: close, not equal
 
 
-def test_the_native_step_rotates_the_down_projection_input(rotated_llama) -> None:
+@pytest.mark.parametrize("native_step", [False, True], ids=["compiled", "native"])
+def test_the_decode_steps_rotate_the_down_projection_input(rotated_llama, native_step) -> None:
+    """The compiled step traces the rotation (its Hadamard factors made while tracing); the native step runs
+    it in C (csrc/decode.c) before the down projection."""
     from quantlab.generation import compile_for_decoding
     from quantlab.kernels.cpu import native
+    from quantlab.nn import rotation
 
-    if native.library() is None:
+    if native_step and native.library() is None:
         pytest.skip("the native CPU kernels are not built here")
     model = copy.deepcopy(rotated_llama[0])
     model.generation_config.pad_token_id = 0
     prompt = torch.tensor([[1, 5, 9, 33, 70, 2, 8]])
-    options = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    options = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
     options |= {"output_logits": True, "return_dict_in_generate": True}
     reference = model.generate(prompt, **options)
-    compile_for_decoding(model, max_cache_len=32, native_step=True)
+    rotation._FACTORS.clear()
+    compile_for_decoding(model, max_cache_len=24, native_step=native_step)
     out = model.generate(prompt, **options)
-    assert model._compiled_call.native_steps == 11
+    if native_step:
+        assert model._compiled_call.native_steps == 7
     assert torch.equal(out.sequences, reference.sequences)
     expected = torch.stack(reference.logits)
     assert ((torch.stack(out.logits) - expected).norm() / expected.norm()) < 1e-4
@@ -259,24 +265,6 @@ def test_reconstruction_and_grid_training_keep_the_rotation() -> None:
         write_back(trained, swapped)
         with torch.no_grad():
             torch.testing.assert_close(trained(ids).logits, quantized, rtol=1e-4, atol=1e-4)
-
-
-def test_the_compiled_step_traces_the_rotation(rotated_llama) -> None:
-    from quantlab.generation import compile_for_decoding
-    from quantlab.nn import rotation
-
-    model = copy.deepcopy(rotated_llama[0])
-    model.generation_config.pad_token_id = 0
-    prompt = torch.tensor([[1, 5, 9, 33, 70, 2, 8]])
-    options = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
-    options |= {"output_logits": True, "return_dict_in_generate": True}
-    reference = model.generate(prompt, **options)
-    rotation._FACTORS.clear()  # the Hadamard factors are made while the step is traced
-    compile_for_decoding(model, max_cache_len=24)
-    out = model.generate(prompt, **options)
-    assert torch.equal(out.sequences, reference.sequences)
-    expected = torch.stack(reference.logits)
-    assert ((torch.stack(out.logits) - expected).norm() / expected.norm()) < 1e-5
 
 
 def test_awq_searches_a_rotated_layer_on_the_grid_it_is_stored_on() -> None:
