@@ -37,7 +37,6 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.fake_quant import FakeQuantizedWeight, FakeQuantLinear, weights_computed_once
-from quantlab.nn.rotation import rotate
 from quantlab.solvers import get_solver
 from quantlab.solvers.reconstruct import ReconstructOptions
 from quantlab.utils.allocator import heap_for_temporaries
@@ -109,7 +108,7 @@ class BlockReconstruction:
         quantizers = {
             name: FakeQuantizedWeight.from_solution(
                 layer.layout,
-                _stored_space(self._float_weights[name], layer),
+                layer.stored_space(self._float_weights[name]),
                 layer.stored_tensors(),
                 self.options.max_offset,
                 self.options.learn_scales,
@@ -311,11 +310,6 @@ class _frozen:
     def __exit__(self, *exc: Any) -> None:
         for parameter, flag in self.flags:
             parameter.requires_grad_(flag)
-
-
-def _stored_space(weight: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
-    """A float weight as the layer's codes store it: `W R` when the layer rotates its input."""
-    return rotate(weight.float(), layer.input_rotation).to(weight.dtype) if layer.input_rotation else weight
 
 
 class _swapped:

@@ -111,6 +111,12 @@ class QuantizedLinear(StoredTensorsModule):
             return self.dequantize_stored(dtype)
         return rotate(self.dequantize_stored(torch.float32), self.input_rotation).to(dtype)
 
+    def stored_space(self, weight: torch.Tensor) -> torch.Tensor:
+        """A float `[out, in]` weight of the layer's input as its codes store it: `W R` when it rotates its input."""
+        if not self.input_rotation:
+            return weight
+        return rotate(weight.float(), self.input_rotation).to(weight.dtype)
+
     def dequantize_stored(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float `[out, in]` weight the stored tensors represent: the rotated weight `W R` when the
         layer rotates its input, the one kernels multiply the (rotated) input by."""

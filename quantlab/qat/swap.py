@@ -24,7 +24,6 @@ from quantlab.distill.teacher import CompactLinear
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.fake_quant import FakeQuantizedWeight, FakeQuantLinear
 from quantlab.nn.grid_trained import GridTrainedLinear, TrainedGrid
-from quantlab.nn.rotation import rotate
 from quantlab.qat.options import QATOptions
 
 
@@ -90,9 +89,7 @@ def fake_quantize(
         float_start = weight is not None and tuple(weight.shape) == (module.out_features, module.in_features)
         if not float_start:
             weight = module.dequantize_weight(torch.float32)
-        weight = weight.detach().to(torch.float32)
-        if module.input_rotation:  # the codes are those of `W R`: so is the latent weight they train from
-            weight = rotate(weight, module.input_rotation)
+        weight = module.stored_space(weight.detach().to(torch.float32))  # the latent weight the codes train from
         quantizer = FakeQuantizedWeight.from_solution(
             module.layout, weight, stored, options.max_offset, options.learn_scales
         )
