@@ -20,8 +20,7 @@ class Solution:
 
 
 class InputStats:
-    """Second moment of a Linear layer's inputs: `H = X^T X / n` (the GPTQ Hessian up to 2),
-    and the mean absolute activation per input channel (for activation-aware scaling).
+    """Second moment of a Linear layer's inputs: `H = X^T X / n` (the GPTQ Hessian up to 2).
 
     Shared by every layer that reads the same input (q/k/v, gate/up), so it is computed once.
     Each batch's `X^T X` is a float32 product and the products are summed in float64, so the
@@ -39,7 +38,6 @@ class InputStats:
 
     def __init__(self, in_features: int) -> None:
         self.gram: torch.Tensor | None = torch.zeros(in_features, in_features, dtype=torch.float64)  # sum x x^T
-        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
         self.count = 0
         self._hessian: torch.Tensor | None = None
         self._released = False
@@ -55,7 +53,6 @@ class InputStats:
             for start in range(0, width, self.PRODUCT_COLUMNS):
                 end = min(start + self.PRODUCT_COLUMNS, width)
                 self.gram[:, start:end].add_(rows.T @ rows[:, start:end])
-        self.abs_sum.add_(rows.abs().sum(dim=0))
         self.count += rows.shape[0]
         self._hessian = None
 
@@ -64,7 +61,7 @@ class InputStats:
         only the float32 means: the float64 sums are released, and no input can be added after."""
         if self.gram is None:
             return
-        self.gram, self.abs_sum = distributed.sum_(self.gram), distributed.sum_(self.abs_sum)
+        self.gram = distributed.sum_(self.gram)
         self.count = distributed.total(self.count)
         self._hessian = _float32_mean(self.gram, self.count)
         self.gram = None
@@ -82,14 +79,10 @@ class InputStats:
             self._hessian = _float32_mean(self.gram, self.count)
         return self._hessian
 
-    @property
-    def abs_mean(self) -> torch.Tensor:
-        return (self.abs_sum / max(self.count, 1)).float()
-
     def transformed(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> "InputStats":
         """The statistics of inputs `x R` for an orthogonal `R`, from `transform(H) = R^T H R` (this one is kept)."""
         other = InputStats(0)
-        other.gram, other.abs_sum, other.count = None, None, self.count
+        other.gram, other.count = None, self.count
         other._hessian = transform(self.hessian)
         return other
 
