@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -66,10 +67,11 @@ def test_the_teacher_defaults_to_the_float_model_the_checkpoint_records(tmp_path
     assert report["perplexity_after"] > 0 and report["perplexity_teacher"] > 0
 
 
-def test_resume_from_a_checkpoint_gives_the_uninterrupted_runs_codes(tmp_path, capsys, teacher_and_student):
+@pytest.mark.parametrize("train", ["weights", "grids"])
+def test_resume_from_a_checkpoint_gives_the_uninterrupted_runs_codes(tmp_path, capsys, teacher_and_student, train):
     teacher, student = teacher_and_student
     argv = ["qat", str(student), "--teacher", str(teacher), "--max-steps", "3", *TRAIN, "-o", str(tmp_path / "run"),
-            "--norm-lr-ratio", "0.5"]  # fmt: skip
+            "--norm-lr-ratio", "0.5", "--train", train]  # fmt: skip
     code, _, err = _run(capsys, *argv, "--save-steps", "1", "--save-total-limit", "3")
     assert code == 0, err
     uninterrupted = _tensors(tmp_path / "run" / "final")
@@ -82,7 +84,7 @@ def test_resume_from_a_checkpoint_gives_the_uninterrupted_runs_codes(tmp_path, c
     resumed = _tensors(tmp_path / "run" / "final")
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[key], uninterrupted[key]) for key in resumed)
-    code, _, err = _run(capsys, *argv, "--save-steps", "1", "--max-offset", "0.5", "--quiet",
+    code, _, err = _run(capsys, *argv, "--save-steps", "1", "--scale-lr-ratio", "0.5", "--quiet",
                         "--resume-from-checkpoint", "latest")  # fmt: skip
     assert code == 2 and "resume" in err.lower() and len(err.strip().splitlines()) == 1
 
