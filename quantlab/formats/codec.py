@@ -183,6 +183,10 @@ class Codec:
         """`layout` with the per-layer numbers read from the stored tensors (see `StorageLayout.bind`)."""
         return layout
 
+    def with_table(self, layout: "StorageLayout", levels: torch.Tensor) -> "StorageLayout":
+        """`layout` with its learned level table replaced by `levels` (see `StorageLayout.with_table`)."""
+        raise ValueError(f"the {self.name} codec learns no level table")
+
     # -- round to nearest, and the reference decoding -------------------------------------------
 
     def quantize(self, layout: "StorageLayout", weight: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -182,6 +182,11 @@ class StorageLayout:
         """This layout with the per-layer numbers (a level table) the stored tensors carry; itself otherwise."""
         return self.codec_object.bind(self, stored)
 
+    def with_table(self, levels: torch.Tensor) -> "StorageLayout":
+        """This layout with its learned level table (`table`) replaced by the sorted `levels`, rounded as they
+        are stored, so codes decode as the saved layer will (training the table: `quantlab.nn.grid_trained`)."""
+        return self.codec_object.with_table(self, levels)
+
     def quantize_grouped(self, grouped: torch.Tensor, params: GroupParams) -> torch.Tensor:
         """Codes `[out, groups, length]` of grouped weights on the given grids."""
         return self.codec_object.encode_grouped(self, grouped, params)

@@ -132,6 +132,11 @@ class LearnedTableCodec(Codec):
         table = tuple(stored["weight_table"].detach().float().cpu().tolist())
         return layout if layout.table == table else dataclasses.replace(layout, table=table)
 
+    def with_table(self, layout: StorageLayout, levels: torch.Tensor) -> StorageLayout:
+        """The table `levels` (ends at -1 and 1) rounded as stored."""
+        table = _stored_table(levels.detach().double().cpu())
+        return layout if layout.table == table else dataclasses.replace(layout, table=table)
+
     def levels(self, layout: StorageLayout, device: torch.device | str = "cpu") -> torch.Tensor:
         """The layer's table (the normal-quantile start before `prepare` or `bind`)."""
         return _tables(layout.table or start_table(layout.bits), str(device))[0]

@@ -1,4 +1,4 @@
-"""A quantized Linear layer whose codes are frozen and whose grids (scales, zero points) train.
+"""A quantized Linear layer whose codes are frozen and whose grids (scales, zero points, level tables) train.
 
 EfficientQAT's end-to-end phase (E2E-QP, Chen et al. 2024, arXiv 2407.11062) trains only the
 quantization parameters of a quantized model: each group's scale (and zero point, where the format
@@ -9,12 +9,19 @@ double-quantized absmax):
 
     d loss / d scale_g = sum_{j in g} G_ij (level[q_ij] - zero_g),   d loss / d zero_g = -scale_g sum_{j in g} G_ij
 
-with `G = dy^T x` the weight's gradient. What makes it cheap is what is kept: the codes (one byte a
-weight) and a few numbers a group. The float weight is decoded for the product and dropped, decoded
-again in the backward pass, and `G` lives only while one layer's gradient is reduced to its groups:
-nothing a weight wide is saved between the passes, so a model's training memory is its codes, its
-float rest and its activations, not five floats a weight as when the weights themselves train
-(`quantlab.nn.fake_quant`).
+with `G = dy^T x` the weight's gradient. A layer with a level table of its own (`lut`) trains its
+interior levels too (its ends, -1 and 1, are what the scales are measured against), and the codes
+keep indexing the same level:
+
+    d loss / d level_k = sum_{ij : q_ij = k} G_ij scale_g(ij)
+
+The levels stay sorted and within the ends (`project`), and compute as rounded to their stored precision.
+
+What makes it cheap is what is kept: the codes (one byte a weight) and a few numbers a group. The
+float weight is decoded for the product and dropped, decoded again in the backward pass, and `G`
+lives only while one layer's gradient is reduced to its groups: nothing a weight wide is saved
+between the passes, so a model's training memory is its codes, its float rest and its activations,
+not five floats a weight as when the weights themselves train (`quantlab.nn.fake_quant`).
 """
 
 import torch
@@ -42,6 +49,8 @@ class TrainedGrid(nn.Module):
         self.register_buffer("start_scale", params.scale.clone(), persistent=False)
         self.scale_ratio = nn.Parameter(torch.ones_like(params.scale))
         self.zero = None if params.zero is None else nn.Parameter(params.zero.clone(), requires_grad=learn_zero)
+        # a learned table's interior levels (its ends fixed: the scales are measured against them)
+        self.table = None if layout.table is None else nn.Parameter(torch.tensor(layout.table[1:-1]))
         self._integer_levels = self._decodes_as_integers()  # level[q] = q: one subtraction, in place
 
     @classmethod
@@ -51,6 +60,13 @@ class TrainedGrid(nn.Module):
         codes, params = layout.load(stored)
         params.stored = {name: tensor for name, tensor in stored.items() if name != "weight"}
         return cls(layout, codes, params)
+
+    def current_layout(self) -> StorageLayout:
+        """The layout with the table as it would be stored now (the layout itself when no table trains)."""
+        if self.table is None:
+            return self.layout
+        ends = torch.tensor(self.layout.table[:: len(self.layout.table) - 1])
+        return self.layout.with_table(torch.cat([ends[:1], self.table.detach().cpu(), ends[1:]]))
 
     def grid(self) -> GroupParams:
         """The grids as they would be stored now (the solver's own while nothing has moved)."""
@@ -74,7 +90,7 @@ class TrainedGrid(nn.Module):
         if out is not None and self._integer_levels:  # (the check at construction decodes without `out`)
             return torch.sub(self.codes, self.layout.constant_zero if zero is None else zero.unsqueeze(-1), out=out)
         ones = torch.ones((*self.codes.shape[:2], 1), dtype=torch.float32, device=self.codes.device)
-        unit = self.layout.decode(self.codes, ones, None if zero is None else zero.unsqueeze(-1))
+        unit = self.current_layout().decode(self.codes, ones, None if zero is None else zero.unsqueeze(-1))
         return unit if out is None else out.copy_(unit)
 
     def weight(self) -> torch.Tensor:
@@ -86,12 +102,16 @@ class TrainedGrid(nn.Module):
 
     def stored(self) -> dict[str, torch.Tensor]:
         """The layer's tensors, as `QuantizedLinear.load_stored` takes them: the same codes, the trained grids."""
-        return self.layout.store(self.codes, self.grid())
+        return self.current_layout().store(self.codes, self.grid())
 
     @torch.no_grad()
     def project(self) -> None:
-        """Keep the scales within `SCALE_RANGE` of their start (after each optimizer step)."""
+        """Keep the scales within `SCALE_RANGE` of their start and a table's levels sorted between its ends
+        (after each optimizer step)."""
         self.scale_ratio.clamp_(*SCALE_RANGE)
+        if self.table is not None:
+            low, high = self.layout.table[0], self.layout.table[-1]
+            self.table.copy_(torch.cummax(self.table.clamp(low, high), dim=0).values)
 
     def _decodes_as_integers(self) -> bool:
         """Whether the codec's decoding is `q - zero` at scale 1 (integer levels), checked on this layer's codes."""
@@ -104,6 +124,8 @@ class TrainedGrid(nn.Module):
 
     def _at_start(self) -> bool:
         if not torch.all(self.scale_ratio == 1):
+            return False
+        if self.table is not None and self.current_layout().table != self.layout.table:
             return False
         return self.zero is None or torch.equal(self.zero, self.start.zero)
 
@@ -134,7 +156,7 @@ class GridTrainedLinear(nn.Module):
         scale, zero = grid.learned()
         trained_zero = zero if zero is not None and zero.requires_grad else None
         fixed_zero = None if trained_zero is not None else zero
-        return _GridLinear.apply(x, scale, trained_zero, grid, fixed_zero, self.bias)
+        return _GridLinear.apply(x, scale, trained_zero, grid.table, grid, fixed_zero, self.bias)
 
 
 class _GridLinear(torch.autograd.Function):
@@ -144,12 +166,12 @@ class _GridLinear(torch.autograd.Function):
     reused by every layer, and the backward pass works in place on them."""
 
     @staticmethod
-    def forward(ctx, x, scale, trained_zero, grid, fixed_zero, bias):
+    def forward(ctx, x, scale, trained_zero, table, grid, fixed_zero, bias):
         zero = trained_zero if trained_zero is not None else fixed_zero
         shape = grid.codes.shape
         weight = grid.levels_minus_zero(zero, out=scratch("grid.weight", shape)).mul_(scale.unsqueeze(-1))
         ctx.save_for_backward(x, scale, zero)
-        ctx.grid, ctx.trains_zero = grid, trained_zero is not None
+        ctx.grid, ctx.trains_zero, ctx.trains_table = grid, trained_zero is not None, table is not None
         return F.linear(x, grouping.ungroup(weight, grid.layout.in_features).to(x.dtype), bias)
 
     @staticmethod
@@ -167,9 +189,14 @@ class _GridLinear(torch.autograd.Function):
             grouped.zero_()
             grouped.view(shape[0], -1)[:, :in_features] = rows.t() @ inputs
         grad_zero = -(grouped.sum(-1) * scale) if ctx.trains_zero else None
+        grad_table = None
+        if ctx.trains_table:  # G scale summed by code (the forward's weight buffer is free by now)
+            scaled = torch.mul(grouped, scale.unsqueeze(-1), out=scratch("grid.weight", shape))
+            levels = torch.bincount(grid.codes.reshape(-1), scaled.view(-1), minlength=grid.table.numel() + 2)
+            grad_table = levels[1:-1].to(grid.table.dtype)
         grad_scale = grouped.mul_(unit).sum(-1)
         grad_x = None
         if ctx.needs_input_grad[0]:
             weight = grouping.ungroup(unit.mul_(scale.unsqueeze(-1)), in_features)
             grad_x = (grad_output @ weight.to(grad_output.dtype)).to(x.dtype)
-        return grad_x, grad_scale, grad_zero, None, None, None
+        return grad_x, grad_scale, grad_zero, grad_table, None, None, None

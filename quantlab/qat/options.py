@@ -13,9 +13,10 @@ class QATOptions:
 
     `train`: "weights" trains every weight through a fake quantizer (`quantlab.nn.fake_quant`: the
     codes move; five floats of state a weight); "grids" keeps the codes and trains only each group's
-    scale and zero point (`quantlab.nn.grid_trained`: EfficientQAT's E2E-QP; one byte a weight), so
-    memory does not grow with the weights trained; "auto" (the default) takes "weights" where its
-    predicted peak fits the memory available and "grids" where it would not (`quantlab.qat.memory`).
+    scale and zero point and a `lut` layer's table (`quantlab.nn.grid_trained`: EfficientQAT's E2E-QP;
+    one byte a weight), so memory does not grow with the weights trained; "auto" (the default) takes
+    "weights" where its predicted peak fits the memory available and "grids" where it would not
+    (`quantlab.qat.memory`).
     `max_offset`: bound of each weight's move from its start, in grid steps; None (the default)
     leaves it unbounded, so the latent float weight itself trains through the straight-through
     estimator (LSQ and EfficientQAT train the weights; 0.5 is AutoRound's bounded rounding).
@@ -39,7 +40,7 @@ class QATOptions:
         if self.train == "grids" and self.max_offset is not None:
             raise ConfigError("max_offset bounds the weights' moves, and train='grids' keeps the codes; drop one")
         if self.train == "grids" and not self.learn_scales:
-            raise ConfigError("train='grids' trains the scales and zero points only; drop learn_scales=False")
+            raise ConfigError("train='grids' trains scales, zero points and tables only; drop learn_scales=False")
         if self.max_offset is not None and not self.max_offset > 0:
             raise ConfigError(f"max_offset={self.max_offset!r} must be > 0 grid steps, or None for unbounded")
         if not self.scale_lr_ratio > 0:

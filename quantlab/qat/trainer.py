@@ -4,9 +4,9 @@
 perplexity, pickle-free checkpoints and exact resume) with what fake quantizers need: each kind of
 trained number gets its own parameter group (rounding offsets and zero points are in grid steps and
 train at the run's learning rate; scales are ratios to their start and train at `scale_lr_ratio`
-times it; normalization weights, when they train, at `norm_lr_ratio` times it; only offsets take
-weight decay, which pulls them back to their start), and after every optimizer step the numbers
-are put back in their ranges (`FakeQuantizedWeight.project`).
+times it, as learned tables' levels do; normalization weights, when they train, at `norm_lr_ratio`
+times it; only offsets take weight decay, which pulls them back to their start), and after every
+optimizer step the numbers are put back in their ranges (`project`).
 """
 
 import dataclasses
@@ -25,8 +25,8 @@ from quantlab.nn.grid_trained import GridTrainedLinear, TrainedGrid
 from quantlab.qat.options import QATOptions
 from quantlab.qat.swap import SwappedLayer, normalization_parameters
 
-_SCALE, _ZERO, _OFFSET, _NORM, _OTHER = "scale_ratio", "zero", "offset", "norm", "other"
-_QUANTIZER_KINDS = (_SCALE, _ZERO, _OFFSET)  # the trained numbers of a `FakeQuantizedWeight`, by attribute name
+_SCALE, _ZERO, _OFFSET, _TABLE, _NORM, _OTHER = "scale_ratio", "zero", "offset", "table", "norm", "other"
+_QUANTIZER_KINDS = (_SCALE, _ZERO, _OFFSET, _TABLE)  # the trained numbers of a layer's quantizer, by attribute name
 
 
 class ProjectQuantizers(TrainerCallback):
@@ -100,10 +100,11 @@ def parameter_groups(
     scale_lr_ratio: float,
     norm_lr_ratio: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Offsets (weight decay), zero points (none), scales (`scale_lr_ratio` x the rate), normalization
-    weights (`norm_lr_ratio` x the rate, no decay: it would pull gains to zero), anything else trainable."""
+    """Offsets (weight decay), zero points (none), scales and learned tables' levels (`scale_lr_ratio` x the
+    rate: both are numbers near 1), normalization weights (`norm_lr_ratio` x the rate, no decay: it would
+    pull gains to zero), anything else trainable."""
     norms = set(normalization_parameters(model)) if norm_lr_ratio is not None else set()
-    groups: dict[str, list[nn.Parameter]] = {_OFFSET: [], _ZERO: [], _SCALE: [], _NORM: [], _OTHER: []}
+    groups: dict[str, list[nn.Parameter]] = {_OFFSET: [], _ZERO: [], _SCALE: [], _TABLE: [], _NORM: [], _OTHER: []}
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
             attribute = name.rsplit(".", 1)[-1]
@@ -118,6 +119,7 @@ def parameter_groups(
         _OFFSET: {"lr": learning_rate, "weight_decay": weight_decay},
         _ZERO: {"lr": learning_rate, "weight_decay": 0.0},
         _SCALE: {"lr": learning_rate * scale_lr_ratio, "weight_decay": 0.0},
+        _TABLE: {"lr": learning_rate * scale_lr_ratio, "weight_decay": 0.0},
         _NORM: {"lr": learning_rate * (norm_lr_ratio or 1.0), "weight_decay": 0.0},
         _OTHER: {"lr": learning_rate, "weight_decay": weight_decay},
     }

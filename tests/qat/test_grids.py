@@ -33,12 +33,14 @@ def _mean_kl(student, teacher, batch: torch.Tensor) -> float:
         return float(token_kl(teacher(batch).logits.flatten(0, 1), student(batch).logits.flatten(0, 1)).mean())
 
 
-@pytest.mark.parametrize("config", [quantlab.CustomBitsConfig(bits=2, group_size=32), quantlab.NF4Config(blocksize=32)],
-                         ids=["2-bit g32 with zero points", "nf4"])  # fmt: skip
+@pytest.mark.parametrize("config", [quantlab.CustomBitsConfig(bits=2, group_size=32), quantlab.NF4Config(blocksize=32),
+                                    quantlab.LutConfig(bits=3, group_size=32)],
+                         ids=["2-bit g32 with zero points", "nf4", "lut 3-bit g32 (its tables train)"])  # fmt: skip
 def test_training_grids_keeps_the_codes_lowers_the_loss_and_reloads(tmp_path, config):
     teacher = tiny_llama(0)
     student = quantlab.quantize(tiny_llama(0), config)
     codes = _codes(student)
+    tables = {name: tensor.clone() for name, tensor in student.state_dict().items() if name.endswith("weight_table")}
     batch = torch.stack(list(_data(8, seed=1).sequences))  # not trained on
     start = _mean_kl(student, teacher, batch)
     args = training_arguments({"output_dir": str(tmp_path / "run"), "max_steps": 30, "learning_rate": 0.05,
@@ -51,6 +53,8 @@ def test_training_grids_keeps_the_codes_lowers_the_loss_and_reloads(tmp_path, co
     assert _mean_kl(student, teacher, batch) < 0.9 * start
     after = _codes(student)
     assert all(torch.equal(after[name], codes[name]) for name in codes)
+    trained_tables = {name: student.state_dict()[name] for name in tables}
+    assert all(not torch.equal(trained_tables[name], tables[name]) for name in tables)
     student.save_pretrained(tmp_path / "saved")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     with torch.no_grad():
