@@ -171,7 +171,7 @@ class _GridLinear(torch.autograd.Function):
         shape = grid.codes.shape
         weight = grid.levels_minus_zero(zero, out=scratch("grid.weight", shape)).mul_(scale.unsqueeze(-1))
         ctx.save_for_backward(x, scale, zero)
-        ctx.grid, ctx.trains_zero, ctx.trains_table = grid, trained_zero is not None, table is not None
+        ctx.grid, ctx.trains_zero = grid, trained_zero is not None
         return F.linear(x, grouping.ungroup(weight, grid.layout.in_features).to(x.dtype), bias)
 
     @staticmethod
@@ -190,7 +190,7 @@ class _GridLinear(torch.autograd.Function):
             grouped.view(shape[0], -1)[:, :in_features] = rows.t() @ inputs
         grad_zero = -(grouped.sum(-1) * scale) if ctx.trains_zero else None
         grad_table = None
-        if ctx.trains_table:  # G scale summed by code (the forward's weight buffer is free by now)
+        if ctx.needs_input_grad[3]:  # a trained table: G scale summed by code, in the free buffer
             scaled = torch.mul(grouped, scale.unsqueeze(-1), out=scratch("grid.weight", shape))
             levels = torch.bincount(grid.codes.reshape(-1), scaled.view(-1), minlength=grid.table.numel() + 2)
             grad_table = levels[1:-1].to(grid.table.dtype)
