@@ -61,8 +61,6 @@ QL_AVX2 static void ql_silu_times256(float *gate, const float *up, int64_t n) {
 }
 #endif
 
-/* gate = silu(gate) * up = gate / (1 + exp(-gate)) * up, as LlamaMLP computes it. 16 at a time with AVX-512,
- * several times faster than the scalar loop in the decode step (benchmarks/RESULTS.md). */
 /* x R in place: the normalized Walsh-Hadamard transform (Sylvester's order) of each block of `block` values, the
  * online rotation of a layer quantized with its input rotated (quantlab/nn/rotation.py); `block` a power of two. */
 static void ql_hadamard_blocks(float *x, int64_t n, int64_t block) {
@@ -80,6 +78,8 @@ static void ql_hadamard_blocks(float *x, int64_t n, int64_t block) {
     }
 }
 
+/* gate = silu(gate) * up = gate / (1 + exp(-gate)) * up, as LlamaMLP computes it. 16 at a time with AVX-512,
+ * several times faster than the scalar loop in the decode step (benchmarks/RESULTS.md). */
 static void ql_silu_times(int isa, float *gate, const float *up, int64_t n) {
 #ifdef QL_X86
     if (isa == QL_ISA_AVX512) {
