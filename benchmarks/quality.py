@@ -210,6 +210,12 @@ def lut_3bit_reconstruct() -> Any:
     return quantlab.LutConfig(bits=3, group_size=64, solver="reconstruct", layer_options=LUT_3BIT_LAYER_OPTIONS)
 
 
+def lut_budget_reconstruct(bits: int) -> Any:
+    """Learned tables under block-wise reconstruction within `bits + 0.25` bits per weight, each layer's width
+    and group size chosen by mixed precision (`target_bits`) instead of a layer named by hand."""
+    return quantlab.LutConfig(bits=bits, group_size=64, solver="reconstruct", target_bits=bits + 0.25)
+
+
 # Quantization-aware training (`quantlab qat` defaults: lr 5e-3 in grid steps, cosine, KL from the float
 # model) on the bundled text after the evaluation windows. From GPTQ's codes, 100 steps of 4 x 256 tokens
 # (about 16 minutes a row on 2 quiet cores): bits, group size, steps, GPTQ's calibration windows.
@@ -222,11 +228,13 @@ QAT_TRAINING = {"learning_rate": 5e-3, "per_device_train_batch_size": 4, "lr_sch
 RECONSTRUCT_QAT_ROWS = ((3, 64, 400, 512, 2), (2, 64, 400, 256, 4))
 # From the learned 3-bit tables' reconstruction (`lut_3bit_reconstruct`): steps, tokens per example, examples per step.
 LUT_QAT_ROWS = ((100, 256, 4),)
+# From learned tables whose widths and group sizes mixed precision chose (`lut_budget_reconstruct`): bits, steps.
+LUT_BUDGET_QAT_ROWS = ((4, 100), (3, 100))
 RECONSTRUCT_QAT_NORM_LR_RATIO = 0.02
 
 
 def qat_variants() -> list[Variant]:
-    """`quantlab qat`: GPTQ's or the reconstruction's codes (symmetric integers, or learned 3-bit tables), then
+    """`quantlab qat`: GPTQ's or the reconstruction's codes (symmetric integers, or learned tables), then
     every quantized layer trained through fake quantizers against the float model's KL divergence."""
 
     def from_gptq(bits: int, group: int, steps: int, samples: int) -> Callable[[Path, Path | None], Any]:
@@ -255,6 +263,11 @@ def qat_variants() -> list[Variant]:
         Variant(f"qat lut 3-bit g64 (reconstruct start, {steps} x {batch} x {seq_len} tokens)", "quantlab", None,
                 build=from_reconstruction(lut_3bit_reconstruct(), steps, seq_len, batch))
         for steps, seq_len, batch in LUT_QAT_ROWS
+    ]  # fmt: skip
+    variants += [
+        Variant(f"qat lut {bits}-bit (reconstruct start within {bits + 0.25} bits/weight, {steps} x 4 x 256 tokens)",
+                "quantlab", None, build=from_reconstruction(lut_budget_reconstruct(bits), steps, 256, 4))
+        for bits, steps in LUT_BUDGET_QAT_ROWS
     ]  # fmt: skip
     return variants
 
