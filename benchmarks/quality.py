@@ -264,11 +264,10 @@ def qat_variants() -> list[Variant]:
                 build=from_reconstruction(lut_3bit_reconstruct(), steps, seq_len, batch))
         for steps, seq_len, batch in LUT_QAT_ROWS
     ]  # fmt: skip
-    variants += [
-        Variant(f"qat lut {bits}-bit (reconstruct start within {bits + 0.25} bits/weight, {steps} x 4 x 256 tokens)",
-                "quantlab", None, build=from_reconstruction(lut_budget_reconstruct(bits), steps, 256, 4))
-        for bits, steps in LUT_BUDGET_QAT_ROWS
-    ]  # fmt: skip
+    for bits, steps in LUT_BUDGET_QAT_ROWS:
+        name = f"qat lut {bits}-bit (reconstruct start within {bits + 0.25} bits/weight, {steps} x 4 x 256 tokens)"
+        build = from_reconstruction(lut_budget_reconstruct(bits), steps, 256, 4)
+        variants.append(Variant(name, "quantlab", None, build=build))
     return variants
 
 
