@@ -56,16 +56,18 @@ def rotate_square(matrix: torch.Tensor, block: int) -> torch.Tensor:
 def hadamard(size: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """The normalized Hadamard matrix `H / sqrt(size)` (Sylvester's construction, symmetric and orthogonal).
 
-    Kept once per size, dtype and device: a layer rotating its input on every call builds none."""
+    Kept once per size, dtype and device: a layer rotating its input on every call builds none. Built outside
+    inference mode, so a matrix first made while evaluating can still take part in training later."""
     key = (size, dtype, torch.device(device))
     matrix = _FACTORS.get(key)
     if matrix is None:
         if size < 1 or size & (size - 1):
             raise ConfigError(f"a Hadamard matrix needs a power of two, got {size}")
-        matrix = torch.ones(1, 1, dtype=torch.float32)
-        while matrix.shape[0] < size:
-            matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
-        matrix = (matrix / math.sqrt(size)).to(dtype=dtype, device=device)
+        with torch.inference_mode(False), torch.no_grad():
+            matrix = torch.ones(1, 1, dtype=torch.float32)
+            while matrix.shape[0] < size:
+                matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+            matrix = (matrix / math.sqrt(size)).to(dtype=dtype, device=device)
         _FACTORS[key] = matrix
     return matrix
 

@@ -18,6 +18,7 @@ from quantlab.export import to_onnx
 from quantlab.export.compressed_tensors.exporter import CompressedTensorsExportError, to_compressed_tensors
 from quantlab.export.gguf.errors import GGUFExportError
 from quantlab.export.gguf.exporter import to_gguf
+from quantlab.nn import rotation
 from quantlab.nn.rotation import hadamard, rotate, rotate_square, rotation_block
 from quantlab.replacement import quantized_layers
 from quantlab.solvers import InputStats
@@ -40,6 +41,18 @@ def test_rotation_is_the_block_diagonal_hadamard_matrix_and_its_own_inverse(widt
     h = torch.randn(width, width, dtype=torch.float64)
     h = h @ h.T
     torch.testing.assert_close(rotate_square(h, block), matrix @ h @ matrix)
+
+
+def test_a_rotation_first_computed_while_evaluating_still_trains() -> None:
+    """`quantlab qat --eval` measures perplexity in inference mode before training: the Hadamard factors it
+    caches then must not be inference tensors, which autograd refuses to save."""
+    rotation._FACTORS.clear()
+    with torch.inference_mode():
+        rotate(torch.randn(3, 64, dtype=torch.float64), 64)
+    x = torch.randn(3, 64, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(64, dtype=torch.float64)
+    (rotate(x, 64) @ weights).sum().backward()
+    torch.testing.assert_close(x.grad, rotate(weights.expand(3, 64), 64))  # R is symmetric: the gradient is R w
 
 
 def test_rotation_blocks_of_wide_layers_and_refusals() -> None:
