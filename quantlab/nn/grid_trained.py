@@ -190,7 +190,7 @@ class _GridLinear(torch.autograd.Function):
             grouped.view(shape[0], -1)[:, :in_features] = rows.t() @ inputs
         grad_zero = -(grouped.sum(-1) * scale) if ctx.trains_zero else None
         grad_table = None
-        if ctx.needs_input_grad[3]:  # a trained table: G scale summed by code, in the free buffer
+        if ctx.needs_input_grad[3]:  # input 3, a trained table: G scale summed by code, in the free buffer
             scaled = torch.mul(grouped, scale.unsqueeze(-1), out=scratch("grid.weight", shape))
             levels = torch.bincount(grid.codes.reshape(-1), scaled.view(-1), minlength=grid.table.numel() + 2)
             grad_table = levels[1:-1].to(grid.table.dtype)

@@ -63,7 +63,7 @@ def hadamard(size: int, dtype: torch.dtype = torch.float32, device: torch.device
     if matrix is None:
         if size < 1 or size & (size - 1):
             raise ConfigError(f"a Hadamard matrix needs a power of two, got {size}")
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False):
             matrix = torch.ones(1, 1, dtype=torch.float32)
             while matrix.shape[0] < size:
                 matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
