@@ -210,10 +210,12 @@ def lut_3bit_reconstruct() -> Any:
     return quantlab.LutConfig(bits=3, group_size=64, solver="reconstruct", layer_options=LUT_3BIT_LAYER_OPTIONS)
 
 
-def lut_budget_reconstruct(bits: int) -> Any:
+def lut_budget_reconstruct(bits: int, rotate: list[str] | None = None) -> Any:
     """Learned tables under block-wise reconstruction within `bits + 0.25` bits per weight, each layer's width
     and group size chosen by mixed precision (`target_bits`) instead of a layer named by hand."""
-    return quantlab.LutConfig(bits=bits, group_size=64, solver="reconstruct", target_bits=bits + 0.25)
+    return quantlab.LutConfig(
+        bits=bits, group_size=64, solver="reconstruct", target_bits=bits + 0.25, rotate_inputs=rotate
+    )
 
 
 # Quantization-aware training (`quantlab qat` defaults: lr 5e-3 in grid steps, cosine, KL from the float
@@ -230,8 +232,9 @@ QAT_TRAINING = {"learning_rate": 5e-3, "per_device_train_batch_size": 4, "lr_sch
 RECONSTRUCT_QAT_ROWS = ((3, 64, 400, 512, 2), (2, 64, 400, 256, 4))
 # From the learned 3-bit tables' reconstruction (`lut_3bit_reconstruct`): steps, tokens per example, examples per step.
 LUT_QAT_ROWS = ((100, 256, 4),)
-# From learned tables whose widths and group sizes mixed precision chose (`lut_budget_reconstruct`): bits, steps.
-LUT_BUDGET_QAT_ROWS = ((4, 100), (3, 100))
+# From learned tables whose widths and group sizes mixed precision chose (`lut_budget_reconstruct`): bits, steps,
+# whether the MLP output projections' inputs are rotated.
+LUT_BUDGET_QAT_ROWS = ((4, 100, False), (3, 100, False), (3, 100, True))
 RECONSTRUCT_QAT_NORM_LR_RATIO = 0.02
 
 
@@ -274,9 +277,11 @@ def qat_variants() -> list[Variant]:
                 build=from_reconstruction(lut_3bit_reconstruct(), steps, seq_len, batch))
         for steps, seq_len, batch in LUT_QAT_ROWS
     ]  # fmt: skip
-    for bits, steps in LUT_BUDGET_QAT_ROWS:
-        name = f"qat lut {bits}-bit (reconstruct start within {bits + 0.25} bits/weight, {steps} x 4 x 256 tokens)"
-        build = from_reconstruction(lut_budget_reconstruct(bits), steps, 256, 4)
+    for bits, steps, rotate in LUT_BUDGET_QAT_ROWS:
+        budget = f"within {bits + 0.25} bits/weight" + (", mlp output rotated" if rotate else "")
+        name = f"qat lut {bits}-bit (reconstruct start {budget}, {steps} x 4 x 256 tokens)"
+        start = lut_budget_reconstruct(bits, MLP_OUTPUT_LAYERS if rotate else None)
+        build = from_reconstruction(start, steps, 256, 4)
         variants.append(Variant(name, "quantlab", None, build=build))
     return variants
 
