@@ -220,10 +220,15 @@ def lut_budget_reconstruct(bits: int, rotate: list[str] | None = None) -> Any:
 
 # Quantization-aware training (`quantlab qat` defaults: lr 5e-3 in grid steps, cosine, KL from the float
 # model) on the bundled text after the evaluation windows. From GPTQ's codes, 100 steps of 4 x 256 tokens
-# (about 16 minutes a row on 2 quiet cores): bits, group size, steps, GPTQ's calibration windows.
-QAT_ROWS = ((4, 64, 100, 128), (3, 64, 100, 128), (2, 64, 100, 128))
-# From GPTQ's codes with the MLP output projections' inputs rotated (`rotate_inputs`): bits, group, steps, windows.
-ROTATED_QAT_ROWS = ((4, 64, 100, 128), (3, 64, 100, 128))
+# (about 16 minutes a row on 2 quiet cores): bits, group size, steps, GPTQ's calibration windows, whether the MLP
+# output projections' inputs are rotated (`rotate_inputs`).
+QAT_ROWS = (
+    (4, 64, 100, 128, False),
+    (3, 64, 100, 128, False),
+    (2, 64, 100, 128, False),
+    (4, 64, 100, 128, True),
+    (3, 64, 100, 128, True),
+)
 QAT_TRAINING = {"learning_rate": 5e-3, "per_device_train_batch_size": 4, "lr_scheduler_type": "cosine",
                 "warmup_steps": 0.05, "seed": 0, "logging_steps": 5}  # fmt: skip
 # From the reconstruction's codes with the normalization layers training at 0.02 x the rate, the runs of the
@@ -242,13 +247,15 @@ def qat_variants() -> list[Variant]:
     """`quantlab qat`: GPTQ's or the reconstruction's codes (symmetric integers, or learned tables), then
     every quantized layer trained through fake quantizers against the float model's KL divergence."""
 
-    def from_gptq(
-        bits: int, group: int, steps: int, samples: int, rotate: list[str] | None = None
-    ) -> Callable[[Path, Path | None], Any]:
+    def from_gptq(bits: int, group: int, steps: int, samples: int, rotate: bool) -> Callable[[Path, Path | None], Any]:
         start = quantlab.CustomBitsConfig(
-            bits=bits, group_size=group, symmetric=True, solver="gptq", calibration_samples=samples,
-            rotate_inputs=rotate,
-        )  # fmt: skip
+            bits=bits,
+            group_size=group,
+            symmetric=True,
+            solver="gptq",
+            calibration_samples=samples,
+            rotate_inputs=MLP_OUTPUT_LAYERS if rotate else None,
+        )
         return lambda directory, _: qat_model_of(directory, start, steps, 256, 4, None)
 
     def from_reconstruction(start: Any, steps: int, seq_len: int, batch: int) -> Callable[[Path, Path | None], Any]:
@@ -258,14 +265,9 @@ def qat_variants() -> list[Variant]:
         return quantlab.CustomBitsConfig(bits=bits, group_size=group, symmetric=True, solver="reconstruct")
 
     variants = [
-        Variant(f"qat {bits}-bit g{group} sym (gptq start, {steps} steps)", "quantlab", None,
-                build=from_gptq(bits, group, steps, samples))
-        for bits, group, steps, samples in QAT_ROWS
-    ]  # fmt: skip
-    variants += [
-        Variant(f"qat {bits}-bit g{group} sym (gptq start, mlp output rotated, {steps} steps)", "quantlab", None,
-                build=from_gptq(bits, group, steps, samples, MLP_OUTPUT_LAYERS))
-        for bits, group, steps, samples in ROTATED_QAT_ROWS
+        Variant(f"qat {bits}-bit g{group} sym (gptq start{', mlp output rotated' if rotate else ''}, {steps} steps)",
+                "quantlab", None, build=from_gptq(bits, group, steps, samples, rotate))
+        for bits, group, steps, samples, rotate in QAT_ROWS
     ]  # fmt: skip
     variants += [
         Variant(f"qat {bits}-bit g{group} sym (reconstruct start, {steps} x {batch} x {seq_len} tokens)",
