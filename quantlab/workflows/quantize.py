@@ -21,7 +21,7 @@ from quantlab.errors import QuantlabError
 from quantlab.loading import ModelSource, OpenedModel, open_model, resolve_model, weights_size
 from quantlab.workflows.notes import DEFAULT_MODEL_NOTE, Notify, notifier
 from quantlab.workflows.outputs import REPORT_FILE, check_output, report_json
-from quantlab.workflows.text import EvaluationText, reloaded_perplexity
+from quantlab.workflows.text import EvaluationText, reloaded_embedding_cosines, reloaded_perplexity
 
 
 @dataclass
@@ -47,6 +47,9 @@ class QuantizeReport:
     evaluate_seconds: float | None = None
     perplexity_before: float | None = None
     perplexity_after: float | None = None
+    # An encoder (no next-token head) is measured by its sentence embeddings' cosine to the float model's
+    embedding_cosine_mean: float | None = None
+    embedding_cosine_worst: float | None = None
     evaluation_text: str | None = None
     tables_quantized: list[str] = field(default_factory=list)  # the vocabulary tables (embedding_bits)
     streamed: bool = False  # one block in memory at a time (else loaded whole)
@@ -103,7 +106,7 @@ def _quantize(
 
     distributed.init()  # under torchrun: join the other processes before loading
     with open_model(source, scratch=output.parent, progress=progress) as opened:
-        _check_quantizable(opened, evaluate=text is not None)
+        _check_quantizable(opened)
         tokenizer = opened.tokenizer()
         if text is not None and tokenizer is None:
             raise QuantlabError(f"--eval needs a tokenizer, and {source} has none")
@@ -253,21 +256,27 @@ def _evaluate_and_write(
     progress: bool,
     note: Notify,
 ) -> None:
-    """Measure perplexity on the checkpoint as written (when asked), then write the report beside it."""
+    """Measure the checkpoint as written (when asked), then write the report beside it: a causal LM's
+    perplexity before and after, an encoder's sentence embeddings against the float model's."""
     if text is not None:
         started_evaluation = time.perf_counter()
-        note(f"measuring perplexity on {text.describe()}")
-        report.perplexity_after = reloaded_perplexity(staging, text, tokenizer, progress)
-        report.perplexity_before = reloaded_perplexity(opened.folder, text, tokenizer, progress)
+        if opened.is_causal_lm:
+            report.evaluation_text = text.describe()
+            note(f"measuring perplexity on {report.evaluation_text}")
+            report.perplexity_after = reloaded_perplexity(staging, text, tokenizer, progress)
+            report.perplexity_before = reloaded_perplexity(opened.folder, text, tokenizer, progress)
+        else:
+            from quantlab.calibration.data import ENCODER_EVAL_LINES
+
+            note(f"measuring sentence embeddings against the float model's on the first {ENCODER_EVAL_LINES} "
+                 f"non-empty lines of {text.source}")  # fmt: skip
+            cosines = reloaded_embedding_cosines(staging, opened.folder, text, tokenizer)
+            report.evaluation_text = f"the first {len(cosines)} non-empty lines of {text.source}"
+            report.embedding_cosine_mean = float(cosines.mean())
+            report.embedding_cosine_worst = float(cosines.min())
         report.evaluate_seconds = time.perf_counter() - started_evaluation
-        report.evaluation_text = text.describe()
     (staging / REPORT_FILE).write_text(report_json(asdict(report)), encoding="utf-8")
 
 
-def _check_quantizable(opened: OpenedModel, evaluate: bool) -> None:
+def _check_quantizable(opened: OpenedModel) -> None:
     opened.refuse_quantized("quantize its float original instead")
-    if evaluate and not opened.is_causal_lm:
-        raise QuantlabError(
-            f"--eval measures perplexity, which needs a causal language model, but {opened.source} is a "
-            f"{opened.model_class.__name__}; quantize it without --eval"
-        )

@@ -73,6 +73,28 @@ def reloaded_perplexity(folder: Path, text: EvaluationText, tokenizer: Any = Non
     return measure_perplexity(model, tokenizer, text, progress)
 
 
+def reloaded_embedding_cosines(folder: Path, reference: Path, text: EvaluationText, tokenizer: Any = None) -> Any:
+    """Each evaluation line's cosine between the sentence embeddings of the encoder in `folder` and those of
+    the encoder in `reference` (its float original), both loaded in float32: `[lines]`."""
+    import torch
+
+    from quantlab.eval.embeddings import embedding_cosines, evaluation_lines, sentence_embeddings
+    from quantlab.loading import open_model
+
+    lines = evaluation_lines(text.text)
+    embeddings = []
+    for source in (folder, reference):
+        with open_model(source) as opened:
+            tokenizer = tokenizer if tokenizer is not None else opened.tokenizer()
+            if tokenizer is None:
+                raise QuantlabError(f"{source} has no tokenizer, which embedding lines needs; save one beside it")
+            model = opened.load(dtype=torch.float32)
+        model.eval()
+        embeddings.append(sentence_embeddings(model, tokenizer, lines))
+        del model
+    return embedding_cosines(*embeddings)
+
+
 @dataclass(frozen=True)
 class KVCacheMeasure:
     """Perplexity with chunked prefill through a KV cache, and what the cache held at the end of a window."""

@@ -85,12 +85,6 @@ def test_eval_needs_a_causal_lm(cli, bert_dir: Path) -> None:
     cli.assert_user_error(cli.run("eval", bert_dir), "needs a causal language model", "BertModel")
 
 
-def test_quantize_eval_on_an_encoder_fails_before_writing(cli, bert_dir: Path, tmp_path: Path) -> None:
-    result = cli.run("quantize", bert_dir, "--method", "int8", "--output", tmp_path / "out", "--eval")
-    cli.assert_user_error(result, "quantize it without --eval")
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_eval_needs_a_tokenizer(cli, tmp_path: Path) -> None:
     from quantlab.testing import tiny_llama, tiny_model_dir
 

@@ -109,6 +109,25 @@ def test_an_encoder_is_quantized_through_its_own_class(cli, bert_dir: Path, tmp_
     assert type(AutoModel.from_pretrained(output)).__name__ == "BertModel"
 
 
+def test_eval_on_an_encoder_reports_its_embeddings_cosine_to_the_float_model(tmp_path: Path, capsys) -> None:
+    from quantlab.cli.main import main
+    from quantlab.testing import tiny_bert, tiny_llama_checkpoint
+
+    encoder = tiny_llama_checkpoint(tmp_path / "float", model=tiny_bert(0))  # saved with a byte tokenizer
+    reports = {}
+    for bits in (8, 2):
+        argv = ["quantize", str(encoder), "--method", "custom_bits", "--bits", str(bits), "--group-size", "32",
+                "--symmetric", "--eval", "-o", str(tmp_path / f"q{bits}")]  # fmt: skip
+        assert main(argv) == 0
+        printed = capsys.readouterr().out
+        assert "embeddings" in printed and "perplexity" not in printed
+        reports[bits] = json.loads((tmp_path / f"q{bits}" / "quantlab_report.json").read_text())
+    for report in reports.values():
+        assert report["perplexity_after"] is None and report["evaluation_text"].startswith("the first 256 ")
+        assert 0 < report["embedding_cosine_worst"] <= report["embedding_cosine_mean"] <= 1
+    assert reports[8]["embedding_cosine_mean"] > 0.999 > reports[2]["embedding_cosine_mean"]
+
+
 def test_modules_to_not_convert_keeps_layers_in_float(cli, llama_dir: Path, tmp_path: Path) -> None:
     result = cli.run(
         "quantize", llama_dir, "--method", "nf4", "--modules-to-not-convert", "lm_head,down_proj",
