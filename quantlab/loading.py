@@ -120,6 +120,10 @@ class OpenedModel:
     def is_causal_lm(self) -> bool:
         return is_causal_lm(self.model_class)
 
+    @property
+    def is_text_encoder(self) -> bool:
+        return is_text_encoder(self.config, self.model_class)
+
     def refuse_quantized(self, advice: str) -> None:
         """Raise `ModelSourceError` if the checkpoint is already quantized; `advice` says what to do instead."""
         if self.quantization is not None:
@@ -305,6 +309,24 @@ def model_class(config: Any) -> type:
     if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return transformers.AutoModelForCausalLM
     return transformers.AutoModel
+
+
+def is_text_encoder(config: Any, cls: type) -> bool:
+    """Whether `cls` (from `model_class`) reads text alone into hidden states, as a sentence encoder (BERT,
+    MiniLM) does: no causal LM, no encoder-decoder, and a forward that takes `input_ids`."""
+    import inspect
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    if is_causal_lm(cls) or getattr(config, "is_encoder_decoder", False):
+        return False
+    if cls is transformers.AutoModel:
+        try:
+            cls = MODEL_MAPPING[type(config)]
+        except KeyError:
+            return False
+    return "input_ids" in inspect.signature(cls.forward).parameters
 
 
 def is_causal_lm(cls: type) -> bool:

@@ -106,7 +106,7 @@ def _quantize(
 
     distributed.init()  # under torchrun: join the other processes before loading
     with open_model(source, scratch=output.parent, progress=progress) as opened:
-        _check_quantizable(opened)
+        _check_quantizable(opened, evaluate=text is not None)
         tokenizer = opened.tokenizer()
         if text is not None and tokenizer is None:
             raise QuantlabError(f"--eval needs a tokenizer, and {source} has none")
@@ -278,5 +278,10 @@ def _evaluate_and_write(
     (staging / REPORT_FILE).write_text(report_json(asdict(report)), encoding="utf-8")
 
 
-def _check_quantizable(opened: OpenedModel) -> None:
+def _check_quantizable(opened: OpenedModel, evaluate: bool) -> None:
     opened.refuse_quantized("quantize its float original instead")
+    if evaluate and not (opened.is_causal_lm or opened.is_text_encoder):
+        raise QuantlabError(
+            f"--eval measures a causal language model's perplexity or a text encoder's sentence embeddings, but "
+            f"{opened.source} is a {opened.model_class.__name__}; quantize it without --eval"
+        )

@@ -85,6 +85,19 @@ def test_eval_needs_a_causal_lm(cli, bert_dir: Path) -> None:
     cli.assert_user_error(cli.run("eval", bert_dir), "needs a causal language model", "BertModel")
 
 
+def test_quantize_eval_on_an_encoder_decoder_fails_before_writing(tmp_path: Path, capsys) -> None:
+    from transformers import T5Config, T5Model
+
+    from quantlab.cli.main import main
+    from quantlab.testing import tiny_model_dir
+
+    folder = tiny_model_dir(T5Model(T5Config(num_layers=1, d_model=32, d_ff=64, num_heads=2, d_kv=16)), tmp_path / "t5")
+    code = main(["quantize", str(folder), "--method", "int8", "--output", str(tmp_path / "out"), "--eval"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "quantize it without --eval" in err and "T5Model" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_eval_needs_a_tokenizer(cli, tmp_path: Path) -> None:
     from quantlab.testing import tiny_llama, tiny_model_dir
 
