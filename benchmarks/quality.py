@@ -322,16 +322,15 @@ def minilm_qat_variants() -> list[Variant]:
     """`quantlab qat` on the encoder: reconstruction's codes, then trained against the float model's last
     hidden states (cosine distance at every token)."""
 
-    def build(bits: int, group: int, steps: int, rotate: bool, text: str) -> Callable[[Path, Path | None], Any]:
-        return lambda directory, calibration: minilm_qat_model_of(directory, calibration, bits, group, steps, rotate,
-                                                                  text)  # fmt: skip
+    def build(row: tuple[int, int, int, bool, str]) -> Callable[[Path, Path | None], Any]:
+        return lambda directory, calibration: minilm_qat_model_of(directory, calibration, *row)
 
     def name(bits: int, group: int, steps: int, rotate: bool, text: str) -> str:
         more = (", mlp output rotated" if rotate else "") + (", lines up to the last 256" if text == "beyond" else "")
         return f"qat {bits}-bit g{group} sym (reconstruct start{more}, {steps} steps)"
 
     return [
-        Variant(name(*row), "quantlab", None, build=build(*row), model="minilm") for row in MINILM_QAT_ROWS
+        Variant(name(*row), "quantlab", None, build=build(row), model="minilm") for row in MINILM_QAT_ROWS
     ]  # fmt: skip
 
 
