@@ -188,16 +188,26 @@ class _Training:
         return BlockResult(start_error, start_error, None), outputs
 
     def _step_error(self, windows: list[tuple[int, int]]) -> float:
-        """Backpropagate the output error of the windows (`_token_errors`); returns the sum of their means."""
+        """Backpropagate the output error of the windows (`_token_errors`); returns the sum of their means.
+
+        The windows go through the block as one batch (one forward and backward over all their tokens:
+        larger products, less per-call work), or batch by batch when their keyword arguments cannot be
+        merged."""
         by_batch: dict[int, list[int]] = {}
         for batch, window in windows:
             by_batch.setdefault(batch, []).append(window)
+        parts = [(self.batches[batch], self.targets[batch], chosen) for batch, chosen in by_batch.items()]
+        merged = _merged(parts)
+        groups = (
+            [merged]
+            if merged is not None
+            else [(_select(inputs, chosen), target[chosen]) for inputs, target, chosen in parts]
+        )
         tokens = len(windows) * self.targets[0][0].shape[0]
         total, loss = 0.0, 0.0
         with torch.enable_grad(), weights_computed_once(self.block):
-            for batch, chosen in by_batch.items():
-                output = _block_output(self.block, _select(self.batches[batch], chosen))
-                errors = _token_errors(output, self.targets[batch][chosen], self.options.loss)
+            for inputs, target in groups:
+                errors = _token_errors(_block_output(self.block, inputs), target, self.options.loss)
                 loss = loss + errors.sum() / tokens
                 total += float(errors.detach().mean(dim=1).sum())
             loss.backward()
@@ -206,12 +216,14 @@ class _Training:
     @torch.no_grad()
     def _pass(self, keep_outputs: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The mean output error (`_token_errors`) of each window, per batch, and the outputs when asked for."""
-        errors, outputs = [], []
-        for batch, target in zip(self.batches, self.targets, strict=True):
-            output = run_block(self.block, batch)
-            errors.append(_token_errors(output, target, self.options.loss).mean(dim=1))
-            if keep_outputs:
-                outputs.append(output)
+        errors = []
+        outputs = [torch.empty_like(batch.hidden) for batch in self.batches] if keep_outputs else []
+        with heap_for_temporaries():  # the forwards' temporaries; the kept outputs were allocated outside
+            for index, (batch, target) in enumerate(zip(self.batches, self.targets, strict=True)):
+                output = run_block(self.block, batch)
+                errors.append(_token_errors(output, target, self.options.loss).mean(dim=1))
+                if keep_outputs:
+                    outputs[index].copy_(output)
         return errors, outputs
 
     def _snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -240,7 +252,7 @@ def _optimizer(options: ReconstructOptions, groups: list[dict[str, Any]]) -> tor
     """The optimizer over the offsets' and the grids' parameter groups (each with its step size)."""
     groups = [group for group in groups if group["params"]]
     if options.optimizer == "adam":
-        return torch.optim.Adam(groups, lr=options.lr)
+        return torch.optim.Adam(groups, lr=options.lr, fused=True)  # one pass over each tensor a step
     return SignSGD(groups, lr=options.lr)
 
 
@@ -270,6 +282,57 @@ def _select(inputs: BlockInputs, windows: list[int]) -> BlockInputs:
     return BlockInputs(inputs.hidden.index_select(0, index), {key: cut(v) for key, v in inputs.kwargs.items()})
 
 
+class _Unmergeable(Exception):
+    """Batches whose keyword arguments differ other than window by window."""
+
+
+def _merged(parts: list[tuple[BlockInputs, torch.Tensor, list[int]]]) -> tuple[BlockInputs, torch.Tensor] | None:
+    """The chosen windows of several batches (`(inputs, targets, windows)`) as one batch and its targets; None
+    when a keyword argument neither has one row per window (`_select`'s rule) nor is the same in every batch."""
+    cuts = [(inputs.hidden.shape[0], torch.tensor(chosen)) for inputs, _, chosen in parts]
+    try:
+        kwargs = _merge_values([inputs.kwargs for inputs, _, _ in parts], cuts)
+    except _Unmergeable:
+        return None
+    hidden = torch.cat(
+        [inputs.hidden.index_select(0, index) for (inputs, _, _), (_, index) in zip(parts, cuts, strict=True)]
+    )
+    targets = torch.cat([target.index_select(0, index) for (_, target, _), (_, index) in zip(parts, cuts, strict=True)])
+    return BlockInputs(hidden, kwargs), targets
+
+
+def _merge_values(values: list[Any], cuts: list[tuple[int, torch.Tensor]]) -> Any:
+    """One keyword argument of each batch → the merged batch's (`_merged`)."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(value, torch.Tensor) for value in values):
+            raise _Unmergeable
+        per_window = any(
+            rows > 1 and value.dim() > 0 and value.shape[0] == rows
+            for value, (rows, _) in zip(values, cuts, strict=True)
+        )
+        if per_window:
+            if not all(
+                value.dim() > 0 and value.shape[0] == rows for value, (rows, _) in zip(values, cuts, strict=True)
+            ):
+                raise _Unmergeable
+            return torch.cat([value.index_select(0, index) for value, (_, index) in zip(values, cuts, strict=True)])
+        if not all(value is first or (value.shape == first.shape and torch.equal(value, first)) for value in values):
+            raise _Unmergeable
+        return first
+    if isinstance(first, tuple | list):
+        if not all(type(value) is type(first) and len(value) == len(first) for value in values):
+            raise _Unmergeable
+        return type(first)(_merge_values([value[i] for value in values], cuts) for i in range(len(first)))
+    if isinstance(first, dict):
+        if not all(isinstance(value, dict) and value.keys() == first.keys() for value in values):
+            raise _Unmergeable
+        return {key: _merge_values([value[key] for value in values], cuts) for key in first}
+    if not all(value is first or value == first for value in values):
+        raise _Unmergeable
+    return first
+
+
 def _token_errors(output: torch.Tensor, target: torch.Tensor, loss: str) -> torch.Tensor:
     """Each token's squared output error `[windows, tokens]`, averaged over the hidden size; with `loss`
     "relative" divided by the target token's mean square, so every token counts alike (the next block
@@ -290,7 +353,11 @@ def _block_output(block: nn.Module, inputs: BlockInputs) -> torch.Tensor:
 
 
 def _float_outputs(block: nn.Module, hidden: list[torch.Tensor], batches: list[BlockInputs]) -> list[torch.Tensor]:
-    return [run_block(block, BlockInputs(h, batch.kwargs)) for h, batch in zip(hidden, batches, strict=True)]
+    outputs = [torch.empty_like(h) for h in hidden]
+    with heap_for_temporaries():  # the forwards' temporaries; the kept outputs were allocated outside
+        for output, h, batch in zip(outputs, hidden, batches, strict=True):
+            output.copy_(run_block(block, BlockInputs(h, batch.kwargs)))
+    return outputs
 
 
 def _mean(errors: list[torch.Tensor]) -> float:

@@ -43,7 +43,7 @@ from quantlab.formats import grouping
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.rotation import rotate, rotation_block
 from quantlab.solvers import InputStats
-from quantlab.utils.allocator import return_freed_memory
+from quantlab.utils.allocator import heap_for_temporaries, return_freed_memory
 
 BATCH_SIZE = 8
 
@@ -132,12 +132,16 @@ def collect_input_stats(
         return hook
 
     handles = [block.get_submodule(relative).register_forward_hook(hook_for(relative)) for relative in names]
+    kept = [torch.empty_like(batch.hidden) for batch in batches] if outputs is not None else []
     try:
-        for batch in batches:
-            seen.clear()
-            output = run_block(block, batch)
-            if outputs is not None:
-                outputs.append(output)
+        with heap_for_temporaries():  # the forwards' temporaries; the kept outputs were allocated outside
+            for index, batch in enumerate(batches):
+                seen.clear()
+                output = run_block(block, batch)
+                if outputs is not None:
+                    kept[index].copy_(output)
+        if outputs is not None:
+            outputs.extend(kept)
     finally:
         for handle in handles:
             handle.remove()

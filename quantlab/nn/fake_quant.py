@@ -54,6 +54,7 @@ class FakeQuantizedWeight(nn.Module):
         self.max_offset = max_offset
         self.start = params  # the grids as the solver stored them (NF4 keeps its double-quantized absmax)
         levels = layout.levels()
+        self.integer_grid = levels is None  # a code is its own level: no table to look up
         self.register_buffer("levels", torch.arange(layout.max_code + 1.0) if levels is None else levels.float())
         # An offset of 1 is one (mean) grid step at the starting scale: one code on integer grids.
         step = float(self.levels[-1] - self.levels[0]) / (len(self.levels) - 1)
@@ -93,7 +94,7 @@ class FakeQuantizedWeight(nn.Module):
 
     def latent(self) -> torch.Tensor:
         """The grouped weight `[out, groups, length]` that is rounded."""
-        return self.base + self.offset * self.unit.unsqueeze(-1)
+        return torch.addcmul(self.base, self.offset, self.unit.unsqueeze(-1))
 
     def solution(self) -> tuple[torch.Tensor, GroupParams]:
         """Codes `[out, groups, length]` and grids: `layout.store(*solution())` is what `forward` computes."""
@@ -122,7 +123,7 @@ class FakeQuantizedWeight(nn.Module):
         learned_scale = self.start_scale.unsqueeze(-1) * self.scale_ratio.unsqueeze(-1)
         learned_zero = None if self.zero is None else self.zero.unsqueeze(-1)
         zero = self.layout.constant_zero if stored_zero is None else stored_zero
-        level = self.levels[codes.long()]
+        level = codes.float() if self.integer_grid else self.levels[codes.long()]
         weight = _StraightThrough.apply(
             latent, learned_scale, learned_zero, hard, scale, zero, level, self.levels[0], self.levels[-1]
         )

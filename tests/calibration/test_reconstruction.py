@@ -285,3 +285,64 @@ def test_windows_of_a_batch_keep_their_own_keyword_arguments():
     assert torch.equal(chosen.hidden, hidden[[3, 1]])
     assert torch.equal(chosen.kwargs["mask"], torch.tensor([[3.0], [1.0]]))
     assert chosen.kwargs["shared"][0].shape == (1, 3) and chosen.kwargs["flag"] is True
+
+
+def test_windows_of_several_batches_are_merged_into_one():
+    from quantlab.calibration.reconstruction import _merged
+
+    first, second = torch.arange(24.0).view(4, 3, 2), 100 + torch.arange(12.0).view(2, 3, 2)
+    targets = [-first, -second]
+    shared = (torch.ones(1, 3), None)
+    parts = [
+        (
+            BlockInputs(first, {"mask": torch.arange(4.0).view(4, 1), "shared": shared, "flag": True}),
+            targets[0],
+            [3, 1],
+        ),
+        (
+            BlockInputs(second, {"mask": 10 + torch.arange(2.0).view(2, 1), "shared": shared, "flag": True}),
+            targets[1],
+            [1],
+        ),
+    ]
+    inputs, target = _merged(parts)
+    assert torch.equal(inputs.hidden, torch.cat([first[[3, 1]], second[[1]]]))
+    assert torch.equal(target, -inputs.hidden)
+    assert torch.equal(inputs.kwargs["mask"], torch.tensor([[3.0], [1.0], [11.0]]))
+    assert inputs.kwargs["shared"][0] is shared[0] and inputs.kwargs["flag"] is True
+    # A value that is neither per window nor the same in every batch: the batches cannot be merged.
+    parts[1][0].kwargs["shared"] = (torch.zeros(1, 3), None)
+    assert _merged(parts) is None
+
+
+def test_a_merged_step_has_the_gradients_of_the_batch_by_batch_step(monkeypatch):
+    """Windows from several batches through the block at once: the same loss and gradients as one batch at a time."""
+    from quantlab.calibration import reconstruction
+
+    config = quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=True)
+    block, batches, layers, state = _block_setup(config)
+    quantizers = {
+        name: fake_quant.FakeQuantizedWeight.from_solution(
+            layer.layout, layer.stored_space(state._float_weights[name]), layer.stored_tensors()
+        )
+        for name, layer in layers.items()
+    }
+    windows = [(0, 5), (1, 2), (0, 1), (1, 7)]
+    parts = [(batches[b], state._targets[b], [w for c, w in windows if c == b]) for b in (0, 1)]
+    assert reconstruction._merged(parts) is not None  # the calibration batches' keyword arguments merge
+    results = []
+    for merge in (True, False):
+        if not merge:
+            monkeypatch.setattr(reconstruction, "_merged", lambda parts: None)
+        rotations = {name: 0 for name in quantizers}
+        with reconstruction._frozen(block), reconstruction._swapped(block, quantizers, rotations):
+            training = reconstruction._Training(block, quantizers, batches, state._targets, state.options)
+            for q in quantizers.values():
+                q.zero_grad(set_to_none=True)
+            total = training._step_error(windows)
+        grads = {name: q.offset.grad.clone() for name, q in quantizers.items()}
+        results.append((total, grads))
+    (merged_total, merged_grads), (split_total, split_grads) = results
+    assert merged_total == pytest.approx(split_total, rel=1e-5)
+    for name in merged_grads:
+        torch.testing.assert_close(merged_grads[name], split_grads[name], rtol=1e-4, atol=1e-7)
