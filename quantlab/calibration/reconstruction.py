@@ -218,7 +218,9 @@ class _Training:
         """The mean output error (`_token_errors`) of each window, per batch, and the outputs when asked for."""
         errors = []
         outputs = [torch.empty_like(batch.hidden) for batch in self.batches] if keep_outputs else []
-        with heap_for_temporaries():  # the forwards' temporaries; the kept outputs were allocated outside
+        # The forwards' temporaries from the heap (the kept outputs were allocated outside); the weights
+        # decoded once for all batches.
+        with heap_for_temporaries(), weights_computed_once(self.block):
             for index, (batch, target) in enumerate(zip(self.batches, self.targets, strict=True)):
                 output = run_block(self.block, batch)
                 errors.append(_token_errors(output, target, self.options.loss).mean(dim=1))
