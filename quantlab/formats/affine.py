@@ -138,6 +138,19 @@ class AffineCodec(Codec):
     ) -> torch.Tensor:
         return (codes.float() - (zero.float() if zero is not None else self.constant_zero(layout))) * scale.float()
 
+    def round_trip(
+        self, layout: StorageLayout, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # `encode` then `decode` without the uint8 codes between them: the same integers in float32.
+        scale = scale.float()
+        if zero is None:  # clamping the rounded value to [-c, max - c] is clamping its code to [0, max]
+            offset = self.constant_zero(layout)
+            rounded = torch.round(values.float() / scale).clamp_(-offset, layout.max_code - offset)
+            return rounded * scale, rounded.add_(offset)
+        zero = zero.float()
+        level = torch.round(values.float() / scale + zero).clamp_(0, layout.max_code)
+        return (level - zero) * scale, level
+
     # -- stored tensors -------------------------------------------------------------------------
 
     def store(self, layout: StorageLayout, codes: torch.Tensor, params: GroupParams) -> dict[str, torch.Tensor]:

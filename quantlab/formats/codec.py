@@ -246,6 +246,17 @@ class Codec:
         """`(level[q] - zero) * scale` in float32."""
         raise self._no_grid("decode")
 
+    def round_trip(
+        self, layout: "StorageLayout", values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(decoded, level)`: `decode(encode(values))` and the grid level (float) of each value's code, in
+        one go (a fake quantizer computes both at every training step). Codecs may fuse it; the result
+        must equal this definition bit for bit."""
+        codes = self.encode(layout, values, scale, zero)
+        levels = self.levels(layout, values.device)
+        level = codes.float() if levels is None else levels.float()[codes.long()]
+        return self.decode(layout, codes, scale, zero), level
+
     def encode_grouped(self, layout: "StorageLayout", grouped: torch.Tensor, params: GroupParams) -> torch.Tensor:
         """Codes `[out, groups, length]` of grouped weights on the given grids."""
         zero = None if params.zero is None else params.zero.unsqueeze(-1)

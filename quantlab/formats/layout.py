@@ -143,6 +143,12 @@ class StorageLayout:
         """`(level[q] - zero) * scale` in float32."""
         return self.codec_object.decode(self, codes, scale, zero)
 
+    def round_trip(
+        self, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(decode(encode(values)), level of each code)`, in one go (`Codec.round_trip`)."""
+        return self.codec_object.round_trip(self, values, scale, zero)
+
     def fit(self, grouped: torch.Tensor, clip: torch.Tensor | float = 1.0, signed: bool = False) -> GroupParams:
         """Round-to-nearest grids of grouped weights `[out, groups, length]`, the range shrunk by `clip`.
 

@@ -54,7 +54,6 @@ class FakeQuantizedWeight(nn.Module):
         self.max_offset = max_offset
         self.start = params  # the grids as the solver stored them (NF4 keeps its double-quantized absmax)
         levels = layout.levels()
-        self.integer_grid = levels is None  # a code is its own level: no table to look up
         self.register_buffer("levels", torch.arange(layout.max_code + 1.0) if levels is None else levels.float())
         # An offset of 1 is one (mean) grid step at the starting scale: one code on integer grids.
         step = float(self.levels[-1] - self.levels[0]) / (len(self.levels) - 1)
@@ -116,14 +115,12 @@ class FakeQuantizedWeight(nn.Module):
         stored_zero = None if params.zero is None else _unsqueezed(params.zero)
         latent = self.latent()
         with torch.no_grad():
-            codes = self.layout.encode(latent, scale, stored_zero)
-            hard = self.layout.decode(codes, scale, stored_zero)
+            hard, level = self.layout.round_trip(latent, scale, stored_zero)
         if not torch.is_grad_enabled():
             return grouping.ungroup(hard, self.layout.in_features)
         learned_scale = self.start_scale.unsqueeze(-1) * self.scale_ratio.unsqueeze(-1)
         learned_zero = None if self.zero is None else self.zero.unsqueeze(-1)
         zero = self.layout.constant_zero if stored_zero is None else stored_zero
-        level = codes.float() if self.integer_grid else self.levels[codes.long()]
         weight = _StraightThrough.apply(
             latent, learned_scale, learned_zero, hard, scale, zero, level, self.levels[0], self.levels[-1]
         )
@@ -221,9 +218,10 @@ class _StraightThrough(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, latent, learned_scale, learned_zero, hard, scale, zero, level, low, high):
-        t = latent / scale + zero
-        inside = (t >= low) & (t <= high)
-        scale_gradient = torch.where(inside, level - t, level - zero)
+        t = latent / scale
+        t += zero
+        inside = torch.eq(t.clamp(low, high), t)
+        scale_gradient = level - torch.where(inside, t, zero)
         ctx.save_for_backward(inside, scale_gradient, scale)
         ctx.learned_zero = learned_zero is not None
         return hard

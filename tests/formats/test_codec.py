@@ -104,3 +104,34 @@ def test_describe_gives_an_exporter_the_grid_in_plain_numbers():
 )
 def test_each_codec_names_itself_for_inspect(layout, label):
     assert layout.codec_object.label(layout) == label
+
+
+ROUND_TRIP_LAYOUTS = [
+    StorageLayout("affine", 2, 32, 64, 8),
+    StorageLayout("affine", 3, 32, 64, 8),
+    StorageLayout("affine", 4, 32, 64, 8, symmetric=False),
+    StorageLayout("int8", 8, None, 64, 8),
+    StorageLayout("nf4", 4, 32, 64, 8),
+    StorageLayout("iq4_nl", 4, 32, 64, 8, scale_dtype=torch.float16),
+    StorageLayout("lut", 3, 32, 64, 8, scale_dtype=torch.float16),
+]
+
+
+@pytest.mark.parametrize("layout", ROUND_TRIP_LAYOUTS, ids=lambda layout: layout.descriptor)
+def test_round_trip_is_decode_of_encode_and_the_codes_levels_bit_for_bit(layout):
+    """What a fake quantizer computes at each step (`round_trip`) is the codec's own encode and decode."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(8, 64, generator=generator)
+    layout = layout.prepare(weight)
+    grouped = weight.view(8, 64 // layout.group_length, layout.group_length)
+    params = layout.fit(grouped)
+    scale = params.scale.unsqueeze(-1)
+    zero = None if params.zero is None else params.zero.unsqueeze(-1)
+    # Beyond the grid's ends (clipped), and exactly half-way between integer codes (ties).
+    values = torch.cat([grouped * 3, grouped, (torch.round(grouped / scale) + 0.5) * scale], dim=0)
+    scale, zero = scale.repeat(3, 1, 1), None if zero is None else zero.repeat(3, 1, 1)
+    codes = layout.encode(values, scale, zero)
+    decoded, level = layout.round_trip(values, scale, zero)
+    levels = layout.levels()
+    assert torch.equal(decoded, layout.decode(codes, scale, zero))
+    assert torch.equal(level, codes.float() if levels is None else levels.float()[codes.long()])
