@@ -13,6 +13,7 @@ import dataclasses
 import os
 import tempfile
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from quantlab.errors import QuantizationError
+from quantlab.utils.allocator import heap_for_temporaries
 
 
 @dataclasses.dataclass
@@ -160,6 +162,26 @@ def run_block(block: nn.Module, inputs: BlockInputs) -> torch.Tensor:
     """The block's output hidden states for one batch."""
     output = block(inputs.hidden, **inputs.kwargs)
     return output[0] if isinstance(output, tuple | list) else output
+
+
+def run_block_on_batches(
+    block: nn.Module,
+    batches: list[BlockInputs],
+    keep: bool = True,
+    each: Callable[[int, torch.Tensor], None] | None = None,
+) -> list[torch.Tensor]:
+    """The block's output for every batch (kept when `keep`, else an empty list); `each(index, output)` sees
+    each output as it is made. The forwards' temporaries come from warm heap pages (`heap_for_temporaries`);
+    only the kept outputs, which outlive the pass, are allocated on their own."""
+    kept = [torch.empty_like(batch.hidden) for batch in batches] if keep else []
+    with heap_for_temporaries():
+        for index, batch in enumerate(batches):
+            output = run_block(block, batch)
+            if each is not None:
+                each(index, output)
+            if keep:
+                kept[index].copy_(output)
+    return kept
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantlab.calibration.blocks import BlockInputs, run_block
+from quantlab.calibration.blocks import BlockInputs, run_block, run_block_on_batches
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.nn import QuantizedLinear
@@ -216,16 +216,13 @@ class _Training:
     @torch.no_grad()
     def _pass(self, keep_outputs: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The mean output error (`_token_errors`) of each window, per batch, and the outputs when asked for."""
-        errors = []
-        outputs = [torch.empty_like(batch.hidden) for batch in self.batches] if keep_outputs else []
-        # The forwards' temporaries from the heap (the kept outputs were allocated outside); the weights
-        # decoded once for all batches.
-        with heap_for_temporaries(), weights_computed_once(self.block):
-            for index, (batch, target) in enumerate(zip(self.batches, self.targets, strict=True)):
-                output = run_block(self.block, batch)
-                errors.append(_token_errors(output, target, self.options.loss).mean(dim=1))
-                if keep_outputs:
-                    outputs[index].copy_(output)
+        errors: list[torch.Tensor] = []
+
+        def measure(index: int, output: torch.Tensor) -> None:
+            errors.append(_token_errors(output, self.targets[index], self.options.loss).mean(dim=1))
+
+        with weights_computed_once(self.block):  # the weights decoded once for all batches
+            outputs = run_block_on_batches(self.block, self.batches, keep=keep_outputs, each=measure)
         return errors, outputs
 
     def _snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -355,11 +352,7 @@ def _block_output(block: nn.Module, inputs: BlockInputs) -> torch.Tensor:
 
 
 def _float_outputs(block: nn.Module, hidden: list[torch.Tensor], batches: list[BlockInputs]) -> list[torch.Tensor]:
-    outputs = [torch.empty_like(h) for h in hidden]
-    with heap_for_temporaries():  # the forwards' temporaries; the kept outputs were allocated outside
-        for output, h, batch in zip(outputs, hidden, batches, strict=True):
-            output.copy_(run_block(block, BlockInputs(h, batch.kwargs)))
-    return outputs
+    return run_block_on_batches(block, [BlockInputs(h, batch.kwargs) for h, batch in zip(hidden, batches, strict=True)])
 
 
 def _mean(errors: list[torch.Tensor]) -> float:

@@ -34,6 +34,7 @@ from quantlab.calibration.blocks import (
     find_blocks,
     first_block_inputs,
     run_block,
+    run_block_on_batches,
 )
 from quantlab.calibration.reconstruction import BlockReconstruction
 from quantlab.calibration.solving import quantize_layers
@@ -43,7 +44,7 @@ from quantlab.formats import grouping
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.rotation import rotate, rotation_block
 from quantlab.solvers import InputStats
-from quantlab.utils.allocator import heap_for_temporaries, return_freed_memory
+from quantlab.utils.allocator import return_freed_memory
 
 BATCH_SIZE = 8
 
@@ -132,14 +133,9 @@ def collect_input_stats(
         return hook
 
     handles = [block.get_submodule(relative).register_forward_hook(hook_for(relative)) for relative in names]
-    kept = [torch.empty_like(batch.hidden) for batch in batches] if outputs is not None else []
     try:
-        with heap_for_temporaries():  # the forwards' temporaries; the kept outputs were allocated outside
-            for index, batch in enumerate(batches):
-                seen.clear()
-                output = run_block(block, batch)
-                if outputs is not None:
-                    kept[index].copy_(output)
+        # after each batch its inputs' ids are forgotten (the next batch's tensors may reuse them)
+        kept = run_block_on_batches(block, batches, keep=outputs is not None, each=lambda index, output: seen.clear())
         if outputs is not None:
             outputs.extend(kept)
     finally:
