@@ -23,12 +23,20 @@ def add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--hidden-weight", type=finite_float, default=0.0, help="weight of last-hidden-state matching (default: 0, off)"
     )
+    group.add_argument(
+        "--embedding-weight",
+        type=finite_float,
+        default=0.0,
+        metavar="F",
+        help="an encoder: also match its mean-pooled sentence embeddings, one term per example (default: 0, off)",
+    )
 
 
 def distillation_config(args: argparse.Namespace):
     from quantlab.distill import DistillationConfig
 
-    return DistillationConfig(alpha=args.alpha, temperature=args.temperature, hidden_weight=args.hidden_weight)
+    return DistillationConfig(alpha=args.alpha, temperature=args.temperature, hidden_weight=args.hidden_weight,
+                              embedding_weight=args.embedding_weight)  # fmt: skip
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -69,8 +77,11 @@ def run(args: argparse.Namespace) -> int:
 
 def report_rows(report: DistillReport) -> list[tuple[str, str]]:
     """The report's lines for people."""
+    loss = f"alpha={report.alpha:g}, T={report.temperature:g}, hidden_weight={report.hidden_weight:g}"
+    if report.embedding_weight:
+        loss += f", embedding_weight={report.embedding_weight:g}"
     rows = [
-        ("loss", f"alpha={report.alpha:g}, T={report.temperature:g}, hidden_weight={report.hidden_weight:g}"),
+        ("loss", loss),
         ("training", f"{report.steps} steps, {seconds(report.train_seconds)}, final loss {report.loss:.4f}"),
         ("student", f"LoRA r={report.lora_r} (merged)" if report.lora_r else "all weights but embeddings"),
         ("size on disk", disk_size(report.size_bytes)),

@@ -91,6 +91,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--temperature", type=finite_float, default=1.0, help="softmax temperature of the KL (default: 1)"
     )
+    group.add_argument(
+        "--embedding-weight",
+        type=finite_float,
+        default=0.0,
+        metavar="F",
+        help="an encoder: also match its mean-pooled sentence embeddings, one term per example, at F x the "
+        "per-token term (default: 0, off)",
+    )
     add_training_flags(parser)
     add_eval_arguments(parser, help="measure the teacher's and the student's perplexity before and after (an encoder: "
                        "its sentence embeddings' cosine to the teacher's on the first 256 lines)",
@@ -106,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     training_run = resolve_training_flags(args, "qat")
     options = QATOptions(train=args.train, max_offset=args.max_offset, learn_scales=args.learn_scales,
                          scale_lr_ratio=args.scale_lr_ratio, norm_lr_ratio=args.norm_lr_ratio)  # fmt: skip
-    distillation = DistillationConfig(alpha=args.alpha, temperature=args.temperature)
+    distillation = DistillationConfig(alpha=args.alpha, temperature=args.temperature,
+                                      embedding_weight=args.embedding_weight)  # fmt: skip
     config = config_from_args(args) if args.method is not None or args.preset is not None else None
     text = text_from_args(args, seq_len=args.eval_seq_len, windows=args.eval_windows) if args.eval else None
     report = qat_model(
@@ -136,13 +145,14 @@ def report_rows(report: QATReport) -> list[tuple[str, str]]:
         trained = f"weights {bound}, scales {'learned' if report.learn_scales else 'fixed'}"
     norms = "frozen" if report.norm_lr_ratio is None else f"trained at {report.norm_lr_ratio:g} x lr"
     per_step = "" if report.step_seconds_median is None else f" ({report.step_seconds_median:.1f} s a step)"
+    embedding = f", sentence embeddings at {report.embedding_weight:g}" if report.embedding_weight else ""
     losses = "" if report.loss_first is None else f", loss {report.loss_first:.4f} -> {report.loss_last:.4f}"
     rows = [
         ("student", f"{report.method} ({start}), {report.layers_trained} layers, "
                     f"{report.layers_from_float_weights} from the teacher's float weights"),
         ("teacher", report.teacher),
-        ("trained", f"{trained}, norms {norms}; loss alpha={report.alpha:g}, T={report.temperature:g}; "
-                    f"teacher weights in {report.teacher_weights}"),
+        ("trained", f"{trained}, norms {norms}; loss alpha={report.alpha:g}, T={report.temperature:g}"
+                    f"{embedding}; teacher weights in {report.teacher_weights}"),
         ("training", f"{report.steps} steps at lr {report.learning_rate:g}, {seconds(report.train_seconds)}{per_step}, "
                      f"peak {mebibytes(report.peak_memory_bytes)} (predicted "
                      f"{mebibytes(report.predicted_peak_memory_bytes)}){losses}"),

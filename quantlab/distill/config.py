@@ -17,12 +17,18 @@ class DistillationConfig:
     the student's hidden states and the teacher's; 0 turns it off. `hidden_layers`: pairs
     `(student index, teacher index)` into the models' `hidden_states` (0 is the embeddings,
     -1 the last layer); default `[(-1, -1)]`.
+
+    An encoder (a sentence-embedding model) has no next-token distribution: it is matched by the cosine
+    distance of its last hidden states at every token, plus `embedding_weight` times the cosine distance
+    of its mean-pooled sentence embeddings, one term per example: the quantity sentence-embedding users
+    compare, with every line counted once however many tokens it has; 0 turns it off.
     """
 
     alpha: float = 0.5
     temperature: float = 2.0
     hidden_weight: float = 0.0
     hidden_layers: list[tuple[int, int]] | None = None
+    embedding_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.hidden_layers is not None:
@@ -36,6 +42,8 @@ class DistillationConfig:
             raise ConfigError(f"temperature={self.temperature!r} must be > 0")
         if not self.hidden_weight >= 0:
             raise ConfigError(f"hidden_weight={self.hidden_weight!r} must be >= 0 (0 turns hidden matching off)")
+        if not self.embedding_weight >= 0:
+            raise ConfigError(f"embedding_weight={self.embedding_weight!r} must be >= 0 (0 turns it off)")
         if self.hidden_layers is not None:
             if not self.hidden_layers:
                 raise ConfigError("hidden_layers is empty; give (student, teacher) index pairs or None for the last")

@@ -9,7 +9,8 @@ processes give the exact token mean. The terms are logged as `kl`, `ce` (and `hi
 
 An encoder (no language-modelling head: a sentence-embedding model) has no next-token
 distribution; `EncoderDistillationLoss` matches its last hidden states instead, by cosine
-distance at every real token, the direction being what mean-pooled sentence embeddings keep.
+distance at every real token, the direction being what mean-pooled sentence embeddings keep, and
+optionally (`embedding_weight`) the mean-pooled embeddings themselves, one term per example.
 """
 
 import dataclasses
@@ -25,6 +26,7 @@ from quantlab.distill.compat import VocabularyMismatchError
 from quantlab.distill.config import DistillationConfig
 from quantlab.distill.hidden import hidden_state_error
 from quantlab.errors import ConfigError
+from quantlab.eval.embeddings import mean_pooled
 from quantlab.training.data import IGNORE_INDEX
 from quantlab.utils.model_kind import is_language_model
 
@@ -109,9 +111,15 @@ class DistillationLoss:
 
 
 class EncoderDistillationLoss:
-    """`1 - cos(student, teacher)` of the last hidden states, summed over real tokens / `num_items`.
+    """`1 - cos(student, teacher)` of the last hidden states, summed over real tokens / `num_items`, plus
+    `embedding_weight` x the mean over the micro-batch's examples of `1 - cos` of their mean-pooled sentence
+    embeddings (as `quantlab.eval.embeddings` pools them), weighted by the micro-batch's share of the step's
+    tokens, so gradient accumulation and several processes add the micro-batches' terms as the token term.
 
-    Logged as `cosine_distance`. The token count is the attention mask's (every real token is scored)."""
+    Logged as `cosine_distance` (and `embedding_distance`). The token count is the attention mask's."""
+
+    def __init__(self, config: DistillationConfig | None = None) -> None:
+        self.embedding_weight = (config or DistillationConfig(alpha=1.0)).embedding_weight
 
     def __call__(self, trainer: Any, model: nn.Module, batch: dict[str, torch.Tensor], num_items: int) -> LossOutput:
         teacher = trainer.extra_modules[TEACHER]
@@ -122,7 +130,15 @@ class EncoderDistillationLoss:
         real = batch["attention_mask"].bool()
         cosine = F.cosine_similarity(student_states[real].float(), teacher_states[real].float(), dim=-1)
         loss = (1.0 - cosine).sum() / num_items
-        return LossOutput(loss=loss, metrics={"cosine_distance": loss.detach()})
+        metrics = {"cosine_distance": loss.detach()}
+        if self.embedding_weight:
+            pooled = F.cosine_similarity(mean_pooled(student_states, batch["attention_mask"]),
+                                         mean_pooled(teacher_states, batch["attention_mask"]), dim=-1)  # fmt: skip
+            share = real.sum() / num_items  # this micro-batch's part of the step
+            embedding = (1.0 - pooled).mean() * share
+            loss = loss + self.embedding_weight * embedding
+            metrics["embedding_distance"] = embedding.detach()
+        return LossOutput(loss=loss, metrics=metrics)
 
     @staticmethod
     def count_items(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -142,9 +158,14 @@ def distillation_loss(student: nn.Module, config: DistillationConfig) -> "Distil
     An encoder takes no soft-target settings: `alpha` below 1 (cross-entropy on next tokens) or
     hidden-state matching through a projection are refused with the reason."""
     if is_language_model(student):
+        if config.embedding_weight:
+            raise ConfigError(
+                f"{type(student).__name__} is a causal language model: embedding_weight matches an encoder's "
+                "sentence embeddings; set it to 0"
+            )
         return DistillationLoss(config)
     check_encoder_distillation(type(student).__name__, config)
-    return EncoderDistillationLoss()
+    return EncoderDistillationLoss(config)
 
 
 def check_encoder_distillation(model_name: str, config: DistillationConfig) -> None:

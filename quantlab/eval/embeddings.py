@@ -43,10 +43,15 @@ def sentence_embeddings(
                 lines[start : start + batch], padding=True, truncation=True, max_length=max_tokens, return_tensors="pt"
             )
             encoded = {key: value for key, value in encoded.items() if key in ("input_ids", "attention_mask")}
-            hidden = model(**encoded, output_hidden_states=True).hidden_states[-1].float()
-            mask = encoded["attention_mask"].unsqueeze(-1).float()
-            chunks.append((hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9))
+            hidden = model(**encoded, output_hidden_states=True).hidden_states[-1]
+            chunks.append(mean_pooled(hidden, encoded["attention_mask"]))
     return torch.cat(chunks)
+
+
+def mean_pooled(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """`[examples, hidden]` float32: each example's `[tokens, hidden]` states averaged over its real tokens."""
+    mask = attention_mask.unsqueeze(-1).float()
+    return (hidden.float() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
 
 
 def embedding_cosines(embeddings: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:

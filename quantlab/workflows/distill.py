@@ -33,6 +33,7 @@ class DistillReport:
     alpha: float
     temperature: float
     hidden_weight: float
+    embedding_weight: float
     lora_r: int | None
     loss: float | None
     train_seconds: float
@@ -128,6 +129,7 @@ def _distill(
         alpha=distillation.alpha,
         temperature=distillation.temperature,
         hidden_weight=distillation.hidden_weight,
+        embedding_weight=distillation.embedding_weight,
         lora_r=lora_r,
         loss=losses[-1] if losses else None,
         train_seconds=train_seconds,

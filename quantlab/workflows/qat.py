@@ -64,6 +64,7 @@ class QATReport:
     norm_lr_ratio: float | None
     alpha: float
     temperature: float
+    embedding_weight: float
     loss_first: float | None
     loss_last: float | None
     train_seconds: float
@@ -295,6 +296,7 @@ def _train(
         norm_lr_ratio=options.norm_lr_ratio,
         alpha=distillation.alpha,
         temperature=distillation.temperature,
+        embedding_weight=distillation.embedding_weight,
         loss_first=result.losses[0] if result.losses else None,
         loss_last=result.losses[-1] if result.losses else None,
         train_seconds=train_seconds,

@@ -111,6 +111,12 @@ def _swapped_tokenizer(tokenizer):
 
 
 def test_config_values_are_checked():
-    for bad in ({"alpha": 1.5}, {"temperature": 0}, {"hidden_weight": -1}, {"hidden_layers": [(1,)]}):
+    for bad in (
+        {"alpha": 1.5},
+        {"temperature": 0},
+        {"hidden_weight": -1},
+        {"hidden_layers": [(1,)]},
+        {"embedding_weight": -0.5},
+    ):
         with pytest.raises(ConfigError):
             DistillationConfig(**bad)

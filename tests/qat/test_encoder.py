@@ -16,7 +16,7 @@ from quantlab.errors import ConfigError
 from quantlab.eval.embeddings import embedding_cosines, sentence_embeddings
 from quantlab.nn import QuantizedLinear
 from quantlab.qat import train_quantized
-from quantlab.testing import byte_tokenizer, tiny_bert, tiny_llama_checkpoint
+from quantlab.testing import byte_tokenizer, tiny_bert, tiny_llama, tiny_llama_checkpoint
 from quantlab.training import training_arguments
 from quantlab.training.encoder_data import encoder_examples
 
@@ -75,6 +75,49 @@ def test_the_encoder_loss_is_the_token_mean_cosine_distance_and_takes_no_soft_ta
         distillation_loss(student, DistillationConfig(alpha=0.5))
 
 
+class _Holder:
+    def __init__(self, teacher) -> None:
+        self.extra_modules = {"teacher": teacher}
+
+
+def _padded_batch(rows: int, lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 256, (rows, max(lengths)), generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_the_sentence_embedding_term_counts_every_example_once_and_adds_up_over_micro_batches():
+    teacher, student = tiny_bert(0), tiny_bert(1)
+    batch = _padded_batch(3, [10, 3, 7], seed=0)
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        s, t = (m(input_ids=batch["input_ids"], attention_mask=mask).last_hidden_state for m in (student, teacher))
+    tokens = (1 - torch.nn.functional.cosine_similarity(s[mask.bool()], t[mask.bool()], dim=-1)).mean()
+    pooled_s, pooled_t = ((h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True) for h in (s, t))
+    lines = 1 - torch.nn.functional.cosine_similarity(pooled_s, pooled_t, dim=-1)  # one term an example
+    loss = distillation_loss(student, DistillationConfig(alpha=1.0, embedding_weight=0.5))
+    output = loss(_Holder(teacher), student, batch, int(loss.count_items(batch)))
+    assert float(output.loss.detach()) == pytest.approx(float(tokens + 0.5 * lines.mean()), rel=1e-5)
+    assert float(output.metrics["embedding_distance"]) == pytest.approx(float(lines.mean()), rel=1e-5)
+    assert float(lines.mean()) != pytest.approx(float((lines * mask.sum(1)).sum() / mask.sum()), rel=1e-3)
+
+    # two micro-batches of one step: each takes its share of the step's tokens, so they add up to the token term
+    # and a token-weighted mean of their examples' means
+    halves = [{key: value[rows] for key, value in batch.items()} for rows in (slice(0, 1), slice(1, 3))]
+    step_tokens = int(mask.sum())
+    outputs = [loss(_Holder(teacher), student, half, step_tokens) for half in halves]
+    assert float(sum(o.metrics["cosine_distance"] for o in outputs)) == pytest.approx(float(tokens), rel=1e-5)
+    expected = (10 * lines[0] + 10 * lines[1:].mean()) / step_tokens
+    assert float(sum(o.metrics["embedding_distance"] for o in outputs)) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_the_sentence_embedding_term_is_refused_for_a_causal_lm():
+    with pytest.raises(ConfigError, match=r"causal language model: embedding_weight"):
+        distillation_loss(tiny_llama(0), DistillationConfig(alpha=1.0, embedding_weight=1.0))
+
+
 def test_the_bundled_texts_evaluation_lines_are_not_trained_on():
     from quantlab.assets.text import bundled_text
 
@@ -93,13 +136,14 @@ def test_quantlab_qat_on_an_encoder_reports_the_embedding_cosine(tmp_path, capsy
     assert code == 0, capsys.readouterr().err
     capsys.readouterr()
     argv = ["qat", str(tmp_path / "q2"), "--max-steps", "12", "--batch-size", "8", "--learning-rate", "0.02",
-            "--eval", "-o", str(tmp_path / "run"), "--json"]  # fmt: skip
+            "--embedding-weight", "1", "--eval", "-o", str(tmp_path / "run"), "--json"]  # fmt: skip
     code = main(argv)
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(captured.out.strip().splitlines()[-1])
     assert report["perplexity_after"] is None and report["evaluation_text"].startswith(f"the first {EVAL_LINES}")
     assert 0 < report["embedding_cosine_before"] < report["embedding_cosine_after"] <= 1
+    assert report["embedding_weight"] == 1.0
     reloaded = AutoModel.from_pretrained(tmp_path / "run" / "final")
     assert isinstance(reloaded.encoder.layer[0].attention.self.query, QuantizedLinear)
     code = main(["qat", str(tmp_path / "q2"), "--max-steps", "2", "--alpha", "0.5", "-o", str(tmp_path / "bad")])
