@@ -23,12 +23,18 @@ def add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--hidden-weight", type=finite_float, default=0.0, help="weight of last-hidden-state matching (default: 0, off)"
     )
+    add_embedding_weight_flag(group)
+
+
+def add_embedding_weight_flag(group: argparse._ArgumentGroup) -> None:
+    """`--embedding-weight F`, shared with `quantlab qat`."""
     group.add_argument(
         "--embedding-weight",
         type=finite_float,
         default=0.0,
         metavar="F",
-        help="an encoder: also match its mean-pooled sentence embeddings, one term per example (default: 0, off)",
+        help="an encoder: also match its mean-pooled sentence embeddings, one term per example, at F x the "
+        "per-token term (default: 0, off)",
     )
 
 

@@ -12,6 +12,7 @@ DIR is the run folder (log, checkpoints, report); the trained checkpoint goes to
 import argparse
 
 from quantlab.cli.console import Console, add_output_options, disk_size, mebibytes, seconds
+from quantlab.cli.distill import add_embedding_weight_flag
 from quantlab.cli.evaluation import add_eval_arguments, text_from_args
 from quantlab.cli.options import (
     add_method_argument,
@@ -91,14 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--temperature", type=finite_float, default=1.0, help="softmax temperature of the KL (default: 1)"
     )
-    group.add_argument(
-        "--embedding-weight",
-        type=finite_float,
-        default=0.0,
-        metavar="F",
-        help="an encoder: also match its mean-pooled sentence embeddings, one term per example, at F x the "
-        "per-token term (default: 0, off)",
-    )
+    add_embedding_weight_flag(group)
     add_training_flags(parser)
     add_eval_arguments(parser, help="measure the teacher's and the student's perplexity before and after (an encoder: "
                        "its sentence embeddings' cosine to the teacher's on the first 256 lines)",

@@ -119,7 +119,7 @@ class EncoderDistillationLoss:
     Logged as `cosine_distance` (and `embedding_distance`). The token count is the attention mask's."""
 
     def __init__(self, config: DistillationConfig | None = None) -> None:
-        self.embedding_weight = (config or DistillationConfig(alpha=1.0)).embedding_weight
+        self.embedding_weight = config.embedding_weight if config is not None else 0.0
 
     def __call__(self, trainer: Any, model: nn.Module, batch: dict[str, torch.Tensor], num_items: int) -> LossOutput:
         teacher = trainer.extra_modules[TEACHER]
