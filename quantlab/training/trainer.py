@@ -17,6 +17,8 @@ the whole optimizer step across processes (`num_items_in_batch`). What this subc
   folder that holds another run's checkpoints. The trained model goes to `output_dir/final`
   (unless `save_final=False`: a caller that saves it its own way, sparse say), and the run's
   `trainer_state.json` (transformers' file: its `log_history` is the log, `read_log`) to `output_dir`.
+- With the progress bar off each log record is one line on stderr (`quantlab.training.log_lines`),
+  not a dict on stdout.
 - Callbacks with `state_dict`/`load_state_dict` (pruning masks) are checkpointed; their
   `settings()` join the run's fingerprint, so a resume with another schedule is refused.
 """
@@ -37,6 +39,7 @@ from quantlab.training import FINAL_DIR
 from quantlab.training import checkpoints as ckpt
 from quantlab.training.data import CausalLMCollator, TokenSequences
 from quantlab.training.evaluation import heldout_perplexity
+from quantlab.training.log_lines import LogLines
 from quantlab.training.state_files import write_state
 from quantlab.utils.atomic import atomic_directory, atomic_file, is_staging_of_live_process
 
@@ -80,8 +83,10 @@ class Trainer(transformers.Trainer):
             callbacks=callbacks,
             **kwargs,
         )
-        # The log goes to trainer_state.json; stdout belongs to the caller (the CLI prints its report there).
+        # The log goes to trainer_state.json, and as lines to stderr without a progress bar; stdout belongs
+        # to the caller (the CLI prints its report there).
         self.remove_callback(transformers.trainer_callback.PrinterCallback)
+        self.add_callback(LogLines())
 
     # -- runs ---------------------------------------------------------------------------------
 

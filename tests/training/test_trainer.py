@@ -131,3 +131,27 @@ def test_callbacks_with_state_are_checkpointed(make_qlora, make_data, make_confi
     trainer = Trainer(make_qlora(), make_config(tmp_path, max_steps=3, **options), make_data(), callbacks=[resumed])
     trainer.train(resume_from_checkpoint="latest")
     assert resumed.counted == 3
+
+
+def test_without_a_progress_bar_each_log_record_is_a_line_on_stderr(
+    make_qlora, make_data, make_config, tmp_path, capsys
+):
+    from transformers.utils import logging as hf_logging
+
+    def run(folder, verbosity):
+        hf_logging.set_verbosity(verbosity)
+        config = make_config(tmp_path / folder, max_steps=2, logging_steps=1)
+        Trainer(make_qlora(NF4Config()), config, make_data()).train()
+        return capsys.readouterr()
+
+    before = hf_logging.get_verbosity()
+    try:
+        out, err = run("lines", hf_logging.WARNING)  # transformers' default
+        quiet = run("quiet", hf_logging.ERROR)  # what --quiet and --json set
+    finally:
+        hf_logging.set_verbosity(before)
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert lines[0].startswith("step 1/2: loss ") and "learning_rate" in lines[0] and "total_flos" not in err
+    assert lines[1].startswith("step 2/2: loss ")
+    assert "{" not in out  # transformers' dict printer is gone: stdout is the caller's
+    assert "step 1/2" not in quiet.err
