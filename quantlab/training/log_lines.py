@@ -14,7 +14,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
 
-_LEFT_OUT = ("total_flos", "step")
+_LEFT_OUT = ("total_flos",)  # a running total, not a figure of the step
 
 
 def format_record(step: int, max_steps: int, record: dict[str, Any]) -> str:
