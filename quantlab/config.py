@@ -9,7 +9,7 @@ checkpoint written by a newer, incompatible quantlab is refused with a clear mes
 import dataclasses
 import math
 import typing
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -95,6 +95,13 @@ class QuantlabConfig(QuantizationConfigMixin):
             "every call and whose weight is quantized rotated: spreads outlier channels (SpinQuant's R4)"
         },
     )
+    rotation_blocks: Literal["largest", "power_of_two"] = dataclasses.field(
+        default="largest",
+        metadata={
+            "help": "the Hadamard block a rotated layer uses: largest (the largest Hadamard order dividing its "
+            "inputs, whole rows of 576 or 1,536) or power_of_two (the largest power of two dividing them)"
+        },
+    )
     embedding_bits: int | None = dataclasses.field(
         default=None,
         metadata={"help": "store the embedding table and output head (tied: once) in 4-8 bits; none keeps float"},
@@ -170,6 +177,9 @@ class QuantlabConfig(QuantizationConfigMixin):
                 f"{self.method}: rotate_inputs={self.rotate_inputs!r} is not valid; use a list of layer names or "
                 f"suffixes, such as ['down_proj']"
             )
+        from quantlab.nn import rotation  # quantlab.nn's layers import this module
+
+        check_choice(self.method, "rotation_blocks", self.rotation_blocks, rotation.BLOCK_RULES)
         self._validate_embedding()
         self._validate_layer_options()
 
@@ -215,6 +225,12 @@ class QuantlabConfig(QuantizationConfigMixin):
         from transformers.quantizers.quantizers_utils import should_convert_module
 
         return bool(self.rotate_inputs) and not should_convert_module(layer, list(self.rotate_inputs))
+
+    def rotation_block(self, in_features: int) -> int:
+        """The Hadamard block of a rotated layer with `in_features` inputs (`quantlab.nn.rotation`)."""
+        from quantlab.nn import rotation
+
+        return rotation.rotation_block(in_features, self.rotation_blocks)
 
     def for_one_layer(self, **overrides: Any) -> "QuantlabConfig":
         """This config as one layer is quantized with it: the options that act on the whole run
@@ -264,6 +280,10 @@ class QuantlabConfig(QuantizationConfigMixin):
                 f"this checkpoint was written with quantlab format version {version}, but the installed "
                 f"quantlab reads versions up to {FORMAT_VERSION}: upgrade quantlab (pip install -U quantlab)"
             )
+        if options.get("rotate_inputs") and "rotation_blocks" not in options:
+            # `to_dict` writes both together: a config with only the first was written before the second
+            # existed, when every rotation used power-of-two blocks.
+            options["rotation_blocks"] = "power_of_two"
         config = cls.from_options(options)
         return (config, {}) if return_unused_kwargs else config
 
@@ -281,7 +301,7 @@ class QuantlabConfig(QuantizationConfigMixin):
     def to_dict(self) -> dict[str, Any]:
         options = {name: getattr(self, name) for name in self.option_names()}
         if options.get("rotate_inputs") is None:  # unset: a checkpoint earlier releases read as well
-            del options["rotate_inputs"]
+            del options["rotate_inputs"], options["rotation_blocks"]
         return {"quant_method": self.quant_method, "format_version": self.format_version, **options}
 
     def __repr__(self) -> str:

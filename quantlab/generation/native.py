@@ -18,7 +18,8 @@ states) go to the compiled step, compiled the first time one comes.
 What it takes (`NativeDecoder.check` says which part is missing, in one line): a causal LM whose
 blocks are LlamaDecoderLayer-like (`self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, RMS norms,
 SiLU, full attention; q/k/v/o biases allowed, as Qwen2 has), float32, with every projection
-quantized in a format of the native kernels (int8, NF4, IQ4_NL, 2-8 bit affine).
+quantized in a format of the native kernels (int8, NF4, IQ4_NL, 2-8 bit affine). Rotated inputs
+(`rotate_inputs`) are rotated in C, each shared input once: q/k/v rotate together or not at all, as do gate/up.
 """
 
 import copy
@@ -35,6 +36,7 @@ from quantlab.generation.kv_cache import QuantizedKVCache
 from quantlab.kernels.cpu import native
 from quantlab.kernels.cpu.native import QuantlabCpuWeight
 from quantlab.kernels.cpu.weights import NativeWeight, describable, native_weight
+from quantlab.nn.rotation import core_signs as rotation_core_signs
 
 _FLOATS = ctypes.POINTER(ctypes.c_float)
 _PROJECTIONS = (
@@ -49,6 +51,21 @@ _PROJECTIONS = (
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
+# The projections that share one input, rotated once for all of them (`input_rotation` of each).
+_ROTATED_INPUTS = (
+    ("qkv_rotation", ("q", "k", "v")),
+    ("o_rotation", ("o",)),
+    ("gate_up_rotation", ("gate", "up")),
+    ("down_rotation", ("down",)),
+)
+
+
+class NativeRotation(ctypes.Structure):
+    """Mirror of `ql_rotation` in csrc/quantlab_cpu.h."""
+
+    _fields_ = [("block", ctypes.c_int64), ("core", ctypes.c_int64), ("core_signs", ctypes.c_void_p)]
+
+
 class NativeBlock(ctypes.Structure):
     """Mirror of `ql_block` in csrc/quantlab_cpu.h."""
 
@@ -57,7 +74,7 @@ class NativeBlock(ctypes.Structure):
         ("mlp_norm", ctypes.c_void_p),
         *((name, QuantlabCpuWeight) for name, _ in _PROJECTIONS),
         *((f"{name}_bias", ctypes.c_void_p) for name, _ in _PROJECTIONS),
-        ("down_rotation", ctypes.c_int64),
+        *((field, NativeRotation) for field, _ in _ROTATED_INPUTS),
     ]
 
 
@@ -202,6 +219,19 @@ class NativeDecoder:
         self._record(name, module)
         return weight
 
+    def _rotation(self, prefix: str, projections: tuple[str, ...], blocks: list[int]) -> NativeRotation:
+        """The rotation of the input `projections` share (`quantlab.nn.rotation`), applied once for all of them."""
+        if len(set(blocks)) > 1:
+            names = ", ".join(f"{prefix}.{dict(_PROJECTIONS)[p]}" for p in projections)
+            raise ConfigError(
+                f"native_step rotates the input {names} share once, and they rotate it differently "
+                f"(rotate_inputs): rotate all of them or none, or use compile_for_decoding without native_step"
+            )
+        block = blocks[0]
+        signs = rotation_core_signs(block) if block else None
+        core = 1 if signs is None else signs.shape[0]
+        return NativeRotation(block, core, self._pointer(signs, f"{prefix} rotation of order {block}"))
+
     def _describe(self, model: Any) -> NativeDecoderStruct:
         check_architecture(model)
         config = model.config
@@ -217,19 +247,15 @@ class NativeDecoder:
             block.mlp_norm = self._pointer(layer.post_attention_layernorm.weight, f"{prefix}.post_attention_layernorm")
             self._record(f"{prefix}.input_layernorm", layer.input_layernorm)
             self._record(f"{prefix}.post_attention_layernorm", layer.post_attention_layernorm)
+            rotations = {}
             for field, path in _PROJECTIONS:
                 name = f"{prefix}.{path}"
                 module = layer.get_submodule(path)
                 setattr(block, field, self._weight(module, name).struct)
                 setattr(block, f"{field}_bias", self._pointer(module.bias, f"{name}.bias"))
-                rotation = getattr(module, "input_rotation", 0)
-                if rotation and field != "down":
-                    raise ConfigError(
-                        f"native_step rotates the down projection's input only; {name} rotates its input too "
-                        f"(rotate_inputs): use compile_for_decoding without native_step"
-                    )
-                if field == "down":
-                    block.down_rotation = rotation
+                rotations[field] = getattr(module, "input_rotation", 0)
+            for field, projections in _ROTATED_INPUTS:
+                setattr(block, field, self._rotation(prefix, projections, [rotations[p] for p in projections]))
         self.keep.append(blocks)
         struct = NativeDecoderStruct(
             blocks=len(layers),

@@ -5,11 +5,16 @@ A layer `y = W x` computes the same `y = (W R)(R x)` for any symmetric orthogona
 range is set by many weights instead of one, which matters most at 2-3 bits. The rotation is online:
 the layer rotates its input on every call (two small matmuls), the stored codes are those of `W R`.
 
-`R` is block-diagonal: a normalized Sylvester Hadamard matrix of `block` inputs on each block, `block`
-the largest power of two dividing the layer's inputs (512 for 1,536 inputs; 4,096 for 28,672), so no
-input is padded and the rotation needs no stored matrix. A block of `2^k` inputs is applied as the
-Kronecker product of two Hadamard factors of about `2^(k/2)` each: `R x` costs `2 (b1 + b2)` multiply-adds
-per input instead of `2 b`.
+`R` is block-diagonal: a normalized symmetric Hadamard matrix on each block of `block` inputs, so no
+input is padded and the rotation needs no stored matrix. Two rules choose the block (`BLOCK_RULES`):
+`largest`, the largest Hadamard order this module builds that divides the inputs (whole rows of 576 =
+36 x 16 or 1,536 = 12 x 128 inputs; 14,336 of 28,672), and `power_of_two`, the largest power of two
+dividing them (64 of 576, 512 of 1,536: what checkpoints written before `largest` existed hold).
+Orders are `core x 2^k`: Sylvester's construction for the power of two, Paley's second construction
+(symmetric, from a prime `q = 1 mod 4`, order `2 (q + 1)`) for a `core` of 12, 28, 36, 60, ...; their
+Kronecker product is again symmetric and Hadamard. A block is applied as the Kronecker product of two
+such factors of about its square root each: `R x` costs `2 (b1 + b2)` multiply-adds per input
+instead of `2 b`.
 
 `R` is its own inverse (`R R = I`): rotating a rotated weight gives the original one back.
 """
@@ -22,13 +27,33 @@ from quantlab.errors import ConfigError
 
 MIN_BLOCK = 16  # fewer inputs per block spread an outlier too little to be worth a rotation
 MAX_BLOCK = 1 << 14
+BLOCK_RULES = ("largest", "power_of_two")
+
+
+def _is_prime(number: int) -> bool:
+    return number > 1 and all(number % divisor for divisor in range(2, math.isqrt(number) + 1))
+
+
+# Paley's second construction: a symmetric Hadamard matrix of order 2 (q + 1) from each prime q = 1 mod 4.
+# Every such order is 4 x an odd number, and no two share the odd number.
+PALEY_ORDERS = {2 * (q + 1): q for q in range(5, 128, 4) if _is_prime(q)}
 
 _FACTORS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def rotation_block(in_features: int) -> int:
-    """The Hadamard block of a layer with `in_features` inputs: the largest power of two dividing it."""
+def rotation_block(in_features: int, rule: str) -> int:
+    """The Hadamard block of a layer with `in_features` inputs under `rule` (one of `BLOCK_RULES`)."""
     block = min(in_features & -in_features, MAX_BLOCK)
+    if rule == "largest":
+        for core in PALEY_ORDERS:
+            if in_features % core == 0:
+                power = (in_features // core) & -(in_features // core)
+                while power > 1 and core * power > MAX_BLOCK:
+                    power //= 2
+                if core * power <= MAX_BLOCK:
+                    block = max(block, core * power)
+    elif rule != "power_of_two":
+        raise ConfigError(f"rotation block rule {rule!r} is not one of {BLOCK_RULES}")
     if block < MIN_BLOCK:
         raise ConfigError(
             f"a Hadamard rotation of {in_features} inputs would rotate blocks of {block}: it needs a multiple of "
@@ -54,28 +79,64 @@ def rotate_square(matrix: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def hadamard(size: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The normalized Hadamard matrix `H / sqrt(size)` (Sylvester's construction, symmetric and orthogonal).
+    """The normalized Hadamard matrix `H / sqrt(size)` of order `size` (`_signs`: symmetric and orthogonal).
 
     Kept once per size, dtype and device: a layer rotating its input on every call builds none. Built outside
     inference mode, so a matrix first made while evaluating can still take part in training later."""
     key = (size, dtype, torch.device(device))
     matrix = _FACTORS.get(key)
     if matrix is None:
-        if size < 1 or size & (size - 1):
-            raise ConfigError(f"a Hadamard matrix needs a power of two, got {size}")
         with torch.inference_mode(False):
-            matrix = torch.ones(1, 1, dtype=torch.float32)
-            while matrix.shape[0] < size:
-                matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
-            matrix = (matrix / math.sqrt(size)).to(dtype=dtype, device=device)
+            matrix = (_signs(size) / math.sqrt(size)).to(dtype=dtype, device=device)
         _FACTORS[key] = matrix
     return matrix
 
 
+def core_signs(block: int) -> torch.Tensor | None:
+    """The ±1 Hadamard matrix (float32) of a block's non-power-of-two factor, or None when `block` is a power of
+    two: what a kernel needs beside Sylvester's transform to rotate blocks of this size."""
+    power = block & -block
+    return None if block == power else _signs(4 * (block // power)).float()
+
+
+def _signs(size: int) -> torch.Tensor:
+    """The ±1 Hadamard matrix of order `size` = `core x 2^k` (core 1 or one of `PALEY_ORDERS`), symmetric."""
+    power = size & -size if size > 0 else 0
+    core = 1 if size == power else 4 * (size // power)
+    if size < 1 or (core != 1 and (core not in PALEY_ORDERS or size % core)):
+        raise ConfigError(
+            f"no Hadamard matrix of order {size} is built here: it needs a power of two, or a power of two times "
+            f"one of {', '.join(map(str, sorted(PALEY_ORDERS)[:4]))}, ..."
+        )
+    matrix = torch.ones(1, 1, dtype=torch.float64)
+    while matrix.shape[0] < size // core:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+    return matrix if core == 1 else torch.kron(_paley(PALEY_ORDERS[core]), matrix)
+
+
+def _paley(q: int) -> torch.Tensor:
+    """Paley's second construction: from the symmetric conference matrix `C` of order q + 1 (q prime,
+    q = 1 mod 4), `C (x) [[1, 1], [1, -1]] + I (x) [[1, -1], [-1, -1]]`, of order 2 (q + 1)."""
+    squares = {(value * value) % q for value in range(1, q)}
+    residue = torch.tensor([0.0] + [1.0 if value in squares else -1.0 for value in range(1, q)], dtype=torch.float64)
+    index = torch.arange(q)
+    conference = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+    conference[0, 1:] = conference[1:, 0] = 1.0
+    conference[1:, 1:] = residue[(index[None, :] - index[:, None]) % q]  # the Jacobsthal matrix
+    plus = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    minus = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+    return torch.kron(conference, plus) + torch.kron(torch.eye(q + 1, dtype=torch.float64), minus)
+
+
 def factors(block: int) -> tuple[int, int]:
-    """Two powers of two whose product is `block`, as close to each other as they can be."""
-    bits = block.bit_length() - 1
-    return 1 << (bits // 2), 1 << (bits - bits // 2)
+    """Two Hadamard orders whose product is `block`, as close to each other as they can be: the left one
+    holds the block's non-power-of-two core (their Kronecker product is then `hadamard(block)`)."""
+    power = block & -block
+    left = 1 if block == power else 4 * (block // power)
+    right = block // left
+    while right > 1 and abs(2 * left - right // 2) < abs(left - right):
+        left, right = left * 2, right // 2
+    return left, right
 
 
 def rotated_layers(model: torch.nn.Module) -> list[str]:

@@ -52,6 +52,7 @@ def test_flags_follow_the_config_fields_of_every_builtin() -> None:
         "--target-bits",
         "--layer-options",
         "--rotate-inputs",
+        "--rotation-blocks",
         "--embedding-bits",
         "--embedding-group-size",
     ]
@@ -82,6 +83,7 @@ def test_kinds_and_defaults_come_from_annotations() -> None:
         "target_bits": ("float", True),
         "layer_options": ("json", True),
         "rotate_inputs": ("list", True),
+        "rotation_blocks": ("choice", False),
         "embedding_bits": ("int", True),
         "embedding_group_size": ("int", True),
     }

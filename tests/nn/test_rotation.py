@@ -31,9 +31,23 @@ def _block_matrix(width: int, block: int) -> torch.Tensor:
     return torch.block_diag(*[hadamard(block)] * (width // block))
 
 
-@pytest.mark.parametrize(("width", "block"), [(96, 32), (1536, 512), (64, 64), (48, 16), (2048, 2048)])
-def test_rotation_is_the_block_diagonal_hadamard_matrix_and_its_own_inverse(width, block) -> None:
-    assert rotation_block(width) == block
+@pytest.mark.parametrize(
+    ("width", "rule", "block"),
+    [
+        (96, "power_of_two", 32),
+        (1536, "power_of_two", 512),
+        (64, "power_of_two", 64),
+        (48, "power_of_two", 16),
+        (2048, "power_of_two", 2048),
+        (96, "largest", 96),  # 12 x 8
+        (576, "largest", 576),  # 36 x 16: SmolLM2's hidden width
+        (1536, "largest", 1536),  # 12 x 128: its MLP width
+        (2048, "largest", 2048),
+        (1600, "largest", 64),  # 25 x 64: no Hadamard order here holds the 25
+    ],
+)
+def test_rotation_is_the_block_diagonal_hadamard_matrix_and_its_own_inverse(width, rule, block) -> None:
+    assert rotation_block(width, rule) == block
     x = torch.randn(5, 3, width, dtype=torch.float64)
     matrix = _block_matrix(width, block).double()
     torch.testing.assert_close(rotate(x, block), x @ matrix)
@@ -41,6 +55,28 @@ def test_rotation_is_the_block_diagonal_hadamard_matrix_and_its_own_inverse(widt
     h = torch.randn(width, width, dtype=torch.float64)
     h = h @ h.T
     torch.testing.assert_close(rotate_square(h, block), matrix @ h @ matrix)
+
+
+@pytest.mark.parametrize("order", [*rotation.PALEY_ORDERS, 12 * 16, 36 * 4, 4, 1])
+def test_every_hadamard_order_built_is_symmetric_and_orthogonal(order) -> None:
+    matrix = hadamard(order, torch.float64)
+    assert set(torch.unique(matrix * order**0.5).round().tolist()) <= {-1.0, 1.0}
+    torch.testing.assert_close(matrix, matrix.T, rtol=0, atol=0)
+    torch.testing.assert_close(matrix @ matrix, torch.eye(order, dtype=torch.float64))
+    left, right = rotation.factors(order)
+    assert left * right == order
+    torch.testing.assert_close(torch.kron(hadamard(left, torch.float64), hadamard(right, torch.float64)), matrix)
+
+
+def test_sylvester_matrices_are_unchanged() -> None:
+    """Power-of-two blocks are what checkpoints written before `rotation_blocks` hold: the same matrices."""
+    sylvester = torch.ones(1, 1)
+    while sylvester.shape[0] < 256:
+        sylvester = torch.cat([torch.cat([sylvester, sylvester], 1), torch.cat([sylvester, -sylvester], 1)], 0)
+    torch.testing.assert_close(hadamard(256), sylvester / 16, rtol=0, atol=0)
+    assert rotation.factors(512) == (16, 32) and rotation.core_signs(512) is None
+    with pytest.raises(ConfigError, match="no Hadamard matrix of order 20"):
+        hadamard(20)
 
 
 def test_a_rotation_first_computed_while_evaluating_still_trains() -> None:
@@ -56,10 +92,16 @@ def test_a_rotation_first_computed_while_evaluating_still_trains() -> None:
 
 
 def test_rotation_blocks_of_wide_layers_and_refusals() -> None:
-    assert rotation_block(28672) == 4096  # a 70B model's down projection: 7 x 4096
-    assert rotation_block(1 << 20) == 1 << 14  # capped
+    assert rotation_block(28672, "power_of_two") == 4096  # a 70B model's down projection: 7 x 4096
+    assert rotation_block(28672, "largest") == 14336  # 28 x 512, capped at MAX_BLOCK
+    assert rotation_block(1 << 20, "largest") == 1 << 14  # capped
+    assert rotation_block(72, "largest") == 72  # 36 x 2
     with pytest.raises(ConfigError, match="72 inputs would rotate blocks of 8"):
-        rotation_block(72)
+        rotation_block(72, "power_of_two")
+    with pytest.raises(ConfigError, match="40 inputs would rotate blocks of 8"):
+        rotation_block(40, "largest")
+    with pytest.raises(ConfigError, match="rotation_blocks='whole' is not valid"):
+        quantlab.CustomBitsConfig(bits=4, rotate_inputs=DOWN, rotation_blocks="whole")
 
 
 def test_config_names_rotated_layers_by_suffix_prefix_or_regex() -> None:
@@ -77,8 +119,8 @@ def test_config_names_rotated_layers_by_suffix_prefix_or_regex() -> None:
 def test_a_name_that_matches_no_layer_and_a_layer_that_cannot_rotate_are_refused() -> None:
     with pytest.raises(ConfigError, match="matches no layer this model quantizes"):
         quantlab.quantize(tiny_llama(), quantlab.CustomBitsConfig(bits=4, rotate_inputs=["dwn_proj"]))
-    model = nn.Sequential(nn.Linear(72, 8))
-    with pytest.raises(ConfigError, match="0: a Hadamard rotation of 72 inputs"):
+    model = nn.Sequential(nn.Linear(40, 8))
+    with pytest.raises(ConfigError, match="0: a Hadamard rotation of 40 inputs"):
         quantlab.quantize(model, quantlab.CustomBitsConfig(bits=4, group_size=None, rotate_inputs=["0"]))
 
 
@@ -99,16 +141,18 @@ def test_a_rotated_layer_stores_the_codes_of_the_rotated_weight_and_computes_the
     rotated_config = copy.deepcopy(config)
     rotated_config.rotate_inputs = ["layer"]
     layer = quantlab.quantize(linear, rotated_config.config_for("layer"))
-    assert layer.input_rotation == 32
+    assert layer.input_rotation == 96  # 12 x 8: the whole row
     plain = nn.Linear(96, 40)
-    plain.weight.data = rotate(linear.weight.detach(), 32)
+    plain.weight.data = rotate(linear.weight.detach(), 96)
     expected = quantlab.quantize(plain, config)
     for name, tensor in layer.stored_tensors().items():
         assert torch.equal(tensor, expected.stored_tensors()[name]), name
     x = torch.randn(7, 96)
-    torch.testing.assert_close(layer.dequantize_weight(), rotate(expected.dequantize_weight(), 32))
+    torch.testing.assert_close(layer.dequantize_weight(), rotate(expected.dequantize_weight(), 96))
     torch.testing.assert_close(layer(x), x @ layer.dequantize_weight().T + linear.bias, rtol=1e-4, atol=1e-5)
-    assert "input_rotation=32" in repr(layer)
+    assert "input_rotation=96" in repr(layer)
+    rotated_config.rotation_blocks = "power_of_two"
+    assert quantlab.quantize(copy.deepcopy(linear), rotated_config.config_for("layer")).input_rotation == 32
 
 
 def test_gptq_solves_on_the_statistics_of_the_rotated_inputs() -> None:
@@ -169,7 +213,7 @@ def test_a_saved_rotated_model_reloads_in_a_fresh_process_with_the_same_logits(r
         "from transformers import AutoModelForCausalLM\n"
         "import quantlab\n"
         "model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
-        "assert model.model.layers[0].mlp.down_proj.input_rotation == 64\n"
+        "assert model.model.layers[0].mlp.down_proj.input_rotation == 192\n"
         "assert model.model.layers[0].mlp.up_proj.input_rotation == 0\n"
         "ids = torch.load(sys.argv[2], weights_only=True)\n"
         "with torch.no_grad():\n"
@@ -216,7 +260,7 @@ def test_a_lora_adapter_trains_on_a_rotated_layer_and_merges_into_it(rotated_lla
     with torch.no_grad():
         before = peft_model(ids).logits
     merged = peft_model.merge_and_unload()
-    assert merged.model.layers[0].mlp.down_proj.input_rotation == 64
+    assert merged.model.layers[0].mlp.down_proj.input_rotation == 192
     with torch.no_grad():
         after = merged(ids).logits
     assert ((after - before).norm() / before.norm()) < 0.05  # the merge requantizes: close, not equal
@@ -248,6 +292,36 @@ def test_the_decode_steps_rotate_the_down_projection_input(rotated_llama, native
     assert ((torch.stack(out.logits) - expected).norm() / expected.norm()) < 1e-4
 
 
+def test_the_native_step_rotates_each_shared_input_once_and_refuses_a_partial_rotation() -> None:
+    """Every projection rotated: q/k/v's input and gate/up's are rotated once each in C (hidden 64 in one
+    Sylvester block, the MLP's 192 as 12 x 16), with the logits of the layer-by-layer model."""
+    from quantlab.generation import compile_for_decoding
+    from quantlab.kernels.cpu import native
+
+    if native.library() is None:
+        pytest.skip("the native CPU kernels are not built here")
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = quantlab.quantize(tiny_llama(seed=9), quantlab.CustomBitsConfig(bits=4, group_size=32, rotate_inputs=every))
+    assert {layer.input_rotation for layer in quantized_layers(model).values()} == {64, 192}
+    model.generation_config.pad_token_id = 0
+    prompt = torch.tensor([[1, 5, 9, 33, 70, 2, 8]])
+    options = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
+    options |= {"output_logits": True, "return_dict_in_generate": True}
+    reference = model.generate(prompt, **options)
+    compile_for_decoding(model, max_cache_len=24, native_step=True)
+    out = model.generate(prompt, **options)
+    assert model._compiled_call.native_steps == 5
+    assert torch.equal(out.sequences, reference.sequences)
+    expected = torch.stack(reference.logits)
+    assert ((torch.stack(out.logits) - expected).norm() / expected.norm()) < 1e-4
+
+    partial = quantlab.quantize(
+        tiny_llama(seed=9), quantlab.CustomBitsConfig(bits=4, group_size=32, rotate_inputs=["q_proj"])
+    )
+    with pytest.raises(ConfigError, match=r"k_proj, .*v_proj share once, and they rotate it differently"):
+        compile_for_decoding(partial, max_cache_len=24, native_step=True)
+
+
 def test_reconstruction_and_grid_training_keep_the_rotation() -> None:
     from quantlab.qat import QATOptions
     from quantlab.qat.swap import fake_quantize, write_back
@@ -272,7 +346,7 @@ def test_reconstruction_and_grid_training_keep_the_rotation() -> None:
     for train in ("grids", "weights"):
         trained = copy.deepcopy(model)
         swapped = fake_quantize(trained, options=QATOptions(train=train))
-        assert swapped["model.layers.0.mlp.down_proj"].fake.input_rotation == 64
+        assert swapped["model.layers.0.mlp.down_proj"].fake.input_rotation == 192
         with torch.no_grad():
             torch.testing.assert_close(trained(ids).logits, quantized, rtol=1e-4, atol=1e-4)
         write_back(trained, swapped)
@@ -303,3 +377,22 @@ def test_a_config_without_rotation_saves_no_rotation_key() -> None:
     saved = quantlab.CustomBitsConfig(bits=4, rotate_inputs=DOWN).to_dict()
     assert saved["rotate_inputs"] == DOWN
     assert quantlab.CustomBitsConfig.from_dict(saved).rotate_inputs == DOWN
+    assert saved["rotation_blocks"] == "largest"
+    assert "rotation_blocks" not in quantlab.CustomBitsConfig(bits=4).to_dict()
+
+
+def test_a_checkpoint_written_before_rotation_blocks_reloads_with_power_of_two_blocks(tmp_path) -> None:
+    """Such a config names `rotate_inputs` alone, and its codes are those of power-of-two blocks."""
+    from transformers import AutoModelForCausalLM
+
+    config = quantlab.CustomBitsConfig(bits=4, group_size=32, rotate_inputs=DOWN, rotation_blocks="power_of_two")
+    model = quantlab.quantize(tiny_llama(seed=7), config)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["quantization_config"]["rotation_blocks"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.model.layers[0].mlp.down_proj.input_rotation == 64  # 192 inputs: 3 blocks of 64
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)

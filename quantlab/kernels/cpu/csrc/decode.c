@@ -61,19 +61,35 @@ QL_AVX2 static void ql_silu_times256(float *gate, const float *up, int64_t n) {
 }
 #endif
 
-/* x R in place: the normalized Walsh-Hadamard transform (Sylvester's order) of each block of `block` values, the
- * online rotation of a layer quantized with its input rotated (quantlab/nn/rotation.py); `block` a power of two. */
-static void ql_hadamard_blocks(float *x, int64_t n, int64_t block) {
+/* x R in place, the online rotation of a layer quantized with its input rotated (quantlab/nn/rotation.py): on each
+ * block of `r->block` values, the normalized Hadamard matrix H_core (x) H_p (p = block / core, a power of two),
+ * value c p + j at row c, column j: Sylvester's transform along each row, then the +-1 matrix `r->core_signs`
+ * (core x core, row-major, symmetric) down each column. Nothing when `r->block` is 0. */
+static void ql_rotate(float *x, int64_t n, const ql_rotation *r) {
+    if (r->block <= 0) return;
+    const int64_t block = r->block, core = r->core, width = block / core;
     const float norm = 1.0f / sqrtf((float)block);
+    float column[QL_MAX_HADAMARD_CORE];
     for (int64_t start = 0; start < n; start += block) {
         float *v = x + start;
-        for (int64_t half = 1; half < block; half <<= 1)
-            for (int64_t i = 0; i < block; i += 2 * half)
-                for (int64_t j = i; j < i + half; j++) {
-                    const float a = v[j], b = v[j + half];
-                    v[j] = a + b;
-                    v[j + half] = a - b;
-                }
+        for (int64_t row = 0; row < core; row++) {
+            float *w = v + row * width;
+            for (int64_t half = 1; half < width; half <<= 1)
+                for (int64_t i = 0; i < width; i += 2 * half)
+                    for (int64_t j = i; j < i + half; j++) {
+                        const float a = w[j], b = w[j + half];
+                        w[j] = a + b;
+                        w[j + half] = a - b;
+                    }
+        }
+        for (int64_t j = 0; core > 1 && j < width; j++) {
+            for (int64_t c = 0; c < core; c++) column[c] = v[c * width + j];
+            for (int64_t row = 0; row < core; row++) {
+                float sum = 0.0f;
+                for (int64_t c = 0; c < core; c++) sum += r->core_signs[row * core + c] * column[c];
+                v[row * width + j] = sum;
+            }
+        }
         for (int64_t i = 0; i < block; i++) v[i] *= norm;
     }
 }
@@ -195,6 +211,15 @@ static void ql_write_token(const ql_decoder *d, const ql_cache *cache, const ql_
 }
 /* ---- the step --------------------------------------------------------------------------------- */
 
+/* A rotation ql_rotate can apply to `n` values: none, or blocks dividing n whose core divides them, with its
+ * matrix when the core is not 1 and the rest of the block a power of two. */
+static int ql_rotation_fits(const ql_rotation *r, int64_t n) {
+    if (r->block == 0) return 1;
+    if (r->block < 0 || n % r->block || r->core < 1 || r->core > QL_MAX_HADAMARD_CORE || r->block % r->core) return 0;
+    const int64_t width = r->block / r->core;
+    return (width & (width - 1)) == 0 && (r->core == 1 || r->core_signs != NULL);
+}
+
 static int ql_check_decoder(const ql_decoder *d, int64_t position, int64_t max_len) {
     if (d->blocks < 1 || d->hidden < 1 || d->heads < 1 || d->kv_heads < 1 || d->heads % d->kv_heads ||
         d->head_dim < 2 || d->head_dim % 2 || d->intermediate < 1 || position < 0 || position >= max_len)
@@ -205,7 +230,10 @@ static int ql_check_decoder(const ql_decoder *d, int64_t position, int64_t max_l
             block->v.n != d->kv_heads * d->head_dim || block->o.k != d->heads * d->head_dim || block->o.n != d->hidden ||
             block->gate.n != d->intermediate || block->up.n != d->intermediate || block->down.k != d->intermediate ||
             block->down.n != d->hidden || block->k.k != d->hidden || block->v.k != d->hidden ||
-            block->gate.k != d->hidden || block->up.k != d->hidden)
+            block->gate.k != d->hidden || block->up.k != d->hidden ||
+            !ql_rotation_fits(&block->qkv_rotation, d->hidden) || !ql_rotation_fits(&block->o_rotation, block->o.k) ||
+            !ql_rotation_fits(&block->gate_up_rotation, d->hidden) ||
+            !ql_rotation_fits(&block->down_rotation, d->intermediate))
             return QL_BAD_FORMAT;
     }
     if (d->head && (d->head->k != d->hidden)) return QL_BAD_FORMAT;
@@ -247,6 +275,7 @@ QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, const ql_q
     for (int64_t b = 0; b < d->blocks && status == QL_OK; b++) {
         const ql_block *block = &d->block[b];
         ql_rms_norm(hidden, block->attention_norm, d->hidden, d->norm_eps, normed);
+        ql_rotate(normed, d->hidden, &block->qkv_rotation);
         const ql_weight qkv[3] = {block->q, block->k, block->v};
         const float *qkv_bias[3] = {block->q_bias, block->k_bias, block->v_bias};
         status = ql_project(qkv, qkv_bias, 3, normed, wide, threads, activation_bits);
@@ -262,19 +291,21 @@ QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, const ql_q
             attention.max_len = cache->max_len;
         }
         ql_run(ql_attention_head, &attention, d->heads, length * d->heads * d->head_dim >= 32768 ? threads : 1);
+        ql_rotate(attended, q_size, &block->o_rotation);
         const float *o_bias[1] = {block->o_bias};
         status = ql_project(&block->o, o_bias, 1, attended, delta, threads, activation_bits);
         if (status != QL_OK) break;
         for (int64_t i = 0; i < d->hidden; i++) hidden[i] += delta[i];
 
         ql_rms_norm(hidden, block->mlp_norm, d->hidden, d->norm_eps, normed);
+        ql_rotate(normed, d->hidden, &block->gate_up_rotation);
         const ql_weight gate_up[2] = {block->gate, block->up};
         const float *gate_up_bias[2] = {block->gate_bias, block->up_bias};
         status = ql_project(gate_up, gate_up_bias, 2, normed, wide, threads, activation_bits);
         if (status != QL_OK) break;
         float *gate = wide, *up = wide + d->intermediate;
         ql_silu_times(isa, gate, up, d->intermediate);
-        if (block->down_rotation > 0) ql_hadamard_blocks(gate, d->intermediate, block->down_rotation);
+        ql_rotate(gate, d->intermediate, &block->down_rotation);
         const float *down_bias[1] = {block->down_bias};
         status = ql_project(&block->down, down_bias, 1, gate, delta, threads, activation_bits);
         if (status != QL_OK) break;

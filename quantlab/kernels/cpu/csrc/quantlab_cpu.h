@@ -22,7 +22,7 @@
 
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
-#define QL_ABI_VERSION 10
+#define QL_ABI_VERSION 11
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 #define QL_DECODED_FEATURES 32 /* AVX2 at many rows: 16 features decoded, and their input-major panel (avx2.c) */
 #define QL_AVX512_PANEL_ROWS 32 /* from this many rows on, AVX-512 multiplies panels of 32 decoded features (avx512.c) */
@@ -301,12 +301,20 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
 
 /* decode.c: one decoding step of a Llama-family model (mirrors `NativeBlock` etc. in quantlab/generation/native.py) */
 typedef struct {
+    int64_t block;            /* > 0: the input is rotated by a Hadamard transform of blocks of this many values */
+    int64_t core;             /* the block's non-power-of-two factor (1: the block is a power of two) */
+    const float *core_signs;  /* its +-1 Hadamard matrix [core, core]; NULL when core is 1 */
+} ql_rotation;
+
+typedef struct {
     const float *attention_norm; /* [hidden] */
     const float *mlp_norm;       /* [hidden] */
     ql_weight q, k, v, o, gate, up, down;
     const float *q_bias, *k_bias, *v_bias, *o_bias, *gate_bias, *up_bias, *down_bias; /* NULL: none */
-    int64_t down_rotation; /* > 0: down's input is rotated by a Hadamard transform of blocks of this many values */
+    ql_rotation qkv_rotation, o_rotation, gate_up_rotation, down_rotation; /* of each projection's input */
 } ql_block;
+
+#define QL_MAX_HADAMARD_CORE 256 /* the largest such factor (quantlab/nn/rotation.py's PALEY_ORDERS) */
 
 typedef struct {
     int64_t blocks, hidden, heads, kv_heads, head_dim, intermediate;
