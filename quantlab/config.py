@@ -95,11 +95,12 @@ class QuantlabConfig(QuantizationConfigMixin):
             "every call and whose weight is quantized rotated: spreads outlier channels (SpinQuant's R4)"
         },
     )
-    rotation_blocks: Literal["largest", "power_of_two"] = dataclasses.field(
-        default="largest",
+    rotation_blocks: Literal["power_of_two", "largest"] = dataclasses.field(
+        default="power_of_two",
         metadata={
-            "help": "the Hadamard block a rotated layer uses: largest (the largest Hadamard order dividing its "
-            "inputs, whole rows of 576 or 1,536) or power_of_two (the largest power of two dividing them)"
+            "help": "the Hadamard block a rotated layer uses: power_of_two (the largest power of two dividing its "
+            "inputs: 64 of 576, 512 of 1,536) or largest (the largest Hadamard order dividing them: whole rows "
+            "of 576 or 1,536)"
         },
     )
     embedding_bits: int | None = dataclasses.field(
@@ -280,10 +281,6 @@ class QuantlabConfig(QuantizationConfigMixin):
                 f"this checkpoint was written with quantlab format version {version}, but the installed "
                 f"quantlab reads versions up to {FORMAT_VERSION}: upgrade quantlab (pip install -U quantlab)"
             )
-        if options.get("rotate_inputs") and "rotation_blocks" not in options:
-            # `to_dict` writes both together: a config with only the first was written before the second
-            # existed, when every rotation used power-of-two blocks.
-            options["rotation_blocks"] = "power_of_two"
         config = cls.from_options(options)
         return (config, {}) if return_unused_kwargs else config
 
@@ -301,7 +298,9 @@ class QuantlabConfig(QuantizationConfigMixin):
     def to_dict(self) -> dict[str, Any]:
         options = {name: getattr(self, name) for name in self.option_names()}
         if options.get("rotate_inputs") is None:  # unset: a checkpoint earlier releases read as well
-            del options["rotate_inputs"], options["rotation_blocks"]
+            del options["rotate_inputs"]
+        if options["rotation_blocks"] == "power_of_two":  # the default: earlier releases read these too
+            del options["rotation_blocks"]
         return {"quant_method": self.quant_method, "format_version": self.format_version, **options}
 
     def __repr__(self) -> str:

@@ -7,9 +7,9 @@ the layer rotates its input on every call (two small matmuls), the stored codes 
 
 `R` is block-diagonal: a normalized symmetric Hadamard matrix on each block of `block` inputs, so no
 input is padded and the rotation needs no stored matrix. Two rules choose the block (`BLOCK_RULES`):
-`largest`, the largest Hadamard order this module builds that divides the inputs (whole rows of 576 =
-36 x 16 or 1,536 = 12 x 128 inputs; 14,336 of 28,672), and `power_of_two`, the largest power of two
-dividing them (64 of 576, 512 of 1,536: what checkpoints written before `largest` existed hold).
+`power_of_two` (the default), the largest power of two dividing the inputs (64 of 576, 512 of 1,536),
+and `largest`, the largest Hadamard order this module builds that divides them (whole rows of 576 =
+36 x 16 or 1,536 = 12 x 128 inputs; 14,336 of 28,672).
 Orders are `core x 2^k`: Sylvester's construction for the power of two, Paley's second construction
 (symmetric, from a prime `q = 1 mod 4`, order `2 (q + 1)`) for a `core` of 12, 28, 36, 60, ...; their
 Kronecker product is again symmetric and Hadamard. A block is applied as the Kronecker product of two
@@ -27,7 +27,7 @@ from quantlab.errors import ConfigError
 
 MIN_BLOCK = 16  # fewer inputs per block spread an outlier too little to be worth a rotation
 MAX_BLOCK = 1 << 14
-BLOCK_RULES = ("largest", "power_of_two")
+BLOCK_RULES = ("power_of_two", "largest")
 
 
 def _is_prime(number: int) -> bool:

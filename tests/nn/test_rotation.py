@@ -69,7 +69,7 @@ def test_every_hadamard_order_built_is_symmetric_and_orthogonal(order) -> None:
 
 
 def test_sylvester_matrices_are_unchanged() -> None:
-    """Power-of-two blocks are what checkpoints written before `rotation_blocks` hold: the same matrices."""
+    """Power-of-two blocks (the default) are Sylvester's matrices, as they always were."""
     sylvester = torch.ones(1, 1)
     while sylvester.shape[0] < 256:
         sylvester = torch.cat([torch.cat([sylvester, sylvester], 1), torch.cat([sylvester, -sylvester], 1)], 0)
@@ -140,6 +140,7 @@ def test_a_rotated_layer_stores_the_codes_of_the_rotated_weight_and_computes_the
     linear = nn.Linear(96, 40)
     rotated_config = copy.deepcopy(config)
     rotated_config.rotate_inputs = ["layer"]
+    rotated_config.rotation_blocks = "largest"
     layer = quantlab.quantize(linear, rotated_config.config_for("layer"))
     assert layer.input_rotation == 96  # 12 x 8: the whole row
     plain = nn.Linear(96, 40)
@@ -151,7 +152,7 @@ def test_a_rotated_layer_stores_the_codes_of_the_rotated_weight_and_computes_the
     torch.testing.assert_close(layer.dequantize_weight(), rotate(expected.dequantize_weight(), 96))
     torch.testing.assert_close(layer(x), x @ layer.dequantize_weight().T + linear.bias, rtol=1e-4, atol=1e-5)
     assert "input_rotation=96" in repr(layer)
-    rotated_config.rotation_blocks = "power_of_two"
+    rotated_config.rotation_blocks = "power_of_two"  # the default
     assert quantlab.quantize(copy.deepcopy(linear), rotated_config.config_for("layer")).input_rotation == 32
 
 
@@ -177,9 +178,9 @@ def test_gptq_solves_on_the_statistics_of_the_rotated_inputs() -> None:
 def rotated_llama():
     """A tiny Llama, 4-bit GPTQ with its down projections' inputs rotated, and the float model it came from."""
     float_model = tiny_llama(seed=2)
-    config = quantlab.CustomBitsConfig(
-        bits=4, group_size=32, solver="gptq", rotate_inputs=DOWN, calibration_samples=8, calibration_seq_len=32
-    )
+    config = quantlab.CustomBitsConfig(bits=4, group_size=32, solver="gptq", rotate_inputs=DOWN)
+    config.rotation_blocks = "largest"  # the MLP's 192 inputs in one block of 12 x 16
+    config.calibration_samples, config.calibration_seq_len = 8, 32
     calibration = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
     model = quantlab.quantize(copy.deepcopy(float_model), config, calibration=calibration, progress=False)
     return model, float_model
@@ -301,7 +302,8 @@ def test_the_native_step_rotates_each_shared_input_once_and_refuses_a_partial_ro
     if native.library() is None:
         pytest.skip("the native CPU kernels are not built here")
     every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = quantlab.quantize(tiny_llama(seed=9), quantlab.CustomBitsConfig(bits=4, group_size=32, rotate_inputs=every))
+    config = quantlab.CustomBitsConfig(bits=4, group_size=32, rotate_inputs=every, rotation_blocks="largest")
+    model = quantlab.quantize(tiny_llama(seed=9), config)
     assert {layer.input_rotation for layer in quantized_layers(model).values()} == {64, 192}
     model.generation_config.pad_token_id = 0
     prompt = torch.tensor([[1, 5, 9, 33, 70, 2, 8]])
@@ -346,7 +348,7 @@ def test_reconstruction_and_grid_training_keep_the_rotation() -> None:
     for train in ("grids", "weights"):
         trained = copy.deepcopy(model)
         swapped = fake_quantize(trained, options=QATOptions(train=train))
-        assert swapped["model.layers.0.mlp.down_proj"].fake.input_rotation == 192
+        assert swapped["model.layers.0.mlp.down_proj"].fake.input_rotation == 64
         with torch.no_grad():
             torch.testing.assert_close(trained(ids).logits, quantized, rtol=1e-4, atol=1e-4)
         write_back(trained, swapped)
@@ -371,28 +373,27 @@ def test_awq_searches_a_rotated_layer_on_the_grid_it_is_stored_on() -> None:
 
 
 def test_a_config_without_rotation_saves_no_rotation_key() -> None:
-    """Checkpoints that rotate nothing stay readable by releases before `rotate_inputs`; rotating ones are
-    refused there by name (an unknown option) instead of running rotated codes on unrotated inputs."""
+    """Checkpoints that rotate nothing, or rotate power-of-two blocks, stay readable by releases before
+    `rotate_inputs` or `rotation_blocks`; the others are refused there by name (an unknown option) instead of
+    running rotated codes on unrotated inputs, or on other blocks."""
     assert "rotate_inputs" not in quantlab.CustomBitsConfig(bits=4).to_dict()
     saved = quantlab.CustomBitsConfig(bits=4, rotate_inputs=DOWN).to_dict()
-    assert saved["rotate_inputs"] == DOWN
-    assert quantlab.CustomBitsConfig.from_dict(saved).rotate_inputs == DOWN
-    assert saved["rotation_blocks"] == "largest"
-    assert "rotation_blocks" not in quantlab.CustomBitsConfig(bits=4).to_dict()
+    assert saved["rotate_inputs"] == DOWN and "rotation_blocks" not in saved
+    assert quantlab.CustomBitsConfig.from_dict(saved).rotation_blocks == "power_of_two"
+    whole = quantlab.CustomBitsConfig(bits=4, rotate_inputs=DOWN, rotation_blocks="largest").to_dict()
+    assert whole["rotation_blocks"] == "largest"
+    assert quantlab.CustomBitsConfig.from_dict(whole).rotation_blocks == "largest"
 
 
-def test_a_checkpoint_written_before_rotation_blocks_reloads_with_power_of_two_blocks(tmp_path) -> None:
-    """Such a config names `rotate_inputs` alone, and its codes are those of power-of-two blocks."""
+def test_a_checkpoint_of_each_block_rule_reloads_with_its_blocks(tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    config = quantlab.CustomBitsConfig(bits=4, group_size=32, rotate_inputs=DOWN, rotation_blocks="power_of_two")
-    model = quantlab.quantize(tiny_llama(seed=7), config)
-    model.save_pretrained(tmp_path)
-    saved = json.loads((tmp_path / "config.json").read_text())
-    del saved["quantization_config"]["rotation_blocks"]
-    (tmp_path / "config.json").write_text(json.dumps(saved))
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert reloaded.model.layers[0].mlp.down_proj.input_rotation == 64  # 192 inputs: 3 blocks of 64
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    for rule, block in (("power_of_two", 64), ("largest", 192)):  # the MLP's 192 inputs: 3 x 64, or 12 x 16
+        config = quantlab.CustomBitsConfig(bits=4, group_size=32, rotate_inputs=DOWN, rotation_blocks=rule)
+        model = quantlab.quantize(tiny_llama(seed=7), config)
+        model.save_pretrained(tmp_path / rule)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / rule)
+        assert reloaded.model.layers[0].mlp.down_proj.input_rotation == block
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
