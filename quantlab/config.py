@@ -22,6 +22,7 @@ TRANSFORMERS_PREFIX = "quantlab_"
 DEFAULT_SOLVER = "rtn"
 EMBEDDING_BITS = (4, 8)  # the widths embedding_bits accepts, inclusive
 EMBEDDING_GROUP_SIZE = 64
+ROTATION_BLOCK_RULES = ("power_of_two", "largest")  # `rotation_blocks`, read by quantlab.nn.rotation
 SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -178,9 +179,7 @@ class QuantlabConfig(QuantizationConfigMixin):
                 f"{self.method}: rotate_inputs={self.rotate_inputs!r} is not valid; use a list of layer names or "
                 f"suffixes, such as ['down_proj']"
             )
-        from quantlab.nn import rotation  # quantlab.nn's layers import this module
-
-        check_choice(self.method, "rotation_blocks", self.rotation_blocks, rotation.BLOCK_RULES)
+        check_choice(self.method, "rotation_blocks", self.rotation_blocks, ROTATION_BLOCK_RULES)
         self._validate_embedding()
         self._validate_layer_options()
 
@@ -226,12 +225,6 @@ class QuantlabConfig(QuantizationConfigMixin):
         from transformers.quantizers.quantizers_utils import should_convert_module
 
         return bool(self.rotate_inputs) and not should_convert_module(layer, list(self.rotate_inputs))
-
-    def rotation_block(self, in_features: int) -> int:
-        """The Hadamard block of a rotated layer with `in_features` inputs (`quantlab.nn.rotation`)."""
-        from quantlab.nn import rotation
-
-        return rotation.rotation_block(in_features, self.rotation_blocks)
 
     def for_one_layer(self, **overrides: Any) -> "QuantlabConfig":
         """This config as one layer is quantized with it: the options that act on the whole run

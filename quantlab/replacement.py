@@ -15,6 +15,7 @@ from torch import nn
 from quantlab.config import QuantlabConfig
 from quantlab.errors import ConfigError, PaddedGroupsWarning, QuantizationError
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.rotation import rotation_block
 from quantlab.vocabulary import dequantize_vocabulary, vocabulary_linears
 
 
@@ -114,7 +115,7 @@ def _check_rotated_layers(model: nn.Module, config: QuantlabConfig, names: list[
         )
     for name in rotated:
         try:
-            config.rotation_block(model.get_submodule(name).in_features)
+            rotation_block(model.get_submodule(name).in_features, config.rotation_blocks)
         except ConfigError as error:
             raise ConfigError(f"{config.method}: {name}: {error}") from None
 

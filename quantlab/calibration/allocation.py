@@ -30,7 +30,7 @@ from quantlab.errors import ConfigError
 from quantlab.formats import grouping
 from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.nn import QuantizedLinear
-from quantlab.nn.rotation import rotate, rotate_square
+from quantlab.nn.rotation import rotate, rotate_square, rotation_block
 from quantlab.solvers.mse import column_importance
 
 BUDGET_STEPS = 20_000
@@ -137,7 +137,7 @@ def measure_layers(
             weights += weight.numel()
             layer_stats = stats[relative]
             if config.rotates_input_of(full_name):  # its codes store `W R`, for inputs `x R`
-                rotation = config.rotation_block(weight.shape[1])
+                rotation = rotation_block(weight.shape[1], config.rotation_blocks)
                 weight = rotate(weight, rotation)
                 layer_stats = layer_stats.transformed(lambda hessian, r=rotation: rotate_square(hessian, r))
             if fisher is None:  # no loss to differentiate (encoders): the error relative to the layer's output

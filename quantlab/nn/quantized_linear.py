@@ -27,7 +27,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.kernels import select_kernel
-from quantlab.nn.rotation import rotate, rotate_square
+from quantlab.nn.rotation import rotate, rotate_square, rotation_block
 from quantlab.nn.stored import StoredTensorsModule
 
 StorageSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -64,7 +64,9 @@ class QuantizedLinear(StoredTensorsModule):
         for name, (shape, storage_dtype) in spec.items():
             self.register_buffer(name, torch.zeros(shape, dtype=storage_dtype, device=device))
         self.stored_names = tuple(spec)  # read on every call: a plain tuple traces without a guard
-        self.input_rotation = config.rotation_block(in_features) if config.input_rotated else 0  # 0: not rotated
+        self.input_rotation = (
+            rotation_block(in_features, config.rotation_blocks) if config.input_rotated else 0
+        )  # 0: not rotated
         if self.input_rotation and self._layout is None:
             raise QuantizationError(
                 f"{type(self).__name__} declares no storage layout, so it cannot rotate its input; "
@@ -152,7 +154,7 @@ class QuantizedLinear(StoredTensorsModule):
                 f"or keep this layer in float with modules_to_not_convert=[{layer!r}]"
             )
         if config.input_rotated:  # the codes of `W R`, solved on the statistics of the rotated inputs
-            block = config.rotation_block(weight.shape[1])
+            block = rotation_block(weight.shape[1], config.rotation_blocks)
             weight = rotate(weight.detach().float(), block)
             stats = None if stats is None else stats.transformed(lambda hessian: rotate_square(hessian, block))
         if config.solver == "rtn" and stats is None:

@@ -23,11 +23,12 @@ import math
 
 import torch
 
+from quantlab.config import ROTATION_BLOCK_RULES
 from quantlab.errors import ConfigError
 
 MIN_BLOCK = 16  # fewer inputs per block spread an outlier too little to be worth a rotation
 MAX_BLOCK = 1 << 14
-BLOCK_RULES = ("power_of_two", "largest")
+BLOCK_RULES = ROTATION_BLOCK_RULES
 
 
 def _is_prime(number: int) -> bool:
