@@ -6,7 +6,7 @@ range is set by many weights instead of one, which matters most at 2-3 bits. The
 the layer rotates its input on every call (two small matmuls), the stored codes are those of `W R`.
 
 `R` is block-diagonal: a normalized symmetric Hadamard matrix on each block of `block` inputs, so no
-input is padded and the rotation needs no stored matrix. Two rules choose the block (`BLOCK_RULES`):
+input is padded and the rotation needs no stored matrix. Two rules choose the block (`ROTATION_BLOCK_RULES`):
 `power_of_two` (the default), the largest power of two dividing the inputs (64 of 576, 512 of 1,536),
 and `largest`, the largest Hadamard order this module builds that divides them (whole rows of 576 =
 36 x 16 or 1,536 = 12 x 128 inputs; 14,336 of 28,672).
@@ -28,7 +28,6 @@ from quantlab.errors import ConfigError
 
 MIN_BLOCK = 16  # fewer inputs per block spread an outlier too little to be worth a rotation
 MAX_BLOCK = 1 << 14
-BLOCK_RULES = ROTATION_BLOCK_RULES
 
 
 def _is_prime(number: int) -> bool:
@@ -43,7 +42,7 @@ _FACTORS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def rotation_block(in_features: int, rule: str) -> int:
-    """The Hadamard block of a layer with `in_features` inputs under `rule` (one of `BLOCK_RULES`)."""
+    """The Hadamard block of a layer with `in_features` inputs under `rule` (one of `ROTATION_BLOCK_RULES`)."""
     block = min(in_features & -in_features, MAX_BLOCK)
     if rule == "largest":
         for core in PALEY_ORDERS:
@@ -54,7 +53,7 @@ def rotation_block(in_features: int, rule: str) -> int:
                 if core * power <= MAX_BLOCK:
                     block = max(block, core * power)
     elif rule != "power_of_two":
-        raise ConfigError(f"rotation block rule {rule!r} is not one of {BLOCK_RULES}")
+        raise ConfigError(f"rotation block rule {rule!r} is not one of {ROTATION_BLOCK_RULES}")
     if block < MIN_BLOCK:
         raise ConfigError(
             f"a Hadamard rotation of {in_features} inputs would rotate blocks of {block}: it needs a multiple of "
