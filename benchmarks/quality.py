@@ -210,11 +210,19 @@ def lut_3bit_reconstruct() -> Any:
     return quantlab.LutConfig(bits=3, group_size=64, solver="reconstruct", layer_options=LUT_3BIT_LAYER_OPTIONS)
 
 
-def lut_budget_reconstruct(bits: int, rotate: list[str] | None = None) -> Any:
+def lut_budget_reconstruct(bits: int, rotation: str | None = None) -> Any:
     """Learned tables under block-wise reconstruction within `bits + 0.25` bits per weight, each layer's width
-    and group size chosen by mixed precision (`target_bits`) instead of a layer named by hand."""
+    and group size chosen by mixed precision (`target_bits`) instead of a layer named by hand; `rotation` as in
+    LUT_BUDGET_QAT_ROWS."""
+    rotate = {None: None, "mlp output": MLP_OUTPUT_LAYERS, "every projection": EVERY_PROJECTION}[rotation]
+    blocks = "largest" if rotation == "every projection" else "power_of_two"
     return quantlab.LutConfig(
-        bits=bits, group_size=64, solver="reconstruct", target_bits=bits + 0.25, rotate_inputs=rotate
+        bits=bits,
+        group_size=64,
+        solver="reconstruct",
+        target_bits=bits + 0.25,
+        rotate_inputs=rotate,
+        rotation_blocks=blocks,
     )
 
 
@@ -238,8 +246,20 @@ RECONSTRUCT_QAT_ROWS = ((3, 64, 400, 512, 2), (2, 64, 400, 256, 4))
 # From the learned 3-bit tables' reconstruction (`lut_3bit_reconstruct`): steps, tokens per example, examples per step.
 LUT_QAT_ROWS = ((100, 256, 4),)
 # From learned tables whose widths and group sizes mixed precision chose (`lut_budget_reconstruct`): bits, steps,
-# whether the MLP output projections' inputs are rotated.
-LUT_BUDGET_QAT_ROWS = ((4, 100, False), (3, 100, False), (3, 100, True))
+# which inputs are rotated (None; "mlp output": the down projections in power-of-two blocks; "every projection":
+# all seven in whole rows), the training text ("bundled": the bundled text after the evaluation windows;
+# "before the later part": the evaluated text's lines before token LATER_PART_OFFSET - TRAINING_MARGIN, about
+# 190,000 tokens after the evaluation windows, twice the bundled text's).
+LONGER_TEXT = "before the later part"
+LUT_BUDGET_QAT_ROWS = (
+    (4, 100, None, "bundled"),
+    (3, 100, None, "bundled"),
+    (3, 100, "mlp output", "bundled"),
+    (3, 100, "every projection", "bundled"),
+    (3, 300, "every projection", LONGER_TEXT),
+)
+EVERY_PROJECTION = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TRAINING_MARGIN = 1_000  # tokens between the longer training text's end and the later part's windows
 RECONSTRUCT_QAT_NORM_LR_RATIO = 0.02
 
 
@@ -261,6 +281,14 @@ def qat_variants() -> list[Variant]:
     def from_reconstruction(start: Any, steps: int, seq_len: int, batch: int) -> Callable[[Path, Path | None], Any]:
         return lambda directory, _: qat_model_of(directory, start, steps, seq_len, batch, RECONSTRUCT_QAT_NORM_LR_RATIO)
 
+    def on_training_text(start: Any, steps: int) -> Callable[[Path, Path | None], Any]:
+        def build(directory: Path, training: Path | None) -> Any:
+            if training is None:
+                raise ValueError("this row trains on the evaluated text before its later part; none was given")
+            return qat_model_of(directory, start, steps, 256, 4, RECONSTRUCT_QAT_NORM_LR_RATIO, training)
+
+        return build
+
     def integers(bits: int, group: int) -> Any:
         return quantlab.CustomBitsConfig(bits=bits, group_size=group, symmetric=True, solver="reconstruct")
 
@@ -279,23 +307,34 @@ def qat_variants() -> list[Variant]:
                 build=from_reconstruction(lut_3bit_reconstruct(), steps, seq_len, batch))
         for steps, seq_len, batch in LUT_QAT_ROWS
     ]  # fmt: skip
-    for bits, steps, rotate in LUT_BUDGET_QAT_ROWS:
-        budget = f"within {bits + 0.25} bits/weight" + (", mlp output rotated" if rotate else "")
-        name = f"qat lut {bits}-bit (reconstruct start {budget}, {steps} x 4 x 256 tokens)"
-        start = lut_budget_reconstruct(bits, MLP_OUTPUT_LAYERS if rotate else None)
-        build = from_reconstruction(start, steps, 256, 4)
+    for bits, steps, rotation, text in LUT_BUDGET_QAT_ROWS:
+        budget = f"within {bits + 0.25} bits/weight"
+        budget += {None: "", "mlp output": ", mlp output rotated", "every projection": ", every projection rotated"}[
+            rotation
+        ]
+        data = "" if text == "bundled" else f", text {text}"
+        name = f"qat lut {bits}-bit (reconstruct start {budget}, {steps} x 4 x 256 tokens{data})"
+        start = lut_budget_reconstruct(bits, rotation)
+        build = from_reconstruction(start, steps, 256, 4) if text == "bundled" else on_training_text(start, steps)
         variants.append(Variant(name, "quantlab", None, build=build))
     return variants
 
 
 def qat_model_of(
-    directory: Path, start: Any, steps: int, seq_len: int, batch: int, norm_lr_ratio: float | None
+    directory: Path,
+    start: Any,
+    steps: int,
+    seq_len: int,
+    batch: int,
+    norm_lr_ratio: float | None,
+    data: Path | None = None,
 ) -> torch.nn.Module:
     """`qat_model(directory, config=start)` into a temporary run folder; the trained checkpoint, loaded.
 
     The same as `quantlab quantize` with `start`'s options (`--method custom_bits --bits B --group-size G
     --symmetric --solver S`, or the learned tables' `--method lut ...`) `-o START`, then `quantlab qat START
-    --max-steps N --max-seq-length L --per-device-train-batch-size K [--norm-lr-ratio R] -o RUN`."""
+    --max-steps N --max-seq-length L --per-device-train-batch-size K [--norm-lr-ratio R] [--data FILE] -o RUN`
+    (`quantlab qat` holds out the first 16 x 512 tokens of FILE, the harness's windows)."""
     from quantlab.qat import QATOptions
     from quantlab.workflows.qat import qat_model
     from quantlab.workflows.runs import TrainingRun
@@ -303,7 +342,7 @@ def qat_model_of(
     training = {**QAT_TRAINING, "max_steps": steps, "per_device_train_batch_size": batch}
     options = QATOptions(norm_lr_ratio=norm_lr_ratio)
     with tempfile.TemporaryDirectory(prefix="quantlab-quality-qat-") as scratch:
-        run = TrainingRun(Path(scratch) / "run", training, max_seq_length=seq_len)
+        run = TrainingRun(Path(scratch) / "run", training, max_seq_length=seq_len, eval_windows=16, data=data)
         report = qat_model(directory, run, config=start, options=options)
         return AutoModelForCausalLM.from_pretrained(report.output, dtype=torch.float32, local_files_only=True)
 
@@ -532,18 +571,36 @@ def measure_storage(model: torch.nn.Module, row: Row, float_directory: Path) -> 
     row.extra["quantized_layers"] = len(storage.layers)
 
 
-def smollm2_row(variant: Variant, tokenizer: Any, text: str, windows: int) -> Row:
+def smollm2_row(variant: Variant, tokenizer: Any, text: str, windows: int, training: Path | None = None) -> Row:
+    """One SmolLM2 row; a built row (quantization-aware training) gets `training`, the longer training text."""
     directory = smollm2_dir()
     row = Row(variant.name, variant.family)
     if variant.peer and windows == HARNESS_WINDOWS:
         row.peer_perplexity, row.peer_source = variant.peer
-    model = load(AutoModelForCausalLM, directory, variant, row)
+    model = load(AutoModelForCausalLM, directory, variant, row, training if variant.build else None)
     measure_storage(model, row, directory)
     with stopwatch() as timing:
         row.perplexity = perplexity(model, tokenizer, text, seq_len=HARNESS_SEQ_LEN, windows=windows)
     row.eval_seconds = timing["seconds"]
     row.later_perplexity = later_part_perplexity(model, tokenizer, text, windows)
     return row
+
+
+def text_before_later_part(tokenizer: Any, text: str) -> Path:
+    """A file with `text`'s lines that end before token LATER_PART_OFFSET - TRAINING_MARGIN: training text that
+    never reaches the later part's windows (`quantlab qat` holds out the first 16 x 512 tokens itself)."""
+    encoded = tokenizer(text, return_offsets_mapping=True, return_attention_mask=False, verbose=False)
+    offsets = encoded["offset_mapping"]
+    limit = LATER_PART_OFFSET - TRAINING_MARGIN
+    if len(offsets) <= limit:
+        raise ValueError(f"the text has {len(offsets)} tokens; the longer training text needs more than {limit}")
+    part = text[: text.rfind("\n", 0, offsets[limit][0]) + 1]
+    ids = tokenizer(part, return_attention_mask=False, verbose=False)["input_ids"]
+    if ids != encoded["input_ids"][: len(ids)]:
+        raise ValueError("the text's lines before the later part do not tokenize as a prefix of the whole text")
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="quantlab-smollm2-train-", delete=False) as handle:
+        handle.write(part)
+    return Path(handle.name)
 
 
 def later_part_perplexity(model: torch.nn.Module, tokenizer: Any, text: str, windows: int) -> float | None:
@@ -779,9 +836,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.models in ("smollm2", "both"):
         tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
         rows = []
-        for variant in (v for v in variants if v.model == "smollm2"):
-            rows.append(guarded(lambda v=variant: smollm2_row(v, tokenizer, text, args.windows), variant))
-            print(f"  smollm2 {variant.name}: {_summary(rows[-1])}", flush=True)
+        smollm2_variants = [v for v in variants if v.model == "smollm2"]
+        longer = any(v.name.endswith(f"text {LONGER_TEXT})") for v in smollm2_variants)
+        training = text_before_later_part(tokenizer, text) if longer else None
+        try:
+            for variant in smollm2_variants:
+                rows.append(guarded(lambda v=variant: smollm2_row(v, tokenizer, text, args.windows, training), variant))
+                print(f"  smollm2 {variant.name}: {_summary(rows[-1])}", flush=True)
+        finally:
+            if training is not None:
+                training.unlink(missing_ok=True)
         print("\n" + smollm2_table(rows) + "\n", flush=True)
         report["smollm2"] = [asdict(r) for r in rows]
         report["acceptance"] = acceptance(rows)
