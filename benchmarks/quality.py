@@ -243,6 +243,9 @@ QAT_TRAINING = {"learning_rate": 5e-3, "per_device_train_batch_size": 4, "lr_sch
 # 3- and 2-bit targets (about an hour a row on 2 quiet cores): bits, group size, steps, tokens per example,
 # examples per step.
 RECONSTRUCT_QAT_ROWS = ((3, 64, 400, 512, 2), (2, 64, 400, 256, 4))
+# The same with every projection's input rotated in whole rows, trained 4 x 256 tokens a step on the longer text
+# (LONGER_TEXT, below): bits, group size, steps.
+ROTATED_RECONSTRUCT_QAT_ROWS = ((2, 64, 300),)
 # From the learned 3-bit tables' reconstruction (`lut_3bit_reconstruct`): steps, tokens per example, examples per step.
 LUT_QAT_ROWS = ((100, 256, 4),)
 # From learned tables whose widths and group sizes mixed precision chose (`lut_budget_reconstruct`): bits, steps,
@@ -289,8 +292,15 @@ def qat_variants() -> list[Variant]:
 
         return build
 
-    def integers(bits: int, group: int) -> Any:
-        return quantlab.CustomBitsConfig(bits=bits, group_size=group, symmetric=True, solver="reconstruct")
+    def integers(bits: int, group: int, rotated: bool = False) -> Any:
+        return quantlab.CustomBitsConfig(
+            bits=bits,
+            group_size=group,
+            symmetric=True,
+            solver="reconstruct",
+            rotate_inputs=EVERY_PROJECTION if rotated else None,
+            rotation_blocks="largest" if rotated else "power_of_two",
+        )
 
     variants = [
         Variant(f"qat {bits}-bit g{group} sym (gptq start{', mlp output rotated' if rotate else ''}, {steps} steps)",
@@ -301,6 +311,11 @@ def qat_variants() -> list[Variant]:
         Variant(f"qat {bits}-bit g{group} sym (reconstruct start, {steps} x {batch} x {seq_len} tokens)",
                 "quantlab", None, build=from_reconstruction(integers(bits, group), steps, seq_len, batch))
         for bits, group, steps, seq_len, batch in RECONSTRUCT_QAT_ROWS
+    ]  # fmt: skip
+    variants += [
+        Variant(f"qat {bits}-bit g{group} sym (reconstruct start, every projection rotated, {steps} x 4 x 256 tokens, "
+                f"text {LONGER_TEXT})", "quantlab", None, build=on_training_text(integers(bits, group, True), steps))
+        for bits, group, steps in ROTATED_RECONSTRUCT_QAT_ROWS
     ]  # fmt: skip
     variants += [
         Variant(f"qat lut 3-bit g64 (reconstruct start, {steps} x {batch} x {seq_len} tokens)", "quantlab", None,
