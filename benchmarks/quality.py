@@ -73,6 +73,7 @@ class Variant:
     build: Callable[[Path, Path | None], Any] | None = None  # instead of a config: the model from the float
     # folder (and the calibration text); such a row measures only `model`'s model
     model: str = "smollm2"
+    longer_text: bool = False  # `build` trains on the longer text (`text_before_later_part`), its second argument
 
 
 @dataclass
@@ -314,7 +315,8 @@ def qat_variants() -> list[Variant]:
     ]  # fmt: skip
     variants += [
         Variant(f"qat {bits}-bit g{group} sym (reconstruct start, every projection rotated, {steps} x 4 x 256 tokens, "
-                f"text {LONGER_TEXT})", "quantlab", None, build=on_training_text(integers(bits, group, True), steps))
+                f"text {LONGER_TEXT})", "quantlab", None, build=on_training_text(integers(bits, group, True), steps),
+                longer_text=True)
         for bits, group, steps in ROTATED_RECONSTRUCT_QAT_ROWS
     ]  # fmt: skip
     variants += [
@@ -327,11 +329,12 @@ def qat_variants() -> list[Variant]:
         budget += {None: "", "mlp output": ", mlp output rotated", "every projection": ", every projection rotated"}[
             rotation
         ]
-        data = "" if text == "bundled" else f", text {text}"
+        longer = text == LONGER_TEXT
+        data = f", text {text}" if longer else ""
         name = f"qat lut {bits}-bit (reconstruct start {budget}, {steps} x 4 x 256 tokens{data})"
         start = lut_budget_reconstruct(bits, rotation)
-        build = from_reconstruction(start, steps, 256, 4) if text == "bundled" else on_training_text(start, steps)
-        variants.append(Variant(name, "quantlab", None, build=build))
+        build = on_training_text(start, steps) if longer else from_reconstruction(start, steps, 256, 4)
+        variants.append(Variant(name, "quantlab", None, build=build, longer_text=longer))
     return variants
 
 
@@ -592,7 +595,7 @@ def smollm2_row(variant: Variant, tokenizer: Any, text: str, windows: int, train
     row = Row(variant.name, variant.family)
     if variant.peer and windows == HARNESS_WINDOWS:
         row.peer_perplexity, row.peer_source = variant.peer
-    model = load(AutoModelForCausalLM, directory, variant, row, training if variant.build else None)
+    model = load(AutoModelForCausalLM, directory, variant, row, training if variant.longer_text else None)
     measure_storage(model, row, directory)
     with stopwatch() as timing:
         row.perplexity = perplexity(model, tokenizer, text, seq_len=HARNESS_SEQ_LEN, windows=windows)
@@ -852,7 +855,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
         rows = []
         smollm2_variants = [v for v in variants if v.model == "smollm2"]
-        longer = any(v.name.endswith(f"text {LONGER_TEXT})") for v in smollm2_variants)
+        longer = any(v.longer_text for v in smollm2_variants)
         training = text_before_later_part(tokenizer, text) if longer else None
         try:
             for variant in smollm2_variants:
