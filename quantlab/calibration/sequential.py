@@ -42,7 +42,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.formats import grouping
 from quantlab.nn import QuantizedLinear
-from quantlab.nn.rotation import rotate, rotation_block
+from quantlab.nn.rotation import input_rotation_block, rotate
 from quantlab.solvers import InputStats
 from quantlab.utils.allocator import return_freed_memory
 
@@ -166,7 +166,7 @@ def _fake_quantizer(
     def fake_quantize(weight: torch.Tensor, layer: str) -> torch.Tensor:
         layer_config = config.config_for(layer)
         layout = module_class.layout_for(weight.shape[1], weight.shape[0], layer_config)
-        rotation = rotation_block(weight.shape[1], layer_config.rotation_blocks) if layer_config.input_rotated else 0
+        rotation = input_rotation_block(weight.shape[1], layer_config)
         stored = rotate(weight.float(), rotation) if rotation else weight.float()
         grouped = grouping.group(stored, layout.group_size)
         params = layout.fit(grouped)

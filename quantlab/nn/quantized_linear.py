@@ -27,7 +27,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.kernels import select_kernel
-from quantlab.nn.rotation import rotate, rotate_square, rotation_block
+from quantlab.nn.rotation import input_rotation_block, rotate, rotate_square
 from quantlab.nn.stored import StoredTensorsModule
 
 StorageSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -64,9 +64,7 @@ class QuantizedLinear(StoredTensorsModule):
         for name, (shape, storage_dtype) in spec.items():
             self.register_buffer(name, torch.zeros(shape, dtype=storage_dtype, device=device))
         self.stored_names = tuple(spec)  # read on every call: a plain tuple traces without a guard
-        self.input_rotation = (
-            rotation_block(in_features, config.rotation_blocks) if config.input_rotated else 0
-        )  # 0: not rotated
+        self.input_rotation = input_rotation_block(in_features, config)  # 0: not rotated
         if self.input_rotation and self._layout is None:
             raise QuantizationError(
                 f"{type(self).__name__} declares no storage layout, so it cannot rotate its input; "
@@ -153,8 +151,8 @@ class QuantizedLinear(StoredTensorsModule):
                 f"{layer}: weight has {bad} NaN/Inf value(s) and cannot be quantized; repair the checkpoint, "
                 f"or keep this layer in float with modules_to_not_convert=[{layer!r}]"
             )
-        if config.input_rotated:  # the codes of `W R`, solved on the statistics of the rotated inputs
-            block = rotation_block(weight.shape[1], config.rotation_blocks)
+        block = input_rotation_block(weight.shape[1], config)
+        if block:  # the codes of `W R`, solved on the statistics of the rotated inputs
             weight = rotate(weight.detach().float(), block)
             stats = None if stats is None else stats.transformed(lambda hessian: rotate_square(hessian, block))
         if config.solver == "rtn" and stats is None:

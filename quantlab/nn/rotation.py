@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from quantlab.config import ROTATION_BLOCK_RULES
+from quantlab.config import ROTATION_BLOCK_RULES, QuantlabConfig
 from quantlab.errors import ConfigError
 
 MIN_BLOCK = 16  # fewer inputs per block spread an outlier too little to be worth a rotation
@@ -60,6 +60,12 @@ def rotation_block(in_features: int, rule: str) -> int:
             f"{MIN_BLOCK}; leave this layer out of rotate_inputs"
         )
     return block
+
+
+def input_rotation_block(in_features: int, config: QuantlabConfig) -> int:
+    """The Hadamard block a layer with `in_features` inputs rotates its input in under its resolved `config`
+    (`config_for(layer)`), or 0 when that config does not rotate its input."""
+    return rotation_block(in_features, config.rotation_blocks) if config.input_rotated else 0
 
 
 def rotate(x: torch.Tensor, block: int) -> torch.Tensor:

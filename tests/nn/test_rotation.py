@@ -19,7 +19,7 @@ from quantlab.export.compressed_tensors.exporter import CompressedTensorsExportE
 from quantlab.export.gguf.errors import GGUFExportError
 from quantlab.export.gguf.exporter import to_gguf
 from quantlab.nn import rotation
-from quantlab.nn.rotation import hadamard, rotate, rotate_square, rotation_block
+from quantlab.nn.rotation import hadamard, input_rotation_block, rotate, rotate_square, rotation_block
 from quantlab.replacement import quantized_layers
 from quantlab.solvers import InputStats
 from quantlab.testing import byte_tokenizer, tiny_llama
@@ -102,6 +102,13 @@ def test_rotation_blocks_of_wide_layers_and_refusals() -> None:
         rotation_block(40, "largest")
     with pytest.raises(ConfigError, match="rotation_blocks='whole' is not valid"):
         quantlab.CustomBitsConfig(bits=4, rotate_inputs=DOWN, rotation_blocks="whole")
+
+
+def test_input_rotation_block_follows_the_layer_config() -> None:
+    config = quantlab.CustomBitsConfig(bits=4, rotate_inputs=["down_proj"], rotation_blocks="largest")
+    assert input_rotation_block(1536, config.config_for("model.layers.0.mlp.down_proj")) == 1536
+    assert input_rotation_block(1536, config.config_for("model.layers.0.mlp.up_proj")) == 0
+    assert input_rotation_block(1536, config) == 0  # the run's config names layers, it rotates none itself
 
 
 def test_config_names_rotated_layers_by_suffix_prefix_or_regex() -> None:
