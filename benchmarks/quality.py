@@ -244,9 +244,9 @@ QAT_TRAINING = {"learning_rate": 5e-3, "per_device_train_batch_size": 4, "lr_sch
 # 3- and 2-bit targets (about an hour a row on 2 quiet cores): bits, group size, steps, tokens per example,
 # examples per step.
 RECONSTRUCT_QAT_ROWS = ((3, 64, 400, 512, 2), (2, 64, 400, 256, 4))
-# The same with every projection's input rotated in whole rows, trained 4 x 256 tokens a step on the longer text
-# (LONGER_TEXT, below): bits, group size, steps.
-ROTATED_RECONSTRUCT_QAT_ROWS = ((2, 64, 300),)
+# The same with every projection's input rotated, trained 4 x 256 tokens a step on the longer text (LONGER_TEXT,
+# below): bits, group size, steps, rotation blocks ("largest": whole rows; "power_of_two": the default).
+ROTATED_RECONSTRUCT_QAT_ROWS = ((2, 64, 300, "largest"), (2, 64, 400, "power_of_two"))
 # From the learned 3-bit tables' reconstruction (`lut_3bit_reconstruct`): steps, tokens per example, examples per step.
 LUT_QAT_ROWS = ((100, 256, 4),)
 # From learned tables whose widths and group sizes mixed precision chose (`lut_budget_reconstruct`): bits, steps,
@@ -262,6 +262,7 @@ LUT_BUDGET_QAT_ROWS = (
     (3, 100, "every projection", "bundled"),
     (3, 300, "every projection", LONGER_TEXT),
 )
+BLOCK_WORDS = {"largest": " in whole rows", "power_of_two": " in power-of-two blocks"}
 EVERY_PROJECTION = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TRAINING_MARGIN = 1_000  # tokens between the longer training text's end and the later part's windows
 RECONSTRUCT_QAT_NORM_LR_RATIO = 0.02
@@ -293,14 +294,15 @@ def qat_variants() -> list[Variant]:
 
         return build
 
-    def integers(bits: int, group: int, rotated: bool = False) -> Any:
+    def integers(bits: int, group: int, blocks: str | None = None) -> Any:
+        """Symmetric integers under block-wise reconstruction; every projection's input rotated in `blocks`."""
         return quantlab.CustomBitsConfig(
             bits=bits,
             group_size=group,
             symmetric=True,
             solver="reconstruct",
-            rotate_inputs=EVERY_PROJECTION if rotated else None,
-            rotation_blocks="largest" if rotated else "power_of_two",
+            rotate_inputs=EVERY_PROJECTION if blocks else None,
+            rotation_blocks=blocks or "power_of_two",
         )
 
     variants = [
@@ -314,10 +316,10 @@ def qat_variants() -> list[Variant]:
         for bits, group, steps, seq_len, batch in RECONSTRUCT_QAT_ROWS
     ]  # fmt: skip
     variants += [
-        Variant(f"qat {bits}-bit g{group} sym (reconstruct start, every projection rotated, {steps} x 4 x 256 tokens, "
-                f"text {LONGER_TEXT})", "quantlab", None, build=on_training_text(integers(bits, group, True), steps),
-                longer_text=True)
-        for bits, group, steps in ROTATED_RECONSTRUCT_QAT_ROWS
+        Variant(f"qat {bits}-bit g{group} sym (reconstruct start, every projection rotated{BLOCK_WORDS[blocks]}, "
+                f"{steps} x 4 x 256 tokens, text {LONGER_TEXT})", "quantlab", None,
+                build=on_training_text(integers(bits, group, blocks), steps), longer_text=True)
+        for bits, group, steps, blocks in ROTATED_RECONSTRUCT_QAT_ROWS
     ]  # fmt: skip
     variants += [
         Variant(f"qat lut 3-bit g64 (reconstruct start, {steps} x {batch} x {seq_len} tokens)", "quantlab", None,
