@@ -11,9 +11,10 @@ Solvers (round to nearest, data-free mse, GPTQ, AWQ + GPTQ) are crossed with wid
 sizes, NF4 gets GPTQ (on the bundled text, and self-calibrated: on text the float model
 samples itself, which needs no data), and mixed precision is measured at 4.25 / 3.5 / 3.0 / 2.5 bits per
 weight. Block-wise reconstruction, learned tables and quantization-aware training (from GPTQ's or
-the reconstruction's codes, trained on the bundled text after the evaluation windows) have rows of
-their own. Calibrated rows calibrate on the bundled WikiText-2 from token 8,192 on (SmolLM2;
-after the evaluation windows) and, for MiniLM, on the text after its 256 evaluation lines.
+the reconstruction's codes, trained on the bundled text after the evaluation windows, or on the evaluated
+text's lines away from both evaluated parts: TRAINING_TEXTS) have rows of their own. Calibrated rows
+calibrate on the bundled WikiText-2 from token 8,192 on (SmolLM2; after the evaluation windows) and, for
+MiniLM, on the text after its 256 evaluation lines.
 Perplexity is also reported on a second, later part of the text (16 x 512 tokens from token
 200,000 of the shared file, beyond everything calibration reads). Each row records the peak
 resident memory sampled while it loads and quantizes.
@@ -73,7 +74,7 @@ class Variant:
     build: Callable[[Path, Path | None], Any] | None = None  # instead of a config: the model from the float
     # folder (and the calibration text); such a row measures only `model`'s model
     model: str = "smollm2"
-    longer_text: bool = False  # `build` trains on the longer text (`text_before_later_part`), its second argument
+    training_text: str | None = None  # the text `build` trains on, its second argument (`training_text_file`)
 
 
 @dataclass
@@ -245,16 +246,25 @@ QAT_TRAINING = {"learning_rate": 5e-3, "per_device_train_batch_size": 4, "lr_sch
 # examples per step.
 RECONSTRUCT_QAT_ROWS = ((3, 64, 400, 512, 2), (2, 64, 400, 256, 4))
 # The same with every projection's input rotated, trained 4 x 256 tokens a step on the longer text (LONGER_TEXT,
-# below): bits, group size, steps, rotation blocks ("largest": whole rows; "power_of_two": the default).
-ROTATED_RECONSTRUCT_QAT_ROWS = ((2, 64, 300, "largest"), (2, 64, 400, "power_of_two"))
+# below): bits, group size, steps, rotation blocks ("largest": whole rows; "power_of_two": the default), and the
+# bits per weight mixed precision chooses widths and groups within (None: every layer at `bits` and `group`).
+ROTATED_RECONSTRUCT_QAT_ROWS = (
+    (2, 64, 300, "largest", None),
+    (2, 64, 400, "power_of_two", None),
+    (2, 64, 500, "power_of_two", 2.25),
+)
 # From the learned 3-bit tables' reconstruction (`lut_3bit_reconstruct`): steps, tokens per example, examples per step.
 LUT_QAT_ROWS = ((100, 256, 4),)
 # From learned tables whose widths and group sizes mixed precision chose (`lut_budget_reconstruct`): bits, steps,
 # which inputs are rotated (None; "mlp output": the down projections in power-of-two blocks; "every projection":
 # all seven in whole rows), the training text ("bundled": the bundled text after the evaluation windows;
 # "before the later part": the evaluated text's lines before token LATER_PART_OFFSET - TRAINING_MARGIN, about
-# 190,000 tokens after the evaluation windows, twice the bundled text's).
+# 190,000 tokens after the evaluation windows, twice the bundled text's; "outside both evaluated parts": those and
+# the lines from TRAINING_MARGIN tokens after the later part's windows to the end, about 283,000 tokens on the
+# shared text).
 LONGER_TEXT = "before the later part"
+OUTSIDE_TEXT = "outside both evaluated parts"
+TRAINING_TEXTS = (LONGER_TEXT, OUTSIDE_TEXT)
 LUT_BUDGET_QAT_ROWS = (
     (4, 100, None, "bundled"),
     (3, 100, None, "bundled"),
@@ -264,7 +274,7 @@ LUT_BUDGET_QAT_ROWS = (
 )
 BLOCK_WORDS = {"largest": " in whole rows", "power_of_two": " in power-of-two blocks"}
 EVERY_PROJECTION = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TRAINING_MARGIN = 1_000  # tokens between the longer training text's end and the later part's windows
+TRAINING_MARGIN = 1_000  # tokens between the training texts and the later part's windows, on either side
 RECONSTRUCT_QAT_NORM_LR_RATIO = 0.02
 
 
@@ -289,18 +299,20 @@ def qat_variants() -> list[Variant]:
     def on_training_text(start: Any, steps: int) -> Callable[[Path, Path | None], Any]:
         def build(directory: Path, training: Path | None) -> Any:
             if training is None:
-                raise ValueError("this row trains on the evaluated text before its later part; none was given")
+                raise ValueError("this row trains on the evaluated text outside its windows; none was given")
             return qat_model_of(directory, start, steps, 256, 4, RECONSTRUCT_QAT_NORM_LR_RATIO, training)
 
         return build
 
-    def integers(bits: int, group: int, blocks: str | None = None) -> Any:
-        """Symmetric integers under block-wise reconstruction; every projection's input rotated in `blocks`."""
+    def integers(bits: int, group: int, blocks: str | None = None, target_bits: float | None = None) -> Any:
+        """Symmetric integers under block-wise reconstruction; every projection's input rotated in `blocks`;
+        with `target_bits`, each layer's width and group chosen by mixed precision within that budget."""
         return quantlab.CustomBitsConfig(
             bits=bits,
             group_size=group,
             symmetric=True,
             solver="reconstruct",
+            target_bits=target_bits,
             rotate_inputs=EVERY_PROJECTION if blocks else None,
             rotation_blocks=blocks or "power_of_two",
         )
@@ -316,10 +328,11 @@ def qat_variants() -> list[Variant]:
         for bits, group, steps, seq_len, batch in RECONSTRUCT_QAT_ROWS
     ]  # fmt: skip
     variants += [
-        Variant(f"qat {bits}-bit g{group} sym (reconstruct start, every projection rotated{BLOCK_WORDS[blocks]}, "
-                f"{steps} x 4 x 256 tokens, text {LONGER_TEXT})", "quantlab", None,
-                build=on_training_text(integers(bits, group, blocks), steps), longer_text=True)
-        for bits, group, steps, blocks in ROTATED_RECONSTRUCT_QAT_ROWS
+        Variant(f"qat {bits}-bit g{group} sym (reconstruct start{f' within {target} bits/weight' if target else ''}, "
+                f"every projection rotated{BLOCK_WORDS[blocks]}, {steps} x 4 x 256 tokens, text {LONGER_TEXT})",
+                "quantlab", None, build=on_training_text(integers(bits, group, blocks, target), steps),
+                training_text=LONGER_TEXT)
+        for bits, group, steps, blocks, target in ROTATED_RECONSTRUCT_QAT_ROWS
     ]  # fmt: skip
     variants += [
         Variant(f"qat lut 3-bit g64 (reconstruct start, {steps} x {batch} x {seq_len} tokens)", "quantlab", None,
@@ -331,12 +344,12 @@ def qat_variants() -> list[Variant]:
         budget += {None: "", "mlp output": ", mlp output rotated", "every projection": ", every projection rotated"}[
             rotation
         ]
-        longer = text == LONGER_TEXT
+        longer = text in TRAINING_TEXTS
         data = f", text {text}" if longer else ""
         name = f"qat lut {bits}-bit (reconstruct start {budget}, {steps} x 4 x 256 tokens{data})"
         start = lut_budget_reconstruct(bits, rotation)
         build = on_training_text(start, steps) if longer else from_reconstruction(start, steps, 256, 4)
-        variants.append(Variant(name, "quantlab", None, build=build, longer_text=longer))
+        variants.append(Variant(name, "quantlab", None, build=build, training_text=text if longer else None))
     return variants
 
 
@@ -592,12 +605,12 @@ def measure_storage(model: torch.nn.Module, row: Row, float_directory: Path) -> 
 
 
 def smollm2_row(variant: Variant, tokenizer: Any, text: str, windows: int, training: Path | None = None) -> Row:
-    """One SmolLM2 row; a built row (quantization-aware training) gets `training`, the longer training text."""
+    """One SmolLM2 row; a built row (quantization-aware training) gets `training`, its training text's file."""
     directory = smollm2_dir()
     row = Row(variant.name, variant.family)
     if variant.peer and windows == HARNESS_WINDOWS:
         row.peer_perplexity, row.peer_source = variant.peer
-    model = load(AutoModelForCausalLM, directory, variant, row, training if variant.longer_text else None)
+    model = load(AutoModelForCausalLM, directory, variant, row, training if variant.training_text else None)
     measure_storage(model, row, directory)
     with stopwatch() as timing:
         row.perplexity = perplexity(model, tokenizer, text, seq_len=HARNESS_SEQ_LEN, windows=windows)
@@ -606,18 +619,26 @@ def smollm2_row(variant: Variant, tokenizer: Any, text: str, windows: int, train
     return row
 
 
-def text_before_later_part(tokenizer: Any, text: str) -> Path:
-    """A file with `text`'s lines that end before token LATER_PART_OFFSET - TRAINING_MARGIN: training text that
-    never reaches the later part's windows (`quantlab qat` holds out the first 16 x 512 tokens itself)."""
+def training_text_file(tokenizer: Any, text: str, kind: str) -> Path:
+    """A file with the training text `kind` names (TRAINING_TEXTS): `text`'s lines that end before token
+    LATER_PART_OFFSET - TRAINING_MARGIN, and for OUTSIDE_TEXT also those that start TRAINING_MARGIN tokens after
+    the later part's windows. Neither reaches the later part; `quantlab qat` holds out the first 16 x 512 tokens
+    (the harness's windows) itself."""
     encoded = tokenizer(text, return_offsets_mapping=True, return_attention_mask=False, verbose=False)
     offsets = encoded["offset_mapping"]
     limit = LATER_PART_OFFSET - TRAINING_MARGIN
-    if len(offsets) <= limit:
-        raise ValueError(f"the text has {len(offsets)} tokens; the longer training text needs more than {limit}")
+    resume = LATER_PART_OFFSET + HARNESS_WINDOWS * HARNESS_SEQ_LEN + TRAINING_MARGIN
+    needed = resume if kind == OUTSIDE_TEXT else limit
+    if kind not in TRAINING_TEXTS:
+        raise ValueError(f"training text {kind!r} is not one of {TRAINING_TEXTS}")
+    if len(offsets) <= needed:
+        raise ValueError(f"the text has {len(offsets)} tokens; the training text {kind!r} needs more than {needed}")
     part = text[: text.rfind("\n", 0, offsets[limit][0]) + 1]
     ids = tokenizer(part, return_attention_mask=False, verbose=False)["input_ids"]
     if ids != encoded["input_ids"][: len(ids)]:
         raise ValueError("the text's lines before the later part do not tokenize as a prefix of the whole text")
+    if kind == OUTSIDE_TEXT:
+        part += text[text.find("\n", offsets[resume][0]) + 1 :]
     with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="quantlab-smollm2-train-", delete=False) as handle:
         handle.write(part)
     return Path(handle.name)
@@ -857,15 +878,18 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
         rows = []
         smollm2_variants = [v for v in variants if v.model == "smollm2"]
-        longer = any(v.longer_text for v in smollm2_variants)
-        training = text_before_later_part(tokenizer, text) if longer else None
+        kinds = sorted({v.training_text for v in smollm2_variants if v.training_text})
+        training = {kind: training_text_file(tokenizer, text, kind) for kind in kinds}
         try:
             for variant in smollm2_variants:
-                rows.append(guarded(lambda v=variant: smollm2_row(v, tokenizer, text, args.windows, training), variant))
+                data = training.get(variant.training_text)
+                rows.append(
+                    guarded(lambda v=variant, d=data: smollm2_row(v, tokenizer, text, args.windows, d), variant)
+                )
                 print(f"  smollm2 {variant.name}: {_summary(rows[-1])}", flush=True)
         finally:
-            if training is not None:
-                training.unlink(missing_ok=True)
+            for path in training.values():
+                path.unlink(missing_ok=True)
         print("\n" + smollm2_table(rows) + "\n", flush=True)
         report["smollm2"] = [asdict(r) for r in rows]
         report["acceptance"] = acceptance(rows)
