@@ -271,6 +271,7 @@ LUT_BUDGET_QAT_ROWS = (
     (3, 100, "mlp output", "bundled"),
     (3, 100, "every projection", "bundled"),
     (3, 300, "every projection", LONGER_TEXT),
+    (3, 400, "every projection", OUTSIDE_TEXT),
 )
 BLOCK_WORDS = {"largest": " in whole rows", "power_of_two": " in power-of-two blocks"}
 EVERY_PROJECTION = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
