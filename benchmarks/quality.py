@@ -345,12 +345,12 @@ def qat_variants() -> list[Variant]:
         budget += {None: "", "mlp output": ", mlp output rotated", "every projection": ", every projection rotated"}[
             rotation
         ]
-        longer = text in TRAINING_TEXTS
-        data = f", text {text}" if longer else ""
+        own_text = text in TRAINING_TEXTS  # else the bundled text, which `quantlab qat` reads by default
+        data = f", text {text}" if own_text else ""
         name = f"qat lut {bits}-bit (reconstruct start {budget}, {steps} x 4 x 256 tokens{data})"
         start = lut_budget_reconstruct(bits, rotation)
-        build = on_training_text(start, steps) if longer else from_reconstruction(start, steps, 256, 4)
-        variants.append(Variant(name, "quantlab", None, build=build, training_text=text if longer else None))
+        build = on_training_text(start, steps) if own_text else from_reconstruction(start, steps, 256, 4)
+        variants.append(Variant(name, "quantlab", None, build=build, training_text=text if own_text else None))
     return variants
 
 
@@ -625,13 +625,13 @@ def training_text_file(tokenizer: Any, text: str, kind: str) -> Path:
     LATER_PART_OFFSET - TRAINING_MARGIN, and for OUTSIDE_TEXT also those that start TRAINING_MARGIN tokens after
     the later part's windows. Neither reaches the later part; `quantlab qat` holds out the first 16 x 512 tokens
     (the harness's windows) itself."""
+    if kind not in TRAINING_TEXTS:
+        raise ValueError(f"training text {kind!r} is not one of {TRAINING_TEXTS}")
     encoded = tokenizer(text, return_offsets_mapping=True, return_attention_mask=False, verbose=False)
     offsets = encoded["offset_mapping"]
     limit = LATER_PART_OFFSET - TRAINING_MARGIN
     resume = LATER_PART_OFFSET + HARNESS_WINDOWS * HARNESS_SEQ_LEN + TRAINING_MARGIN
     needed = resume if kind == OUTSIDE_TEXT else limit
-    if kind not in TRAINING_TEXTS:
-        raise ValueError(f"training text {kind!r} is not one of {TRAINING_TEXTS}")
     if len(offsets) <= needed:
         raise ValueError(f"the text has {len(offsets)} tokens; the training text {kind!r} needs more than {needed}")
     part = text[: text.rfind("\n", 0, offsets[limit][0]) + 1]
