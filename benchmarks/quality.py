@@ -611,7 +611,7 @@ def smollm2_row(variant: Variant, tokenizer: Any, text: str, windows: int, train
     row = Row(variant.name, variant.family)
     if variant.peer and windows == HARNESS_WINDOWS:
         row.peer_perplexity, row.peer_source = variant.peer
-    model = load(AutoModelForCausalLM, directory, variant, row, training if variant.training_text else None)
+    model = load(AutoModelForCausalLM, directory, variant, row, training)  # None unless the row has its own text
     measure_storage(model, row, directory)
     with stopwatch() as timing:
         row.perplexity = perplexity(model, tokenizer, text, seq_len=HARNESS_SEQ_LEN, windows=windows)
