@@ -245,13 +245,19 @@ QAT_TRAINING = {"learning_rate": 5e-3, "per_device_train_batch_size": 4, "lr_sch
 # 3- and 2-bit targets (about an hour a row on 2 quiet cores): bits, group size, steps, tokens per example,
 # examples per step.
 RECONSTRUCT_QAT_ROWS = ((3, 64, 400, 512, 2), (2, 64, 400, 256, 4))
-# The same with every projection's input rotated, trained 4 x 256 tokens a step on the longer text (LONGER_TEXT,
-# below): bits, group size, steps, rotation blocks ("largest": whole rows; "power_of_two": the default), and the
-# bits per weight mixed precision chooses widths and groups within (None: every layer at `bits` and `group`).
+# Texts of the evaluated file away from both evaluated parts (`training_text_file`; described below).
+LONGER_TEXT = "before the later part"
+OUTSIDE_TEXT = "outside both evaluated parts"
+TRAINING_TEXTS = (LONGER_TEXT, OUTSIDE_TEXT)
+# The same with every projection's input rotated, trained 4 x 256 tokens a step on one of TRAINING_TEXTS (above):
+# bits, group size, steps, rotation blocks ("largest": whole rows; "power_of_two": the default), the bits per
+# weight mixed precision chooses widths and groups within (None: every layer at `bits` and `group`), the training
+# text, and the steps of a second run on the result at half the rate with another data order (0: none).
 ROTATED_RECONSTRUCT_QAT_ROWS = (
-    (2, 64, 300, "largest", None),
-    (2, 64, 400, "power_of_two", None),
-    (2, 64, 500, "power_of_two", 2.25),
+    (2, 64, 300, "largest", None, LONGER_TEXT, 0),
+    (2, 64, 400, "power_of_two", None, LONGER_TEXT, 0),
+    (2, 64, 500, "power_of_two", 2.25, LONGER_TEXT, 0),
+    (2, 64, 400, "power_of_two", 2.25, OUTSIDE_TEXT, 0),
 )
 # From the learned 3-bit tables' reconstruction (`lut_3bit_reconstruct`): steps, tokens per example, examples per step.
 LUT_QAT_ROWS = ((100, 256, 4),)
@@ -262,9 +268,6 @@ LUT_QAT_ROWS = ((100, 256, 4),)
 # 190,000 tokens after the evaluation windows, twice the bundled text's; "outside both evaluated parts": those and
 # the lines from TRAINING_MARGIN tokens after the later part's windows to the end, about 283,000 tokens on the
 # shared text).
-LONGER_TEXT = "before the later part"
-OUTSIDE_TEXT = "outside both evaluated parts"
-TRAINING_TEXTS = (LONGER_TEXT, OUTSIDE_TEXT)
 LUT_BUDGET_QAT_ROWS = (
     (4, 100, None, "bundled"),
     (3, 100, None, "bundled"),
@@ -297,11 +300,11 @@ def qat_variants() -> list[Variant]:
     def from_reconstruction(start: Any, steps: int, seq_len: int, batch: int) -> Callable[[Path, Path | None], Any]:
         return lambda directory, _: qat_model_of(directory, start, steps, seq_len, batch, RECONSTRUCT_QAT_NORM_LR_RATIO)
 
-    def on_training_text(start: Any, steps: int) -> Callable[[Path, Path | None], Any]:
+    def on_training_text(start: Any, steps: int, again: int = 0) -> Callable[[Path, Path | None], Any]:
         def build(directory: Path, training: Path | None) -> Any:
             if training is None:
                 raise ValueError("this row trains on the evaluated text outside its windows; none was given")
-            return qat_model_of(directory, start, steps, 256, 4, RECONSTRUCT_QAT_NORM_LR_RATIO, training)
+            return qat_model_of(directory, start, steps, 256, 4, RECONSTRUCT_QAT_NORM_LR_RATIO, training, again)
 
         return build
 
@@ -330,10 +333,11 @@ def qat_variants() -> list[Variant]:
     ]  # fmt: skip
     variants += [
         Variant(f"qat {bits}-bit g{group} sym (reconstruct start{f' within {target} bits/weight' if target else ''}, "
-                f"every projection rotated{BLOCK_WORDS[blocks]}, {steps} x 4 x 256 tokens, text {LONGER_TEXT})",
-                "quantlab", None, build=on_training_text(integers(bits, group, blocks, target), steps),
-                training_text=LONGER_TEXT)
-        for bits, group, steps, blocks, target in ROTATED_RECONSTRUCT_QAT_ROWS
+                f"every projection rotated{BLOCK_WORDS[blocks]}, {steps}{f' + {again}' if again else ''} x 4 x 256 "
+                f"tokens, text {text})",
+                "quantlab", None, build=on_training_text(integers(bits, group, blocks, target), steps, again),
+                training_text=text)
+        for bits, group, steps, blocks, target, text, again in ROTATED_RECONSTRUCT_QAT_ROWS
     ]  # fmt: skip
     variants += [
         Variant(f"qat lut 3-bit g64 (reconstruct start, {steps} x {batch} x {seq_len} tokens)", "quantlab", None,
@@ -362,13 +366,16 @@ def qat_model_of(
     batch: int,
     norm_lr_ratio: float | None,
     data: Path | None = None,
+    again: int = 0,
 ) -> torch.nn.Module:
     """`qat_model(directory, config=start)` into a temporary run folder; the trained checkpoint, loaded.
 
     The same as `quantlab quantize` with `start`'s options (`--method custom_bits --bits B --group-size G
     --symmetric --solver S`, or the learned tables' `--method lut ...`) `-o START`, then `quantlab qat START
     --max-steps N --max-seq-length L --per-device-train-batch-size K [--norm-lr-ratio R] [--data FILE] -o RUN`
-    (`quantlab qat` holds out the first 16 x 512 tokens of FILE, the harness's windows)."""
+    (`quantlab qat` holds out the first 16 x 512 tokens of FILE, the harness's windows); with `again` steps, then
+    `quantlab qat RUN/final --teacher FLOAT --max-steps AGAIN --learning-rate 2.5e-3 --seed 1` with the other
+    flags the same."""
     from quantlab.qat import QATOptions
     from quantlab.workflows.qat import qat_model
     from quantlab.workflows.runs import TrainingRun
@@ -378,6 +385,10 @@ def qat_model_of(
     with tempfile.TemporaryDirectory(prefix="quantlab-quality-qat-") as scratch:
         run = TrainingRun(Path(scratch) / "run", training, max_seq_length=seq_len, eval_windows=16, data=data)
         report = qat_model(directory, run, config=start, options=options)
+        if again:
+            training = {**training, "max_steps": again, "learning_rate": 2.5e-3, "seed": 1}
+            run = TrainingRun(Path(scratch) / "again", training, max_seq_length=seq_len, eval_windows=16, data=data)
+            report = qat_model(report.output, run, teacher=directory, options=options)
         return AutoModelForCausalLM.from_pretrained(report.output, dtype=torch.float32, local_files_only=True)
 
 
