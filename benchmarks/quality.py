@@ -631,17 +631,22 @@ def smollm2_row(variant: Variant, tokenizer: Any, text: str, windows: int, train
     return row
 
 
-def training_text_file(tokenizer: Any, text: str, kind: str) -> Path:
+def training_text_file(tokenizer: Any, text: str, kind: str, windows: int = HARNESS_WINDOWS) -> Path:
     """A file with the training text `kind` names (TRAINING_TEXTS): `text`'s lines that end before token
     LATER_PART_OFFSET - TRAINING_MARGIN, and for OUTSIDE_TEXT also those that start TRAINING_MARGIN tokens after
-    the later part's windows. Neither reaches the later part; `quantlab qat` holds out the first 16 x 512 tokens
-    (the harness's windows) itself."""
+    the later part's `windows` windows. Neither reaches the later part; `quantlab qat` holds out the first 16 x 512
+    tokens (the harness's windows) itself."""
     if kind not in TRAINING_TEXTS:
         raise ValueError(f"training text {kind!r} is not one of {TRAINING_TEXTS}")
+    if windows > HARNESS_WINDOWS:
+        raise ValueError(
+            f"the training rows hold out {HARNESS_WINDOWS} windows; "
+            f"measure with --windows <= {HARNESS_WINDOWS} or leave them out with --only"
+        )
     encoded = tokenizer(text, return_offsets_mapping=True, return_attention_mask=False, verbose=False)
     offsets = encoded["offset_mapping"]
     limit = LATER_PART_OFFSET - TRAINING_MARGIN
-    resume = LATER_PART_OFFSET + HARNESS_WINDOWS * HARNESS_SEQ_LEN + TRAINING_MARGIN
+    resume = LATER_PART_OFFSET + windows * HARNESS_SEQ_LEN + TRAINING_MARGIN
     needed = resume if kind == OUTSIDE_TEXT else limit
     if len(offsets) <= needed:
         raise ValueError(f"the text has {len(offsets)} tokens; the training text {kind!r} needs more than {needed}")
@@ -891,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         smollm2_variants = [v for v in variants if v.model == "smollm2"]
         kinds = sorted({v.training_text for v in smollm2_variants if v.training_text})
-        training = {kind: training_text_file(tokenizer, text, kind) for kind in kinds}
+        training = {kind: training_text_file(tokenizer, text, kind, args.windows) for kind in kinds}
         try:
             for variant in smollm2_variants:
                 data = training.get(variant.training_text)
