@@ -258,6 +258,7 @@ ROTATED_RECONSTRUCT_QAT_ROWS = (
     (2, 64, 400, "power_of_two", None, LONGER_TEXT, 0),
     (2, 64, 500, "power_of_two", 2.25, LONGER_TEXT, 0),
     (2, 64, 400, "power_of_two", 2.25, OUTSIDE_TEXT, 0),
+    (2, 64, 400, "power_of_two", 2.25, OUTSIDE_TEXT, 400),
 )
 # From the learned 3-bit tables' reconstruction (`lut_3bit_reconstruct`): steps, tokens per example, examples per step.
 LUT_QAT_ROWS = ((100, 256, 4),)
