@@ -281,6 +281,8 @@ BLOCK_WORDS = {"largest": " in whole rows", "power_of_two": " in power-of-two bl
 EVERY_PROJECTION = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TRAINING_MARGIN = 1_000  # tokens between the training texts and the later part's windows, on either side
 RECONSTRUCT_QAT_NORM_LR_RATIO = 0.02
+# A second run on a trained result (the rows' `again` steps): half the first run's rate, another data order.
+AGAIN_TRAINING = {"learning_rate": 2.5e-3, "seed": 1}
 
 
 def qat_variants() -> list[Variant]:
@@ -384,12 +386,14 @@ def qat_model_of(
     training = {**QAT_TRAINING, "max_steps": steps, "per_device_train_batch_size": batch}
     options = QATOptions(norm_lr_ratio=norm_lr_ratio)
     with tempfile.TemporaryDirectory(prefix="quantlab-quality-qat-") as scratch:
-        run = TrainingRun(Path(scratch) / "run", training, max_seq_length=seq_len, eval_windows=16, data=data)
-        report = qat_model(directory, run, config=start, options=options)
+
+        def run_in(folder: str, settings: dict[str, Any]) -> TrainingRun:
+            return TrainingRun(Path(scratch) / folder, settings, max_seq_length=seq_len, eval_windows=16, data=data)
+
+        report = qat_model(directory, run_in("run", training), config=start, options=options)
         if again:
-            training = {**training, "max_steps": again, "learning_rate": 2.5e-3, "seed": 1}
-            run = TrainingRun(Path(scratch) / "again", training, max_seq_length=seq_len, eval_windows=16, data=data)
-            report = qat_model(report.output, run, teacher=directory, options=options)
+            second = run_in("again", {**training, **AGAIN_TRAINING, "max_steps": again})
+            report = qat_model(report.output, second, teacher=directory, options=options)
         return AutoModelForCausalLM.from_pretrained(report.output, dtype=torch.float32, local_files_only=True)
 
 
@@ -464,7 +468,7 @@ def minilm_qat_model_of(
         report = qat_model(directory, run, config=config, options=QATOptions(norm_lr_ratio=0.1),
                            distillation=distillation)  # fmt: skip
         if again:
-            training = {**training, "max_steps": again, "learning_rate": 2.5e-3, "seed": 1}
+            training = {**training, **AGAIN_TRAINING, "max_steps": again}
             run = TrainingRun(Path(scratch) / "again", training, max_seq_length=256, data=data)
             report = qat_model(report.output, run, teacher=directory, options=QATOptions(norm_lr_ratio=0.1),
                                distillation=distillation)  # fmt: skip
