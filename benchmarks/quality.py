@@ -252,13 +252,14 @@ TRAINING_TEXTS = (LONGER_TEXT, OUTSIDE_TEXT)
 # The same with every projection's input rotated, trained 4 x 256 tokens a step on one of TRAINING_TEXTS (above):
 # bits, group size, steps, rotation blocks ("largest": whole rows; "power_of_two": the default), the bits per
 # weight mixed precision chooses widths and groups within (None: every layer at `bits` and `group`), the training
-# text, and the steps of a second run on the result at half the rate with another data order (0: none).
+# text, the steps of a second run on the result at half the rate with another data order (0: none), and whether
+# the float embedding table (tied to the head) trains too, at the norms' rate (`--embedding-lr-ratio`).
 ROTATED_RECONSTRUCT_QAT_ROWS = (
-    (2, 64, 300, "largest", None, LONGER_TEXT, 0),
-    (2, 64, 400, "power_of_two", None, LONGER_TEXT, 0),
-    (2, 64, 500, "power_of_two", 2.25, LONGER_TEXT, 0),
-    (2, 64, 400, "power_of_two", 2.25, OUTSIDE_TEXT, 0),
-    (2, 64, 400, "power_of_two", 2.25, OUTSIDE_TEXT, 400),
+    (2, 64, 300, "largest", None, LONGER_TEXT, 0, False),
+    (2, 64, 400, "power_of_two", None, LONGER_TEXT, 0, False),
+    (2, 64, 500, "power_of_two", 2.25, LONGER_TEXT, 0, False),
+    (2, 64, 400, "power_of_two", 2.25, OUTSIDE_TEXT, 0, False),
+    (2, 64, 400, "power_of_two", 2.25, OUTSIDE_TEXT, 400, False),
 )
 # From the learned 3-bit tables' reconstruction (`lut_3bit_reconstruct`): steps, tokens per example, examples per step.
 LUT_QAT_ROWS = ((100, 256, 4),)
@@ -303,11 +304,15 @@ def qat_variants() -> list[Variant]:
     def from_reconstruction(start: Any, steps: int, seq_len: int, batch: int) -> Callable[[Path, Path | None], Any]:
         return lambda directory, _: qat_model_of(directory, start, steps, seq_len, batch, RECONSTRUCT_QAT_NORM_LR_RATIO)
 
-    def on_training_text(start: Any, steps: int, again: int = 0) -> Callable[[Path, Path | None], Any]:
+    def on_training_text(
+        start: Any, steps: int, again: int = 0, tables: bool = False
+    ) -> Callable[[Path, Path | None], Any]:
         def build(directory: Path, training: Path | None) -> Any:
             if training is None:
                 raise ValueError("this row trains on the evaluated text outside its windows; none was given")
-            return qat_model_of(directory, start, steps, 256, 4, RECONSTRUCT_QAT_NORM_LR_RATIO, training, again)
+            table_lr_ratio = RECONSTRUCT_QAT_NORM_LR_RATIO if tables else None
+            return qat_model_of(directory, start, steps, 256, 4, RECONSTRUCT_QAT_NORM_LR_RATIO, training, again,
+                                table_lr_ratio)  # fmt: skip
 
         return build
 
@@ -337,10 +342,10 @@ def qat_variants() -> list[Variant]:
     variants += [
         Variant(f"qat {bits}-bit g{group} sym (reconstruct start{f' within {target} bits/weight' if target else ''}, "
                 f"every projection rotated{BLOCK_WORDS[blocks]}, {steps}{f' + {again}' if again else ''} x 4 x 256 "
-                f"tokens, text {text})",
-                "quantlab", None, build=on_training_text(integers(bits, group, blocks, target), steps, again),
+                f"tokens, text {text}{', embedding table trained' if tables else ''})",
+                "quantlab", None, build=on_training_text(integers(bits, group, blocks, target), steps, again, tables),
                 training_text=text)
-        for bits, group, steps, blocks, target, text, again in ROTATED_RECONSTRUCT_QAT_ROWS
+        for bits, group, steps, blocks, target, text, again, tables in ROTATED_RECONSTRUCT_QAT_ROWS
     ]  # fmt: skip
     variants += [
         Variant(f"qat lut 3-bit g64 (reconstruct start, {steps} x {batch} x {seq_len} tokens)", "quantlab", None,
@@ -370,12 +375,14 @@ def qat_model_of(
     norm_lr_ratio: float | None,
     data: Path | None = None,
     again: int = 0,
+    embedding_lr_ratio: float | None = None,
 ) -> torch.nn.Module:
     """`qat_model(directory, config=start)` into a temporary run folder; the trained checkpoint, loaded.
 
     The same as `quantlab quantize` with `start`'s options (`--method custom_bits --bits B --group-size G
     --symmetric --solver S`, or the learned tables' `--method lut ...`) `-o START`, then `quantlab qat START
-    --max-steps N --max-seq-length L --per-device-train-batch-size K [--norm-lr-ratio R] [--data FILE] -o RUN`
+    --max-steps N --max-seq-length L --per-device-train-batch-size K [--norm-lr-ratio R] [--embedding-lr-ratio E]
+    [--data FILE] -o RUN`
     (`quantlab qat` holds out the first 16 x 512 tokens of FILE, the harness's windows); with `again` steps, then
     `quantlab qat RUN/final --teacher FLOAT --max-steps AGAIN --learning-rate 2.5e-3 --seed 1` with the other
     flags the same."""
@@ -384,7 +391,7 @@ def qat_model_of(
     from quantlab.workflows.runs import TrainingRun
 
     training = {**QAT_TRAINING, "max_steps": steps, "per_device_train_batch_size": batch}
-    options = QATOptions(norm_lr_ratio=norm_lr_ratio)
+    options = QATOptions(norm_lr_ratio=norm_lr_ratio, embedding_lr_ratio=embedding_lr_ratio)
     with tempfile.TemporaryDirectory(prefix="quantlab-quality-qat-") as scratch:
 
         def run_in(folder: str, settings: dict[str, Any]) -> TrainingRun:

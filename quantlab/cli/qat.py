@@ -84,6 +84,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also train the normalization layers' float weights at F x --learning-rate (default: frozen)",
     )
     group.add_argument(
+        "--embedding-lr-ratio",
+        type=finite_float,
+        metavar="F",
+        help="also train the float token embedding tables and output head at F x --learning-rate (default: frozen)",
+    )
+    group.add_argument(
         "--alpha",
         type=finite_float,
         default=1.0,
@@ -107,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console.from_args(args)
     training_run = resolve_training_flags(args, "qat")
     options = QATOptions(train=args.train, max_offset=args.max_offset, learn_scales=args.learn_scales,
-                         scale_lr_ratio=args.scale_lr_ratio, norm_lr_ratio=args.norm_lr_ratio)  # fmt: skip
+                         scale_lr_ratio=args.scale_lr_ratio, norm_lr_ratio=args.norm_lr_ratio,
+                         embedding_lr_ratio=args.embedding_lr_ratio)  # fmt: skip
     distillation = DistillationConfig(alpha=args.alpha, temperature=args.temperature,
                                       embedding_weight=args.embedding_weight)  # fmt: skip
     config = config_from_args(args) if args.method is not None or args.preset is not None else None
@@ -138,6 +145,7 @@ def report_rows(report: QATReport) -> list[tuple[str, str]]:
     else:
         trained = f"weights {bound}, scales {'learned' if report.learn_scales else 'fixed'}"
     norms = "frozen" if report.norm_lr_ratio is None else f"trained at {report.norm_lr_ratio:g} x lr"
+    tables = "frozen" if report.embedding_lr_ratio is None else f"trained at {report.embedding_lr_ratio:g} x lr"
     per_step = "" if report.step_seconds_median is None else f" ({report.step_seconds_median:.1f} s a step)"
     embedding = f", sentence embeddings at {report.embedding_weight:g}" if report.embedding_weight else ""
     losses = "" if report.loss_first is None else f", loss {report.loss_first:.4f} -> {report.loss_last:.4f}"
@@ -145,8 +153,8 @@ def report_rows(report: QATReport) -> list[tuple[str, str]]:
         ("student", f"{report.method} ({start}), {report.layers_trained} layers, "
                     f"{report.layers_from_float_weights} from the teacher's float weights"),
         ("teacher", report.teacher),
-        ("trained", f"{trained}, norms {norms}; loss alpha={report.alpha:g}, T={report.temperature:g}"
-                    f"{embedding}; teacher weights in {report.teacher_weights}"),
+        ("trained", f"{trained}, norms {norms}, embedding tables {tables}; loss alpha={report.alpha:g}, "
+                    f"T={report.temperature:g}{embedding}; teacher weights in {report.teacher_weights}"),
         ("training", f"{report.steps} steps at lr {report.learning_rate:g}, {seconds(report.train_seconds)}{per_step}, "
                      f"peak {mebibytes(report.peak_memory_bytes)} (predicted "
                      f"{mebibytes(report.predicted_peak_memory_bytes)}){losses}"),

@@ -30,8 +30,9 @@ def kl_and_cross_entropy(
     student_rows = student_logits.reshape(-1, vocabulary)
     teacher_rows = teacher_logits.detach().reshape(-1, vocabulary)
 
-    def compute(with_gradient: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return _chunked(student_rows, teacher_rows, targets, temperature, with_gradient)
+    def compute(with_gradient: bool) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        kl, ce, gradient = _chunked(student_rows, teacher_rows, targets, temperature, with_gradient)
+        return kl, ce, () if gradient is None else (gradient,)
 
     if torch.is_grad_enabled() and student_rows.requires_grad:
         return KLGradientMadeInForward.apply(student_rows, compute)
@@ -40,23 +41,24 @@ def kl_and_cross_entropy(
 
 
 class KLGradientMadeInForward(torch.autograd.Function):
-    """The sums `(kl, ce)` that `compute(True)` returns with the KL's gradient in `rows` it made as it went;
-    backward hands that gradient on (scaled by the KL's own, when not 1). `ce` has no gradient."""
+    """The sums `(kl, ce)` that `compute(True)` returns with the KL's gradients it made as it went, one for
+    `rows` and one for each of `parameters` (a trained output head's, `quantlab.distill.chunked_head`);
+    backward hands them on (scaled by the KL's own, when not 1). `ce` has no gradient."""
 
     @staticmethod
-    def forward(ctx, rows, compute):
-        kl, ce, gradient = compute(True)
-        ctx.save_for_backward(gradient)
+    def forward(ctx, rows, compute, *parameters):
+        kl, ce, gradients = compute(True)
+        ctx.save_for_backward(*gradients)
         ctx.mark_non_differentiable(ce)
         return kl, ce
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_kl, grad_ce):
-        (gradient,) = ctx.saved_tensors
+        gradients = list(ctx.saved_tensors)
         if grad_kl.item() != 1:
-            gradient = gradient * grad_kl.to(gradient.dtype)
-        return gradient, None
+            gradients = [gradient * grad_kl.to(gradient.dtype) for gradient in gradients]
+        return gradients[0], None, *gradients[1:]
 
 
 def _chunked(

@@ -26,6 +26,10 @@ class QATOptions:
     `norm_lr_ratio`: also train the float weights (and biases) of the normalization layers (RMSNorm,
     LayerNorm) at this multiple of the run's rate, without weight decay; None (the default) keeps
     them frozen. They stay float in the saved checkpoint, so its bits per weight do not change.
+    `embedding_lr_ratio`: also train the float token embedding tables (`nn.Embedding`) and a float output
+    head (tied to the input table or not) at this multiple of the run's rate, without weight decay; None
+    (the default) keeps them frozen. Like the norms they stay float, so the bits per weight do not change;
+    they cost 12 bytes a table entry (gradient and two Adam moments).
     """
 
     train: str = "auto"
@@ -33,6 +37,7 @@ class QATOptions:
     learn_scales: bool = True
     scale_lr_ratio: float = 0.2
     norm_lr_ratio: float | None = None
+    embedding_lr_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.train not in TRAINED:
@@ -47,6 +52,10 @@ class QATOptions:
             raise ConfigError(f"scale_lr_ratio={self.scale_lr_ratio!r} must be > 0")
         if self.norm_lr_ratio is not None and not self.norm_lr_ratio > 0:
             raise ConfigError(f"norm_lr_ratio={self.norm_lr_ratio!r} must be > 0, or None to keep the norms frozen")
+        if self.embedding_lr_ratio is not None and not self.embedding_lr_ratio > 0:
+            raise ConfigError(
+                f"embedding_lr_ratio={self.embedding_lr_ratio!r} must be > 0, or None to keep the embeddings frozen"
+            )
 
     @property
     def trains_weights(self) -> bool:

@@ -54,7 +54,7 @@ def train_quantized(
     checkpointing = any(getattr(args, name, False) for name in ("activation_checkpointing", "gradient_checkpointing"))
     shape = (args.per_device_train_batch_size, _longest_example(train), checkpointing)
     options = resolve_training(options, student, teacher, *shape)
-    predicted = predict_peak(student, teacher, options.train, *shape)
+    predicted = predict_peak(student, teacher, options.train, *shape, options.embedding_lr_ratio is not None)
     swapped = fake_quantize(student, float_linear_weights(teacher), options)
     student.train()
     try:

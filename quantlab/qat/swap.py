@@ -8,9 +8,10 @@ that rounds to its stored code keeps its float value, one whose code the solver 
 that code's level (`FakeQuantizedWeight`). Otherwise every weight starts at its level. Training
 grids (`train="grids"`), it becomes a `GridTrainedLinear`: its codes frozen, its scales and zero
 points trained, no float weight kept. With
-`QATOptions.norm_lr_ratio` the normalization layers' float weights train too. Writing back stores
+`QATOptions.norm_lr_ratio` the normalization layers' float weights train too, with
+`QATOptions.embedding_lr_ratio` the float embedding tables and output head. Writing back stores
 what the fake quantizer computes as ordinary codes and grids: the model is then the same quantized
-model as before, with other codes (and, if they trained, other normalization weights).
+model as before, with other codes (and, if they trained, other float norms and tables).
 """
 
 import contextlib
@@ -61,6 +62,22 @@ def normalization_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return found
 
 
+def embedding_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters of `model`'s embedding tables (`nn.Embedding`) and of an output head that stays a
+    float `nn.Linear` (tied to the input table or not); a quantized head trains through its quantizer."""
+    heads = set()
+    for module in model.modules():
+        head = module.get_output_embeddings() if callable(getattr(module, "get_output_embeddings", None)) else None
+        if type(head) is nn.Linear:
+            heads.add(id(head))
+    found: dict[str, nn.Parameter] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, nn.Embedding) or id(module) in heads:
+            prefix = f"{module_name}." if module_name else ""
+            found.update({prefix + name: parameter for name, parameter in module.named_parameters(recurse=False)})
+    return found
+
+
 def fake_quantize(
     model: nn.Module, float_weights: Mapping[str, torch.Tensor] | None = None, options: QATOptions | None = None
 ) -> dict[str, SwappedLayer]:
@@ -69,7 +86,8 @@ def fake_quantize(
 
     `float_weights`: the float model's weights by module name (`float_linear_weights`); a layer
     whose name or shape is not there starts from its stored levels (training weights only). The
-    normalization layers' weights train too when `options.norm_lr_ratio` is set. Returns the swapped
+    normalization layers' weights train too when `options.norm_lr_ratio` is set, the embedding tables and a
+    float output head when `options.embedding_lr_ratio` is. Returns the swapped
     layers by name.
     """
     options = options or QATOptions(train="weights")
@@ -98,6 +116,9 @@ def fake_quantize(
         swapped[name] = SwappedLayer(module, fake, float_start)
     if options.norm_lr_ratio is not None:
         for parameter in normalization_parameters(model).values():
+            parameter.requires_grad_(True)
+    if options.embedding_lr_ratio is not None:
+        for parameter in embedding_parameters(model).values():
             parameter.requires_grad_(True)
     return swapped
 

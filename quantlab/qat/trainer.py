@@ -5,8 +5,9 @@ perplexity, pickle-free checkpoints and exact resume) with what fake quantizers 
 trained number gets its own parameter group (rounding offsets and zero points are in grid steps and
 train at the run's learning rate; scales are ratios to their start and train at `scale_lr_ratio`
 times it, as learned tables' levels do; normalization weights, when they train, at `norm_lr_ratio`
-times it; only offsets take weight decay, which pulls them back to their start), and after every
-optimizer step the numbers are put back in their ranges (`project`).
+times it, float embedding tables and head at `embedding_lr_ratio` times it; only offsets take weight
+decay, which pulls them back to their start), and after every optimizer step the numbers are put back
+in their ranges (`project`).
 """
 
 import dataclasses
@@ -23,10 +24,12 @@ from quantlab.errors import QuantlabError
 from quantlab.nn.fake_quant import FakeQuantizedWeight
 from quantlab.nn.grid_trained import GridTrainedLinear, TrainedGrid
 from quantlab.qat.options import QATOptions
-from quantlab.qat.swap import SwappedLayer, normalization_parameters
+from quantlab.qat.swap import SwappedLayer, embedding_parameters, normalization_parameters
 
-_SCALE, _ZERO, _OFFSET, _TABLE, _NORM, _OTHER = "scale_ratio", "zero", "offset", "table", "norm", "other"
+_SCALE, _ZERO, _OFFSET, _TABLE = "scale_ratio", "zero", "offset", "table"
+_NORM, _EMBEDDING, _OTHER = "norm", "embedding", "other"
 _QUANTIZER_KINDS = (_SCALE, _ZERO, _OFFSET, _TABLE)  # the trained numbers of a layer's quantizer, by attribute name
+_GROUP_ORDER = (_OFFSET, _ZERO, _SCALE, _TABLE, _NORM, _EMBEDDING, _OTHER)  # the optimizer's groups, as checkpointed
 
 
 class ProjectQuantizers(TrainerCallback):
@@ -88,28 +91,28 @@ class QATTrainer(DistillationTrainer):
         if self.optimizer is None:
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model or self.model)
             groups = parameter_groups(model or self.model, self.args.learning_rate, self.args.weight_decay,
-                                      self.qat_options.scale_lr_ratio, self.qat_options.norm_lr_ratio)  # fmt: skip
+                                      self.qat_options)  # fmt: skip
             self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
 
 
 def parameter_groups(
-    model: nn.Module,
-    learning_rate: float,
-    weight_decay: float,
-    scale_lr_ratio: float,
-    norm_lr_ratio: float | None = None,
+    model: nn.Module, learning_rate: float, weight_decay: float, options: QATOptions
 ) -> list[dict[str, Any]]:
     """Offsets (weight decay), zero points (none), scales and learned tables' levels (`scale_lr_ratio` x the
     rate: both are numbers near 1), normalization weights (`norm_lr_ratio` x the rate, no decay: it would
-    pull gains to zero), anything else trainable."""
-    norms = set(normalization_parameters(model)) if norm_lr_ratio is not None else set()
-    groups: dict[str, list[nn.Parameter]] = {_OFFSET: [], _ZERO: [], _SCALE: [], _TABLE: [], _NORM: [], _OTHER: []}
+    pull gains to zero), float embedding tables and head (`embedding_lr_ratio` x the rate, no decay),
+    anything else trainable."""
+    norms = set(normalization_parameters(model)) if options.norm_lr_ratio is not None else set()
+    embeddings = set(embedding_parameters(model)) if options.embedding_lr_ratio is not None else set()
+    groups: dict[str, list[nn.Parameter]] = {kind: [] for kind in _GROUP_ORDER}
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
             attribute = name.rsplit(".", 1)[-1]
             if name in norms:
                 kind = _NORM
+            elif name in embeddings:
+                kind = _EMBEDDING
             elif attribute in _QUANTIZER_KINDS and ".weight_quantizer." in f".{name}":
                 kind = attribute
             else:
@@ -118,9 +121,10 @@ def parameter_groups(
     settings = {
         _OFFSET: {"lr": learning_rate, "weight_decay": weight_decay},
         _ZERO: {"lr": learning_rate, "weight_decay": 0.0},
-        _SCALE: {"lr": learning_rate * scale_lr_ratio, "weight_decay": 0.0},
-        _TABLE: {"lr": learning_rate * scale_lr_ratio, "weight_decay": 0.0},
-        _NORM: {"lr": learning_rate * (norm_lr_ratio or 1.0), "weight_decay": 0.0},
+        _SCALE: {"lr": learning_rate * options.scale_lr_ratio, "weight_decay": 0.0},
+        _TABLE: {"lr": learning_rate * options.scale_lr_ratio, "weight_decay": 0.0},
+        _NORM: {"lr": learning_rate * (options.norm_lr_ratio or 1.0), "weight_decay": 0.0},
+        _EMBEDDING: {"lr": learning_rate * (options.embedding_lr_ratio or 1.0), "weight_decay": 0.0},
         _OTHER: {"lr": learning_rate, "weight_decay": weight_decay},
     }
     return [{"params": params, **settings[kind]} for kind, params in groups.items() if params]

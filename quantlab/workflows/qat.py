@@ -62,6 +62,7 @@ class QATReport:
     learn_scales: bool
     scale_lr_ratio: float
     norm_lr_ratio: float | None
+    embedding_lr_ratio: float | None
     alpha: float
     temperature: float
     embedding_weight: float
@@ -294,6 +295,7 @@ def _train(
         learn_scales=options.learn_scales,
         scale_lr_ratio=options.scale_lr_ratio,
         norm_lr_ratio=options.norm_lr_ratio,
+        embedding_lr_ratio=options.embedding_lr_ratio,
         alpha=distillation.alpha,
         temperature=distillation.temperature,
         embedding_weight=distillation.embedding_weight,

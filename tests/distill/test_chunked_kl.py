@@ -42,8 +42,9 @@ def test_without_gradients_it_keeps_nothing_and_gives_the_same_sums():
     assert torch.allclose(kl, kl_grad.detach()) and torch.equal(ce, ce_grad)
 
 
+@pytest.mark.parametrize("head_trains", [False, True])
 @pytest.mark.parametrize("tied", [False, True])
-def test_the_chunked_head_gives_the_whole_logits_loss_and_gradients(monkeypatch, tied):
+def test_the_chunked_head_gives_the_whole_logits_loss_and_gradients(monkeypatch, tied, head_trains):
     from transformers import AutoModelForCausalLM
 
     from quantlab.distill import chunked_head
@@ -54,8 +55,8 @@ def test_the_chunked_head_gives_the_whole_logits_loss_and_gradients(monkeypatch,
     config = tiny_llama(0).config
     student = AutoModelForCausalLM.from_config(config.__class__(**{**config.to_dict(), "tie_word_embeddings": tied}))
     teacher = tiny_llama(1)
-    student.get_output_embeddings().requires_grad_(False)
-    student.get_input_embeddings().requires_grad_(False)
+    student.get_output_embeddings().requires_grad_(head_trains)
+    student.get_input_embeddings().requires_grad_(head_trains)
     assert takes_chunked_head(student, teacher)
     batch = torch.randint(0, 256, (2, 9))
     labels = batch.clone()
@@ -74,7 +75,9 @@ def test_the_chunked_head_gives_the_whole_logits_loss_and_gradients(monkeypatch,
                                                     labels, 2.0)  # fmt: skip
     expected_kl.backward()
     assert torch.allclose(kl, expected_kl, rtol=1e-5) and torch.allclose(ce, expected_ce, rtol=1e-5)
+    trained = [name for name, parameter in student.named_parameters() if parameter.requires_grad]
+    assert ("lm_head.weight" in trained) == (head_trains and not tied)  # a tied head is the input table
+    assert ("model.embed_tokens.weight" in trained) == head_trains
     for name, parameter in student.named_parameters():
         if parameter.requires_grad:
             assert torch.allclose(got[name], parameter.grad, rtol=1e-4, atol=1e-7), name
-    assert not takes_chunked_head(student.requires_grad_(True), teacher)  # a trained head keeps the whole logits

@@ -71,11 +71,12 @@ def test_the_teacher_defaults_to_the_float_model_the_checkpoint_records(tmp_path
 def test_resume_from_a_checkpoint_gives_the_uninterrupted_runs_codes(tmp_path, capsys, teacher_and_student, train):
     teacher, student = teacher_and_student
     argv = ["qat", str(student), "--teacher", str(teacher), "--max-steps", "3", *TRAIN, "-o", str(tmp_path / "run"),
-            "--norm-lr-ratio", "0.5", "--train", train]  # fmt: skip
+            "--norm-lr-ratio", "0.5", "--embedding-lr-ratio", "0.5", "--train", train]  # fmt: skip
     code, _, err = _run(capsys, *argv, "--save-steps", "1", "--save-total-limit", "3")
     assert code == 0, err
     uninterrupted = _tensors(tmp_path / "run" / "final")
-    assert not torch.equal(uninterrupted["model.norm.weight"], _tensors(student)["model.norm.weight"])
+    for trained in ("model.norm.weight", "model.embed_tokens.weight"):
+        assert not torch.equal(uninterrupted[trained], _tensors(student)[trained]), trained
     assert (tmp_path / "run" / "checkpoint-1" / "optimizer.json").is_file()
     assert not list((tmp_path / "run").rglob("*.pt")) and not list((tmp_path / "run").rglob("*.bin"))
     code, _, err = _run(capsys, *argv, "--save-steps", "1", "--save-total-limit", "3",

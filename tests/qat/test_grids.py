@@ -68,6 +68,9 @@ def test_auto_takes_weights_where_they_fit_and_grids_where_they_do_not():
     assert grids.trained_state < weights.trained_state and grids.total < weights.total
     checkpointed = predict_peak(student, teacher, "grids", 4, 256, activation_checkpointing=True)
     assert checkpointed.activations < grids.activations
+    tables = predict_peak(student, teacher, "grids", 4, 256, tables_train=True)
+    entries = student.get_input_embeddings().weight.numel()  # untied: the head has as many again
+    assert tables.trained_state - grids.trained_state == 12 * 2 * entries + 4 * entries  # + the chunked head's sum
     roomy = resolve_training(QATOptions(), student, teacher, 4, 256, available=10 * weights.total)
     tight = resolve_training(QATOptions(), student, teacher, 4, 256, available=weights.total)
     assert (roomy.train, tight.train) == ("weights", "grids")

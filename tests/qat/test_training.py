@@ -153,3 +153,41 @@ def test_normalization_weights_train_only_when_asked_at_their_own_rate(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     for name, parameter in norms.items():
         assert torch.equal(reloaded.get_parameter(name), parameter.detach()), name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_embedding_tables_train_only_when_asked_at_their_own_rate(tmp_path, tied):
+    from quantlab.errors import ConfigError
+    from quantlab.qat.swap import embedding_parameters
+
+    with pytest.raises(ConfigError, match="embedding_lr_ratio"):
+        QATOptions(embedding_lr_ratio=-1.0)
+    config = quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=True)
+    teacher = tiny_llama(0, tied)
+    frozen = quantlab.quantize(tiny_llama(0, tied), config)
+    fake_quantize(frozen, float_linear_weights(teacher), QATOptions(norm_lr_ratio=0.5))
+    assert not any(p.requires_grad for p in embedding_parameters(frozen).values())
+
+    student = quantlab.quantize(tiny_llama(0, tied), config)
+    tables = embedding_parameters(student)
+    assert sorted(tables) == ["lm_head.weight", "model.embed_tokens.weight"]  # the head stays float
+    assert (tables["lm_head.weight"] is tables["model.embed_tokens.weight"]) == tied
+    before = {name: p.detach().clone() for name, p in tables.items()}
+    options = QATOptions(embedding_lr_ratio=0.5)
+    swapped = fake_quantize(student, float_linear_weights(teacher), options)
+    trainer = QATTrainer(student, teacher, _args(tmp_path, 4, lr=0.02, weight_decay=0.1), _data(), swapped=swapped,
+                         options=options, save_final=False, data_collator=CausalLMCollator(0))  # fmt: skip
+    trainer.train()
+    table = tables["model.embed_tokens.weight"]
+    table_group = [g for g in trainer.optimizer.param_groups if any(p is table for p in g["params"])]
+    entries = 1 if tied else 2
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in table_group] == [(pytest.approx(0.01), 0.0, entries)]
+    assert all(not torch.equal(p.detach(), before[name]) for name, p in tables.items())
+    write_back(student, swapped)
+    student.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    for name, parameter in tables.items():
+        assert torch.equal(reloaded.get_parameter(name), parameter.detach()), name
+    tokens = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, student(tokens).logits)
