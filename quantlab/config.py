@@ -15,14 +15,15 @@ import torch
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from quantlab.errors import ConfigError
-from quantlab.solvers import get_solver
+from quantlab.solvers import Solver, get_solver
 
 FORMAT_VERSION = 1
 TRANSFORMERS_PREFIX = "quantlab_"
 DEFAULT_SOLVER = "rtn"
 EMBEDDING_BITS = (4, 8)  # the widths embedding_bits accepts, inclusive
 EMBEDDING_GROUP_SIZE = 64
-ROTATION_BLOCK_RULES = ("power_of_two", "largest")  # `rotation_blocks`, read by quantlab.nn.rotation
+ROTATION_BLOCK_RULES = ("power_of_two", "largest")
+EXPERT_CALIBRATIONS = ("routed", "all")  # `rotation_blocks`, read by quantlab.nn.rotation
 SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -104,6 +105,13 @@ class QuantlabConfig(QuantizationConfigMixin):
             "of 576 or 1,536)"
         },
     )
+    expert_calibration: Literal["routed", "all"] = dataclasses.field(
+        default="routed",
+        metadata={
+            "help": "a mixture of experts' calibration statistics: routed (each expert from the tokens routed to "
+            "it; an expert given too few is quantized data-free, and named) or all (every expert from every token)"
+        },
+    )
     embedding_bits: int | None = dataclasses.field(
         default=None,
         metadata={"help": "store the embedding table and output head (tied: once) in 4-8 bits; none keeps float"},
@@ -145,7 +153,7 @@ class QuantlabConfig(QuantizationConfigMixin):
         if self.solver_options is not None and not isinstance(self.solver_options, dict):
             raise ConfigError(f"{self.method}: solver_options={self.solver_options!r} is not valid; use a JSON object")
         if self.solver != DEFAULT_SOLVER:  # the default needs no look-up (and no plugin scan at import)
-            get_solver(self.solver).check_options(self.solver_options or {})
+            self.solver_object.check_options(self.solver_options or {})
         if not isinstance(self.awq, bool):
             raise ConfigError(f"{self.method}: awq={self.awq!r} is not valid; use true or false")
         for name, low in (("calibration_samples", 1), ("calibration_seq_len", 16)):
@@ -180,6 +188,7 @@ class QuantlabConfig(QuantizationConfigMixin):
                 f"suffixes, such as ['down_proj']"
             )
         check_choice(self.method, "rotation_blocks", self.rotation_blocks, ROTATION_BLOCK_RULES)
+        check_choice(self.method, "expert_calibration", self.expert_calibration, EXPERT_CALIBRATIONS)
         self._validate_embedding()
         self._validate_layer_options()
 
@@ -237,12 +246,17 @@ class QuantlabConfig(QuantizationConfigMixin):
         return []
 
     @property
+    def solver_object(self) -> "Solver":
+        """The solver `solver` names (`quantlab.solvers`): the one place the name is looked up."""
+        return get_solver(self.solver)
+
+    @property
     def needs_calibration(self) -> bool:
         """True when quantizing needs calibration data: a calibrated solver, AWQ, or mixed precision
         (whose allocation weighs each layer's error by its calibration inputs)."""
         if self.awq or self.target_bits is not None:
             return True
-        return self.solver != DEFAULT_SOLVER and get_solver(self.solver).needs_calibration
+        return self.solver != DEFAULT_SOLVER and self.solver_object.needs_calibration
 
     def validate(self) -> None:
         """Raise `ConfigError` for invalid values; subclasses extend it."""
@@ -294,6 +308,8 @@ class QuantlabConfig(QuantizationConfigMixin):
             del options["rotate_inputs"]
         if options["rotation_blocks"] == "power_of_two":  # the default: earlier releases read these too
             del options["rotation_blocks"]
+        if options["expert_calibration"] == "routed":
+            del options["expert_calibration"]
         return {"quant_method": self.quant_method, "format_version": self.format_version, **options}
 
     def __repr__(self) -> str:

@@ -34,3 +34,12 @@ class RequantizationWarning(UserWarning):
 
 class PaddedGroupsWarning(UserWarning):
     """A group size that does not divide a layer's inputs: its last group stores padding."""
+
+
+class LeftInFloatWarning(UserWarning):
+    """Weights that no quantized module handles (a 3-D expert parameter, `Conv1D`, a Linear subclass with its own
+    forward) stay in float; the message names them and the share of the model that was quantized."""
+
+
+class DataFreeExpertsWarning(UserWarning):
+    """Experts of a mixture that received too few calibration tokens were quantized by the data-free solver."""

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("methods", {"quantlab.registry", "quantlab.methods", "quantlab.vocabulary", "quantlab.presets"}),
     ("model surgery", {"quantlab.replacement", "quantlab.verification", "quantlab.prune"}),
     ("calibration", {"quantlab.calibration"}),
+    ("quantization plans", {"quantlab.plan"}),
     ("evaluation", {"quantlab.eval"}),
     ("library integrations", {"quantlab.integrations"}),
     ("conversion", {"quantlab.convert", "quantlab.interop"}),

@@ -2,12 +2,10 @@
 
 What `quantlab.quantize` and the transformers quantizer run for a config that needs calibration
 (`solver="gptq"`, `awq=True`, `target_bits`, `self_calibration`); the layers outside the
-calibrated blocks are then quantized data-free with `data_free_config`.
+calibrated blocks are then quantized data-free with the plan's `data_free` config.
 """
 
-import dataclasses
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,34 +18,36 @@ from quantlab.calibration.self_generated import self_generated_windows
 from quantlab.calibration.sequential import quantize_blocks
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
-from quantlab.nn import QuantizedLinear
-from quantlab.solvers import get_solver
 from quantlab.utils.model_kind import is_language_model
+
+if TYPE_CHECKING:
+    from quantlab.plan import QuantizationPlan
 
 
 def calibrate(
     model: nn.Module,
-    config: QuantlabConfig,
-    module_class: type[QuantizedLinear],
-    selected: Callable[[str], bool],
+    plan: "QuantizationPlan",
     calibration: torch.Tensor | list[str] | None,
     tokenizer: Any,
     progress: bool = True,
     weights: BlockWeights | None = None,
 ) -> list[str]:
-    """Quantize the selected Linear layers inside the model's blocks with the calibrated solver.
+    """Quantize the plan's layers inside the model's blocks with the calibrated solver; returns their names.
 
-    `weights`: where the blocks' weights are (default: in the model; streamed: read block by block).
-    Under torchrun the processes share the windows (`quantlab.distributed`)."""
+    Mixed precision (`target_bits`) first chooses each layer's width and group on the windows and
+    stores them in the plan's config. `weights`: where the blocks' weights are (default: in the
+    model; streamed: read block by block). Under torchrun the processes share the windows
+    (`quantlab.distributed`)."""
     distributed.init()
-    if config.target_bits is not None:
-        check_budget_reachable(model, config, module_class, selected)
+    config, module_class = plan.config, plan.module_class
+    if plan.allocates:
+        check_budget_reachable(model, config, module_class, plan.selects)
     windows = windows_for(model, config, calibration, tokenizer, progress, weights)
-    if config.target_bits is not None:
-        config.layer_options = allocate_bits(model, config, module_class, windows, selected, progress, weights)
-    if not blocks_need_calibration(config):
+    if plan.allocates:
+        plan.set_layer_options(allocate_bits(model, config, module_class, windows, plan.selects, progress, weights))
+    if not plan.calibrates_blocks:
         return []  # mixed precision with a data-free solver: the layers are quantized as usual next
-    return quantize_blocks(model, config, module_class, windows, selected, progress, weights)
+    return quantize_blocks(model, plan, windows, progress, weights)
 
 
 def windows_for(
@@ -82,21 +82,3 @@ def windows_for(
         tokenizer, config.calibration_samples, config.calibration_seq_len, config.calibration_text,
         encoder=not is_language_model(model),
     )  # fmt: skip
-
-
-def blocks_need_calibration(config: QuantlabConfig) -> bool:
-    """Whether the blocks are quantized by the calibrated schedule (a calibrated solver, or AWQ's scaling)."""
-    return config.awq or get_solver(config.solver).needs_calibration
-
-
-def data_free_config(config: QuantlabConfig) -> QuantlabConfig:
-    """The config for layers quantized without statistics: all of them under a data-free solver, and
-    under a calibrated one those outside the calibrated blocks (an untied output head, a pooler),
-    which get the data-free mse solver on the same storage format."""
-    if not config.needs_calibration:
-        return config
-    solver = "mse" if get_solver(config.solver).needs_calibration else config.solver
-    options = config.solver_options if solver == config.solver else None
-    return dataclasses.replace(
-        config, solver=solver, solver_options=options, awq=False, target_bits=None, self_calibration=False
-    )

@@ -37,7 +37,6 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.fake_quant import FakeQuantizedWeight, FakeQuantLinear, weights_computed_once
-from quantlab.solvers import get_solver
 from quantlab.solvers.reconstruct import ReconstructOptions
 from quantlab.utils.allocator import heap_for_temporaries
 
@@ -66,7 +65,7 @@ class BlockReconstruction:
     @classmethod
     def for_config(cls, config: QuantlabConfig, batches: list[BlockInputs]) -> "BlockReconstruction | None":
         """The reconstruction of `config`'s solver, or None when it solves layer by layer only."""
-        if not get_solver(config.solver).refines_blocks:
+        if not config.solver_object.refines_blocks:
             return None
         return cls(ReconstructOptions.parse(config.solver_options), batches)
 

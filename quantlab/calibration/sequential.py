@@ -19,7 +19,7 @@ of one block (`in x in` floats per distinct input). A block's statistics are com
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,15 +36,20 @@ from quantlab.calibration.blocks import (
     run_block,
     run_block_on_batches,
 )
+from quantlab.calibration.experts import fuse_experts, starving_slices, unfuse_experts
 from quantlab.calibration.reconstruction import BlockReconstruction
 from quantlab.calibration.solving import quantize_layers
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.formats import grouping
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.kinds import is_quantizable_linear
 from quantlab.nn.rotation import input_rotation_block, rotate
 from quantlab.solvers import InputStats
 from quantlab.utils.allocator import return_freed_memory
+
+if TYPE_CHECKING:
+    from quantlab.plan import QuantizationPlan
 
 BATCH_SIZE = 8
 
@@ -52,19 +57,19 @@ BATCH_SIZE = 8
 @torch.no_grad()
 def quantize_blocks(
     model: nn.Module,
-    config: QuantlabConfig,
-    module_class: type[QuantizedLinear],
+    plan: "QuantizationPlan",
     windows: torch.Tensor,
-    selected: Callable[[str], bool],
     progress: bool = True,
     weights: BlockWeights | None = None,
     activations: Activations | None = None,
 ) -> list[str]:
-    """Quantize the selected Linear layers inside the model's blocks in place; returns their names.
+    """Quantize the plan's layers inside the model's blocks in place; returns their names.
 
+    A fused experts module is calibrated expert by expert (`quantlab.calibration.experts`).
     `weights`: where the blocks' weights are (default: in the model); a streamed model reads each
     block when its turn comes and writes it out when it is quantized (`weights.store`).
     `activations`: where the blocks' inputs and outputs wait (default: in memory; or on disk)."""
+    config, module_class, selected = plan.config, plan.module_class, plan.selects
     weights, keep = weights or BlockWeights(), (activations or Activations()).keep
     prefix, blocks = find_blocks(model)
     batches = first_block_inputs(
@@ -78,6 +83,7 @@ def quantize_blocks(
     bar = tqdm(blocks, desc=description, disable=not (progress and distributed.is_main()))
     for index, block in enumerate(bar):
         weights.load(index, block)
+        unfused = unfuse_experts(block, f"{prefix}.{index}", plan) if not weights.finished(index) else {}
         names = selected_linears(block, f"{prefix}.{index}", selected)
         if not names or weights.finished(index):
             if reconstruction is not None:
@@ -87,12 +93,14 @@ def quantize_blocks(
             converted += names.values()
             continue
         if config.awq:
-            scale_block(block, batches, names, _fake_quantizer(config, module_class))
+            scale_block(block, batches, names, _fake_quantizer(plan.config_for, module_class))
         if reconstruction is not None:
             reconstruction.prepare(block, names, batches)
         stats = collect_input_stats(block, names, batches)
         return_freed_memory()
-        quantized = quantize_layers(block, names, config, module_class, stats)
+        starving = starving_slices(unfused, names, stats)
+        solved = {relative: name for relative, name in names.items() if relative not in starving}
+        quantized = quantize_layers(block, solved, config, module_class, stats, plan.config_for)
         for relative, layer in quantized.items():
             linear = block.get_submodule(relative)
             linear.weight.copy_(layer.dequantize_weight(linear.weight.dtype))
@@ -104,6 +112,7 @@ def quantize_blocks(
             batches = [keep(run_block(block, batch), batch.kwargs) for batch in batches]
         for relative, layer in quantized.items():
             block.set_submodule(relative, layer)
+        fuse_experts(block, f"{prefix}.{index}", unfused, plan, starving)
         weights.store(index, block)
         converted += names.values()
     return converted
@@ -144,27 +153,29 @@ def collect_input_stats(
         seen.clear()
     for relative in names:  # the same distinct inputs, in the same order, on every rank
         if relative not in shares:
+            if relative not in stats:  # no input reached it (an expert no token was routed to)
+                stats[relative] = InputStats(block.get_submodule(relative).in_features)
             stats[relative].all_reduce()
     return {relative: stats[shares.get(relative, relative)] for relative in names}
 
 
 def selected_linears(block: nn.Module, prefix: str, selected: Callable[[str], bool]) -> dict[str, str]:
-    """Relative name → full name of the block's float Linear layers to quantize."""
+    """Relative name → full name of the block's float Linear layers that `selected` (the plan) quantizes."""
     return {
         relative: f"{prefix}.{relative}"
         for relative, module in block.named_modules()
-        if type(module) is nn.Linear and selected(f"{prefix}.{relative}")
+        if is_quantizable_linear(module) and selected(f"{prefix}.{relative}")
     }
 
 
 def _fake_quantizer(
-    config: QuantlabConfig, module_class: type[QuantizedLinear]
+    config_for: Callable[[str], QuantlabConfig], module_class: type[QuantizedLinear]
 ) -> Callable[[torch.Tensor, str], torch.Tensor]:
     """(weight, layer name) → the weight's round-to-nearest dequantized copy on the layer's grid, in the
     layer's input space (a rotated layer's grid holds `W R`): what AWQ's search scores."""
 
     def fake_quantize(weight: torch.Tensor, layer: str) -> torch.Tensor:
-        layer_config = config.config_for(layer)
+        layer_config = config_for(layer)
         layout = module_class.layout_for(weight.shape[1], weight.shape[0], layer_config)
         rotation = input_rotation_block(weight.shape[1], layer_config)
         stored = rotate(weight.float(), rotation) if rotation else weight.float()

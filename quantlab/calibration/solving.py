@@ -9,6 +9,8 @@ Each input's statistics are released once the last layer this rank solves from t
 block's `in x in` matrices do not all wait for its widest layer (the MLP's down projection, last).
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -25,12 +27,15 @@ def quantize_layers(
     config: QuantlabConfig,
     module_class: type[QuantizedLinear],
     stats: dict[str, InputStats],
+    config_for: Callable[[str], QuantlabConfig] | None = None,
 ) -> dict[str, QuantizedLinear]:
     """Relative name → the quantized layer for each named float Linear of `block` (left as it is).
+    `config_for`: each layer's config by its full name (default: `config.config_for`).
     The statistics are used up: each is released after the last layer solved from it here."""
     linears = {relative: block.get_submodule(relative) for relative in names}
     owners = solver_ranks([_cost(linear) for linear in linears.values()], distributed.world_size())
-    configs = {relative: config.config_for(full_name) for relative, full_name in names.items()}
+    resolve = config_for or config.config_for
+    configs = {relative: resolve(full_name) for relative, full_name in names.items()}
     mine = [relative for relative, owner in zip(names, owners, strict=True) if owner == distributed.rank()]
     last_reader = {id(stats[relative]): relative for relative in mine}
     stored: dict[str, dict[str, torch.Tensor]] = {}

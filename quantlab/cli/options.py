@@ -297,7 +297,9 @@ def add_model_argument(parser: argparse.ArgumentParser, help: str = MODEL_HELP) 
     parser.add_argument("model", nargs="?", metavar="MODEL", help=help)
 
 
-def add_output_dir_arguments(parser: argparse.ArgumentParser, help: str = "folder to write the checkpoint to") -> None:
-    """`--output/-o DIR` (required) and `--overwrite`; `help` says what goes into DIR."""
-    parser.add_argument("--output", "-o", required=True, metavar="DIR", help=help)
+def add_output_dir_arguments(
+    parser: argparse.ArgumentParser, help: str = "folder to write the checkpoint to", required: bool = True
+) -> None:
+    """`--output/-o DIR` (required unless `required` is false) and `--overwrite`; `help` says what goes into DIR."""
+    parser.add_argument("--output", "-o", required=required, metavar="DIR", help=help)
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")

@@ -26,7 +26,8 @@ from quantlab.cli.options import (
     add_preset_argument,
     config_from_args,
 )
-from quantlab.workflows.quantize import QuantizeReport, quantize_to_checkpoint
+from quantlab.errors import QuantlabError
+from quantlab.workflows.quantize import QuantizeReport, plan_quantization, quantize_to_checkpoint
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +41,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_model_argument(parser)
     add_method_argument(parser, required=False)
     add_preset_argument(parser)
-    add_output_dir_arguments(parser)
+    add_output_dir_arguments(parser, help="folder to write the checkpoint to (not needed with --plan)", required=False)
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print what would be done (per layer: format, width, group, solver; what stays in float) and stop: "
+        "nothing is read but the config, nothing is written",
+    )
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -78,6 +85,17 @@ def report_table(report: QuantizeReport) -> str:
             f"; {len(report.padded_groups)} with a padded last group ({name}: {inputs} inputs in groups of {group} "
             f"store {stored} codes a row{others}; a group size dividing the inputs stores less)"
         )
+    if report.left_in_float:
+        name, why = next(iter(report.left_in_float.items()))
+        share = report.plan.get("quantized_share")
+        kept += (
+            f"; {len(report.left_in_float)} weight(s) LEFT IN FLOAT, no quantized module handles them ({name}: {why})"
+            + (f": {100 * share:.1f} % of the weights outside the vocabulary quantized" if share is not None else "")
+        )
+    fallback = report.plan.get("data_free_experts") or {}
+    if fallback:
+        name, why = next(iter(fallback.items()))
+        kept += f"; {len(fallback)} expert slice(s) quantized data-free ({name}: {why})"
     times = f"{seconds(report.load_and_quantize_seconds)} load + quantize, {seconds(report.save_seconds)} save"
     if report.evaluate_seconds is not None:
         times += f", {seconds(report.evaluate_seconds)} evaluate"
@@ -133,6 +151,12 @@ def _first(names: list[str], shown: int = 3) -> str:
 def run(args: argparse.Namespace) -> int:
     console = Console.from_args(args)
     config = config_from_args(args)
+    if args.plan:
+        plan = plan_quantization(args.model, config)
+        console.report(plan.describe(), {"command": "quantize", "plan": plan.to_dict()})
+        return 0
+    if args.output is None:
+        raise QuantlabError("quantlab quantize needs --output DIR (or --plan to print the plan and write nothing)")
     text = text_from_args(args) if args.eval else None
     report = quantize_to_checkpoint(
         args.model,

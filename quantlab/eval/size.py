@@ -16,13 +16,14 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from quantlab.errors import QuantlabError
 from quantlab.nn.quantized_embedding import QuantizedTable, TiedOutputHead
-from quantlab.replacement import quantized_layers
+from quantlab.replacement import quantized_experts, quantized_layers
 from quantlab.vocabulary import find_vocabulary
 
 # Bytes per element of the safetensors dtype names.
@@ -48,7 +49,7 @@ _FLOAT_DTYPES = {"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"}
 
 def stored_bits_per_weight(model: nn.Module) -> float:
     """Bits stored per weight of `model`'s quantlab quantized layers (codes + scales + zeros)."""
-    layers = quantized_layers(model)
+    layers: dict[str, Any] = {**quantized_layers(model), **quantized_experts(model)}
     if not layers:
         raise QuantlabError(f"{type(model).__name__} has no quantized layer; quantize it first (quantlab.quantize)")
     stored = sum(layer.stored_bytes() for layer in layers.values())

@@ -32,6 +32,7 @@ from quantlab.export.tracking import ModuleTracker, module_of_failed_node, short
 from quantlab.export.wrappers import ExportSpec, build_spec
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
+from quantlab.nn.quantized_experts import experts_modules, experts_refusal
 
 _WRAPPER_PREFIX = "model."  # the wrappers hold the model as `self.model`
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits: unset, fp32, fp16, bf16, int8 activations
@@ -135,6 +136,9 @@ def _write(model: ir.Model, path: Path, ort_dynamic_int8: bool) -> Counter:
 def check_exportable(model: nn.Module) -> None:
     """Refuse, by module name, layers the export cannot carry: quantized layers of other libraries
     and quantlab layers without an ONNX lowering."""
+    experts = experts_modules(model)
+    if experts:
+        raise ExportError(experts_refusal(experts, "ONNX"))
     for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
             lowering_for(name, module)

@@ -31,7 +31,7 @@ from transformers.quantizers.auto import (
     register_quantization_config,
     register_quantizer,
 )
-from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
+from transformers.quantizers.quantizers_utils import get_module_from_name
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from quantlab import registry
@@ -40,18 +40,12 @@ from quantlab.errors import QuantlabError, UnknownMethodError
 from quantlab.integrations.chunked_loss import use_chunked_loss
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
+from quantlab.nn.quantized_experts import PROJECTIONS, QuantizedExperts
+from quantlab.plan import QuantizationPlan, build_plan, empty_layers, quantize_loaded
 from quantlab.registry import Method
-from quantlab.replacement import (
-    check_layer_options,
-    dequantize_layers,
-    raise_nothing_to_quantize,
-    replace_linear_layers,
-    warn_padded_groups,
-    without_vocabulary,
-)
+from quantlab.replacement import dequantize_layers
 from quantlab.utils.pages import release_mapped_tensor
 from quantlab.verification import verify_checkpoint_files, verify_loaded_layer
-from quantlab.vocabulary import replace_vocabulary
 
 _QUANTIZERS: dict[str, type[HfQuantizer]] = {}
 
@@ -161,11 +155,14 @@ class QuantlabHfQuantizer(HfQuantizer):
         self.serialized_names = {"weight": list(self.module_class.storage_spec(256, 1, quantization_config))}
         self.modules_to_not_convert: list[str] = []
         self.errors: list[QuantlabError] = []
+        self.plan: QuantizationPlan | None = None  # built from the model before its weights load
 
     def param_needs_quantization(self, model: torch.nn.Module, param_name: str, **kwargs: Any) -> bool:
         if self.pre_quantized:
             return False
         module, tensor_name = get_module_from_name(model, param_name)
+        if isinstance(module, QuantizedExperts):
+            return tensor_name in PROJECTIONS
         return isinstance(module, (self.module_class, QuantizedTable)) and tensor_name == "weight"
 
     @property
@@ -174,21 +171,13 @@ class QuantlabHfQuantizer(HfQuantizer):
         return not self.pre_quantized and self.quantization_config.needs_calibration
 
     def _process_model_before_weight_loading(self, model: torch.nn.Module, **kwargs: Any) -> None:
-        config = self.quantization_config
-        self.modules_to_not_convert = self.get_modules_to_not_convert(
-            model, config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
-        )
-        skip = self.modules_to_not_convert
-        selected = without_vocabulary(model, config, lambda name: should_convert_module(name, skip))
-        check_layer_options(model, config, selected)
+        self.plan = build_plan(model, self.quantization_config)
+        self.modules_to_not_convert = self.plan.skipped
         if not self.pre_quantized:
-            warn_padded_groups(model, config, self.module_class, selected)
+            self.plan.warn()
         if self.calibrates_after_loading:
             return
-        converted = replace_linear_layers(model, config, self.module_class, selected, False)
-        if not converted:
-            raise_nothing_to_quantize(model, config)
-        replace_vocabulary(model, config, quantize=False)
+        empty_layers(model, self.plan)
         if self.pre_quantized:
             self._verify_files(model)
 
@@ -200,6 +189,7 @@ class QuantlabHfQuantizer(HfQuantizer):
                 verify_loaded_layer(name, layer)
         if self.calibrates_after_loading:
             self._calibrate(model)
+        _forget_quantize_operations(model)
         use_chunked_loss(model)
         return model
 
@@ -210,18 +200,9 @@ class QuantlabHfQuantizer(HfQuantizer):
             verify_checkpoint_files(directory, _quantized_layers(model))
 
     def _calibrate(self, model: torch.nn.Module) -> None:
-        # calibration's modules load when a config needs them, not with `import quantlab`
-        from quantlab.calibration.model import calibrate, data_free_config
-
-        config = self.quantization_config
-        skip = self.modules_to_not_convert
-        selected = without_vocabulary(model, config, lambda name: should_convert_module(name, skip))
+        config = self.plan.config
         tokenizer = None if config.self_calibration else _tokenizer_of(model)  # self-calibration reads no text
-        converted = calibrate(model, config, self.module_class, selected, None, tokenizer)
-        converted += replace_linear_layers(model, data_free_config(config), self.module_class, selected, quantize=True)
-        if not converted:
-            raise_nothing_to_quantize(model, config)
-        replace_vocabulary(model, config, quantize=True)
+        quantize_loaded(model, self.plan, None, tokenizer)
 
     def _dequantize(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
         return dequantize_layers(model, dtype)
@@ -259,19 +240,46 @@ class QuantizeOnLoad(ConversionOps):
     ) -> dict[str, torch.Tensor]:
         target_key, value = next(iter(input_dict.items()))
         weight = value[0] if isinstance(value, list) else value
-        layer_name = target_key.rpartition(".")[0]
+        layer_name, _, tensor_name = target_key.rpartition(".")
         module, _ = get_module_from_name(model, target_key)
         stored = None
         if not self.hf_quantizer.errors:
             try:
-                stored = module.quantize_checked(weight, module.config, layer_name)
+                stored = _quantize_one(module, tensor_name, weight, layer_name)
             except QuantlabError as error:
                 self.hf_quantizer.errors.append(error)
         release_mapped_tensor(weight)  # its checkpoint pages would otherwise stay resident until the end
         if stored is None:
-            spec = module.storage_spec(module.in_features, module.out_features, module.config)
-            stored = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+            stored = _zeros_like_stored(module, tensor_name)
         return {f"{layer_name}.{name}": tensor for name, tensor in stored.items()}
+
+
+def _quantize_one(
+    module: torch.nn.Module, tensor_name: str, weight: torch.Tensor, name: str
+) -> dict[str, torch.Tensor]:
+    """The stored tensors of one float weight as it is loaded: a Linear layer's, a table's, or a fused experts
+    projection's (every expert's slice, stacked)."""
+    if isinstance(module, QuantizedExperts):
+        return module.quantize_projection(tensor_name, weight, f"{name}.{tensor_name}")
+    return module.quantize_checked(weight, module.config, name)
+
+
+def _zeros_like_stored(module: torch.nn.Module, tensor_name: str) -> dict[str, torch.Tensor]:
+    """Placeholders for a weight not quantized after an earlier error (loading stops with that error)."""
+    if isinstance(module, QuantizedExperts):
+        names = [name for name in module.stored_names if name == tensor_name or name.startswith(f"{tensor_name}_")]
+        return {name: torch.zeros(getattr(module, name).shape, dtype=getattr(module, name).dtype) for name in names}
+    spec = module.storage_spec(module.in_features, module.out_features, module.config)
+    return {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+
+
+def _forget_quantize_operations(model: torch.nn.Module) -> None:
+    """Drop the quantize step from the checkpoint conversions the loader attached to the model: loading is over,
+    and `save_pretrained` can only reverse conversions without one (a fused experts projection's codes are then
+    written back per expert, as its float weights were read)."""
+    for conversion in getattr(model, "_weight_conversions", None) or []:
+        if getattr(conversion, "quantization_operation", None) is not None:
+            conversion.quantization_operation = None
 
 
 def _tokenizer_of(model: torch.nn.Module) -> Any:

@@ -33,7 +33,7 @@ from quantlab.nn.stored import StoredTensorsModule
 StorageSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 if TYPE_CHECKING:
-    from quantlab.solvers import InputStats
+    from quantlab.solvers import InputStats, Solver
 
 
 class QuantizedLinear(StoredTensorsModule):
@@ -155,10 +155,11 @@ class QuantizedLinear(StoredTensorsModule):
         if block:  # the codes of `W R`, solved on the statistics of the rotated inputs
             weight = rotate(weight.detach().float(), block)
             stats = None if stats is None else stats.transformed(lambda hessian: rotate_square(hessian, block))
-        if config.solver == "rtn" and stats is None:
+        solver = config.solver_object
+        if solver.rounds_like_codec and stats is None:
             stored = cls.quantize_weight(weight.detach(), config)
         else:
-            stored = cls._solve(weight.detach(), config, layer, stats)
+            stored = cls._solve(weight.detach(), config, layer, stats, solver)
         expected = cls.storage_spec(weight.shape[1], weight.shape[0], config)
         if stored.keys() != expected.keys():
             raise TypeError(
@@ -169,11 +170,8 @@ class QuantizedLinear(StoredTensorsModule):
 
     @classmethod
     def _solve(
-        cls, weight: torch.Tensor, config: QuantlabConfig, layer: str, stats: "InputStats | None"
+        cls, weight: torch.Tensor, config: QuantlabConfig, layer: str, stats: "InputStats | None", solver: "Solver"
     ) -> dict[str, torch.Tensor]:
-        from quantlab.solvers import get_solver
-
-        solver = get_solver(config.solver)
         layout = cls.layout_for(weight.shape[1], weight.shape[0], config)
         reason = solver.unsupported(layout)
         if reason:

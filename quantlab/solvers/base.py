@@ -108,6 +108,10 @@ class Solver(ABC):
 
     name: ClassVar[str]
     needs_calibration: ClassVar[bool] = False
+    # The data-free solver that stands in for a calibrated one on layers no statistics reach (an untied head)
+    data_free_substitute: ClassVar[str] = "mse"
+    # Without statistics, the codes are the codec's own round-to-nearest (`QuantizedLinear.quantize_weight`)
+    rounds_like_codec: ClassVar[bool] = False
     refines_blocks: ClassVar[bool] = False
     description: ClassVar[str] = ""
 

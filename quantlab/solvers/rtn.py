@@ -11,6 +11,7 @@ from quantlab.solvers.base import InputStats, Solution, Solver
 
 class RoundToNearest(Solver):
     name = "rtn"
+    rounds_like_codec = True
     description = "round to nearest on each group's min-max grid (no data)"
 
     def solve(

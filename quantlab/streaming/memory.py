@@ -27,11 +27,11 @@ from typing import Any
 
 from torch import nn
 
-from quantlab.calibration.model import blocks_need_calibration
 from quantlab.calibration.sequential import BATCH_SIZE
 from quantlab.config import QuantlabConfig
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
+from quantlab.plan.plan import calibrates_blocks
 from quantlab.solvers import InputStats
 
 
@@ -57,7 +57,7 @@ def predict_peak(
     outside_stored = sum(_own_stored_bytes(m) for m in outside if isinstance(m, QuantizedLinear | QuantizedTable))
     terms = {"before loading": before, "one float block": float_block, "its stored tensors": stored_block}
     blocks_phase = float_block + stored_block
-    if config.needs_calibration and blocks_need_calibration(config):
+    if config.needs_calibration and calibrates_blocks(config):
         hidden = _setting(shell, "hidden_size")
         sizes = _linear_sizes(blocks[0])
         terms["input embedding"] = _embedding_bytes(shell, itemsize)

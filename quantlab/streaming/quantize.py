@@ -26,19 +26,12 @@ from torch import nn
 
 from quantlab.calibration.allocation import allocate_bits, check_budget_reachable
 from quantlab.calibration.blocks import Activations, OffloadedActivations, find_blocks
-from quantlab.calibration.model import blocks_need_calibration, data_free_config, windows_for
+from quantlab.calibration.model import windows_for
 from quantlab.calibration.sequential import quantize_blocks
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
-from quantlab.integrations.transformers import quantizer_class_of
-from quantlab.registry import method_of
-from quantlab.replacement import (
-    check_layer_options,
-    raise_nothing_to_quantize,
-    replace_linear_layers,
-    warn_padded_groups,
-    without_vocabulary,
-)
+from quantlab.plan import QuantizationPlan, build_plan, empty_layers
+from quantlab.replacement import replace_linear_layers
 from quantlab.streaming.blocks import REST, ReadBlocks, StreamedBlocks, write_part
 from quantlab.streaming.partial import WINDOWS, PartialOutput, ResumeError
 from quantlab.streaming.reader import CheckpointReader, NotStreamableError
@@ -59,6 +52,7 @@ class StreamedQuantization:
     model: nn.Module
     folder: Path
     blocks_name: str  # where the decoder blocks are in `model`
+    plan: QuantizationPlan | None = None  # what was planned (with mixed precision's choices)
 
 
 def quantize_checkpoint(
@@ -98,9 +92,8 @@ def quantize_checkpoint(
             prefix, blocks = find_blocks(model)
         except QuantizationError as error:
             raise NotStreamableError(str(error)) from error
-        selected = _selection(model, config)
-        check_layer_options(model, config, selected)
-        warn_padded_groups(model, config, method_of(config).module_class, selected)
+        plan = build_plan(model, config)
+        plan.warn()
         with PartialOutput.start(output, reader.fingerprint(), config.to_dict(), resume, note) as partial:
             try:
                 activations = OffloadedActivations(offload_dir) if offload_dir is not None else Activations()
@@ -108,8 +101,7 @@ def quantize_checkpoint(
                     weights,
                     blocks,
                     prefix,
-                    selected,
-                    config,
+                    plan,
                     partial,
                     tokenizer,
                     progress,
@@ -129,31 +121,29 @@ def quantize_checkpoint(
                 commit_directory(partial.folder, output, overwrite, protect or [])
             finally:
                 partial.discard()
-    return StreamedQuantization(result.model, output, result.blocks_name)
+    return StreamedQuantization(result.model, output, result.blocks_name, result.plan)
 
 
 def _run(
     weights: StreamedWeights,
     blocks: nn.ModuleList,
     prefix: str,
-    selected: Callable[[str], bool],
-    config: QuantlabConfig,
+    plan: QuantizationPlan,
     partial: PartialOutput,
     tokenizer: Any,
     progress: bool,
     max_shard_bytes: int,
     activations: Activations,
 ) -> StreamedQuantization:
-    model = weights.model
-    module_class = method_of(config).module_class
-    if config.target_bits is not None and partial.resolved_config is None:
-        check_budget_reachable(model, config, module_class, selected)
-    windows = (
-        _windows(weights, blocks, prefix, config, partial, tokenizer, progress) if config.needs_calibration else None
-    )
-    if config.target_bits is not None:
-        _allocate(weights, blocks, prefix, selected, config, partial, windows, progress)
-    shell = output_model(type(model), model.config, config, weights.dtype, Path(model.name_or_path))
+    model, config = weights.model, plan.config
+    if plan.allocates and partial.resolved_config is None:
+        check_budget_reachable(model, config, plan.module_class, plan.selects)
+    windows = None
+    if plan.needs_calibration:
+        windows = _windows(weights, blocks, prefix, config, partial, tokenizer, progress)
+    if plan.allocates:
+        _allocate(weights, blocks, prefix, plan, partial, windows, progress)
+    shell = output_model(type(model), model.config, plan, weights.dtype, Path(model.name_or_path))
     writer = _writer(shell, partial, max_shard_bytes)
     with contextlib.closing(writer):
         streamed = StreamedBlocks(weights, blocks, prefix, writer, partial, shell)
@@ -161,17 +151,17 @@ def _run(
             streamed.verify_finished()
         if all(streamed.finished(index) for index in range(len(blocks))):
             pass  # resumed after the last block: nothing to recompute
-        elif config.needs_calibration and blocks_need_calibration(config):
+        elif plan.needs_calibration and plan.calibrates_blocks:
             _input_stage(weights, model, blocks, load=True)
-            quantize_blocks(model, config, module_class, windows, selected, progress, streamed, activations)
+            quantize_blocks(model, plan, windows, progress, streamed, activations)
         else:
-            _data_free_blocks(streamed, config, module_class, selected, progress)
+            _data_free_blocks(streamed, plan, progress)
         if not partial.finished(REST):
-            _quantize_rest(weights, blocks, prefix, config, module_class, selected, writer, partial)
+            _quantize_rest(weights, blocks, prefix, plan, writer, partial)
         writer.write_index(shell.num_parameters())
     _write_configs(shell, config, partial.folder, tokenizer)
     partial.remove_bookkeeping()
-    return StreamedQuantization(shell, partial.folder, prefix)
+    return StreamedQuantization(shell, partial.folder, prefix, plan)
 
 
 def load_dtype(hf_config: Any, reader: CheckpointReader) -> torch.dtype:
@@ -184,26 +174,12 @@ def load_dtype(hf_config: Any, reader: CheckpointReader) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def _selection(model: nn.Module, config: QuantlabConfig) -> Callable[[str], bool]:
-    """The Linear layers to quantize, chosen as the transformers quantizer chooses them."""
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
-    quantizer = quantizer_class_of(method_of(config))(config)
-    skip = quantizer.get_modules_to_not_convert(
-        model, config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
-    )
-    return without_vocabulary(model, config, lambda name: should_convert_module(name, skip))
-
-
-def output_model(cls: type, hf_config: Any, config: QuantlabConfig, dtype: torch.dtype, folder: Path) -> nn.Module:
+def output_model(cls: type, hf_config: Any, plan: QuantizationPlan, dtype: torch.dtype, folder: Path) -> nn.Module:
     """The quantized model on the meta device, as transformers builds it to reload the output: its
     `state_dict` names the tensors the output stores, with their shapes and dtypes."""
     shell = empty_model(cls, hf_config, dtype, folder)
     shell.tie_weights()
-    selected = _selection(shell, config)
-    if not replace_linear_layers(shell, config, method_of(config).module_class, selected, quantize=False):
-        raise_nothing_to_quantize(shell, config)
-    replace_vocabulary(shell, config, quantize=False)
+    empty_layers(shell, plan)
     return shell
 
 
@@ -270,31 +246,26 @@ def _allocate(
     weights: StreamedWeights,
     blocks: nn.ModuleList,
     prefix: str,
-    selected: Callable[[str], bool],
-    config: QuantlabConfig,
+    plan: QuantizationPlan,
     partial: PartialOutput,
     windows: torch.Tensor,
     progress: bool,
 ) -> None:
     """Mixed precision's per-layer choices, measured on the streamed float model (or as an earlier run chose them)."""
     if partial.resolved_config is not None:
-        config.layer_options = partial.resolved_config.get("layer_options")
+        plan.set_layer_options(partial.resolved_config.get("layer_options"))
         return
     _input_stage(weights, weights.model, blocks, load=True)
-    module_class = method_of(config).module_class
     measured = ReadBlocks(weights, blocks, prefix)
-    config.layer_options = allocate_bits(weights.model, config, module_class, windows, selected, progress, measured)
+    config = plan.config
+    plan.set_layer_options(
+        allocate_bits(weights.model, config, plan.module_class, windows, plan.selects, progress, measured)
+    )
     _input_stage(weights, weights.model, blocks, load=False)
     partial.set_resolved_config(config.to_dict())
 
 
-def _data_free_blocks(
-    streamed: StreamedBlocks,
-    config: QuantlabConfig,
-    module_class: type,
-    selected: Callable[[str], bool],
-    progress: bool,
-) -> None:
+def _data_free_blocks(streamed: StreamedBlocks, plan: QuantizationPlan, progress: bool) -> None:
     """Round to nearest (or another data-free solver) one block at a time."""
     from tqdm.auto import tqdm
 
@@ -303,7 +274,8 @@ def _data_free_blocks(
         if streamed.finished(index):
             continue
         streamed.load(index, block)
-        replace_linear_layers(model, config, module_class, _within(f"{streamed.part(index)}.", selected), True)
+        within = _within(f"{streamed.part(index)}.", plan.selects)
+        replace_linear_layers(model, plan.config, plan.module_class, within, quantize=True)
         streamed.store(index, block)
 
 
@@ -327,9 +299,7 @@ def _quantize_rest(
     weights: StreamedWeights,
     blocks: nn.ModuleList,
     prefix: str,
-    config: QuantlabConfig,
-    module_class: type,
-    selected: Callable[[str], bool],
+    plan: QuantizationPlan,
     writer: SafetensorsWriter,
     partial: PartialOutput,
 ) -> None:
@@ -339,9 +309,9 @@ def _quantize_rest(
     inside = f"{prefix}."
     for name, module in outside_blocks(model, blocks):
         weights.load(module, name, recurse=False)
-    outside = lambda name: not name.startswith(inside) and selected(name)  # noqa: E731
-    replace_linear_layers(model, data_free_config(config), module_class, outside, quantize=True)
-    replace_vocabulary(model, config, quantize=True)
+    outside = lambda name: not name.startswith(inside) and plan.selects(name)  # noqa: E731
+    replace_linear_layers(model, plan.data_free, plan.module_class, outside, quantize=True)
+    replace_vocabulary(model, plan.config, quantize=True)
     state = model.state_dict()
     tensors = {name: state[name] for name in writer.slots if not name.startswith(inside)}
     partial.complete(REST, write_part(writer, tensors, "", prefix))

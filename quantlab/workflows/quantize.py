@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quantlab import distributed
 from quantlab.config import QuantlabConfig
@@ -22,6 +22,9 @@ from quantlab.loading import ModelSource, OpenedModel, open_model, resolve_model
 from quantlab.workflows.notes import DEFAULT_MODEL_NOTE, Notify, notifier
 from quantlab.workflows.outputs import REPORT_FILE, check_output, report_json
 from quantlab.workflows.text import EvaluationText, reloaded_embedding_cosines, reloaded_perplexity
+
+if TYPE_CHECKING:
+    from quantlab.plan import QuantizationPlan
 
 
 @dataclass
@@ -59,6 +62,11 @@ class QuantizeReport:
     # Layers whose group size does not divide their inputs, so the last group is padded (stored, never used):
     # name -> (inputs, group size, codes stored a row)
     padded_groups: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    # What was planned (`quantlab.plan.QuantizationPlan.to_dict`): per layer format, width, group, solver;
+    # every weight left in float and why; the share of the weights outside the vocabulary quantized
+    plan: dict[str, Any] = field(default_factory=dict)
+    # Weights no quantized module handles (name -> why): never left in float without a word
+    left_in_float: dict[str, str] = field(default_factory=dict)
 
 
 def quantize_to_checkpoint(
@@ -89,6 +97,21 @@ def quantize_to_checkpoint(
     check_output(output, overwrite, source.path)
     offload = Path(offload_dir).expanduser() if offload_dir is not None else None
     return _quantize(source, config, output, overwrite, evaluate, progress, note, resume, offload)
+
+
+def plan_quantization(model: "str | os.PathLike | ModelSource | None", config: QuantlabConfig) -> "QuantizationPlan":
+    """What quantizing `model` with `config` would do, decided on the model built on the meta device: no
+    weight is read and nothing is written (`quantlab quantize --plan`)."""
+    import torch
+
+    from quantlab.plan import build_plan
+    from quantlab.streaming.skeleton import empty_model
+
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    with open_model(source) as opened:
+        opened.refuse_quantized("plan the quantization of its float original instead")
+        skeleton = empty_model(opened.model_class, opened.config, torch.float32, opened.folder)  # shapes only
+        return build_plan(skeleton, config)
 
 
 def _quantize(
@@ -148,6 +171,7 @@ def _quantize_streamed(
         offloaded = offload_dir is not None
         prediction = predict_peak(result.model, result.blocks_name, config, memory_before_load, offloaded)
         report = _report(opened, config, output, result.model, result.folder, started, quantized_at, memory_before_load)
+        _add_plan(report, result.plan)
         report.streamed = True
         report.predicted_peak_memory_bytes = prediction.total
         report.predicted_memory_terms = prediction.terms
@@ -197,6 +221,7 @@ def _quantize_loaded(
     def report_and_evaluate(staging: Path) -> None:
         """Runs on the complete checkpoint before it is renamed into place: measured as written."""
         report = _report(opened, config, output, model, staging, started, quantized_at, memory_before_load)
+        _add_plan(report, getattr(getattr(model, "hf_quantizer", None), "plan", None))
         _evaluate_and_write(report, staging, opened, text, tokenizer, progress, note)
         reports.append(report)
 
@@ -245,6 +270,12 @@ def _report(
         processes=distributed.world_size(),
         padded_groups=layers.padded,
     )
+
+
+def _add_plan(report: QuantizeReport, plan: "QuantizationPlan | None") -> None:
+    if plan is not None:
+        report.plan = plan.to_dict()
+        report.left_in_float = {weight.name: weight.why for weight in plan.unhandled()}
 
 
 def _evaluate_and_write(

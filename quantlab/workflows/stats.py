@@ -8,6 +8,7 @@ from torch import nn
 
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable, TiedOutputHead
+from quantlab.nn.quantized_experts import QuantizedExperts
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ def layer_summary(model: nn.Module) -> LayerSummary:
             layout = module.layout
             if layout.groups * layout.group_length != layout.in_features:
                 padded[name] = (layout.in_features, layout.group_length, layout.groups * layout.group_length)
+        elif isinstance(module, QuantizedExperts):
+            quantized += [f"{name}.{projection}" for projection in module.layouts]
         elif isinstance(module, QuantizedTable):
             tables.append(f"{name} ({module.layout.bits}-bit)")
         elif isinstance(module, TiedOutputHead):
@@ -49,7 +52,9 @@ def parameter_count(model: nn.Module) -> int:
     (a tied head encodes none of its own, as a tied float head adds no parameter)."""
     floats = sum(parameter.numel() for parameter in model.parameters())
     encoded = sum(
-        m.in_features * m.out_features for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedTable))
+        m.in_features * m.out_features
+        for m in model.modules()
+        if isinstance(m, (QuantizedLinear, QuantizedTable, QuantizedExperts))
     )
     return floats + encoded
 

@@ -371,11 +371,11 @@ def test_awq_searches_a_rotated_layer_on_the_grid_it_is_stored_on() -> None:
     weight = torch.randn(16, 96)
     config = quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=True, rotate_inputs=["fc"])
     layer_class = type(quantlab.quantize(nn.Linear(96, 8), config.config_for("other")))
-    scored = _fake_quantizer(config, layer_class)(weight, "fc")
+    scored = _fake_quantizer(config.config_for, layer_class)(weight, "fc")
     linear = nn.Linear(96, 16, bias=False)
     linear.weight.data = weight.clone()
     torch.testing.assert_close(scored, quantlab.quantize(linear, config.config_for("fc")).dequantize_weight())
-    plain = _fake_quantizer(config, layer_class)(weight, "other")
+    plain = _fake_quantizer(config.config_for, layer_class)(weight, "other")
     assert not torch.allclose(plain, scored)
 
 

@@ -16,6 +16,7 @@ from quantlab.formats.codec import NotAnIntegerGrid
 from quantlab.interop import compressed_tensors as ct
 from quantlab.nn import QuantizedLinear, QuantizedOutputHead, TiedOutputHead
 from quantlab.nn.quantized_embedding import QuantizedTable
+from quantlab.nn.quantized_experts import experts_modules, experts_refusal
 from quantlab.nn.rotation import refusal, rotated_layers
 from quantlab.utils.atomic import atomic_directory, check_replaceable
 
@@ -84,6 +85,9 @@ def to_compressed_tensors(
     rotated = rotated_layers(model)
     if rotated:
         raise CompressedTensorsExportError(refusal(rotated, "compressed-tensors"))
+    experts = experts_modules(model)
+    if experts:
+        raise CompressedTensorsExportError(experts_refusal(experts, "compressed-tensors"))
     converted = _Converted.of(model)
     if not converted.schemes:
         raise CompressedTensorsExportError(

@@ -12,6 +12,7 @@ from quantlab.export.gguf import architectures
 from quantlab.export.gguf.errors import GGUFExportError, require_gguf
 from quantlab.export.gguf.tensors import GGUFTensor, extra_tensors, model_tensors
 from quantlab.export.gguf.vocabulary import vocabulary
+from quantlab.nn.quantized_experts import experts_modules, experts_refusal
 from quantlab.nn.rotation import refusal, rotated_layers
 from quantlab.utils.atomic import atomic_file, check_replaceable
 
@@ -81,6 +82,9 @@ def to_gguf(
     rotated = rotated_layers(model)
     if rotated:
         raise GGUFExportError(refusal(rotated, "GGUF"))
+    experts = experts_modules(model)
+    if experts:
+        raise GGUFExportError(experts_refusal(experts, "GGUF"))
     if tokenizer is None:
         raise GGUFExportError("a GGUF file carries its tokenizer: pass the model's tokenizer (none was found)")
     config = model.config

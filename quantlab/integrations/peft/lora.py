@@ -205,7 +205,7 @@ def zero_points_shifted(layer: QuantizedLinear, update: torch.Tensor) -> Quantiz
 def requantized_like(layer: QuantizedLinear, weight: torch.Tensor) -> QuantizedLinear:
     """A new layer of `layer`'s class and config holding `weight` quantized (a calibrated solver's layer by
     the data-free solver on the same format: no calibration data is at hand); the bias is kept."""
-    from quantlab.calibration.model import data_free_config
+    from quantlab.plan import data_free_config
 
     bias = layer.bias
     new = type(layer)(

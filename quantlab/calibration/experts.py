@@ -1,0 +1,142 @@
+"""Calibrating a mixture of experts: every expert's statistics from the tokens routed to it.
+
+A fused float experts module (transformers 5: two 3-D parameters) is replaced, while its block is
+calibrated, by `UnfusedExperts`: the same routing, with each expert's slice of each projection an
+`nn.Linear` whose weight is a view of the fused parameter (no copy). Every calibrated solver then
+treats each expert slice as the Linear layer it is (its own input statistics, GPTQ, reconstruction),
+and `fuse_experts` stacks the quantized slices into a `QuantizedExperts` before the block is stored.
+
+`expert_calibration="routed"` (the default) gives each expert the tokens the router sends it; an
+expert that receives fewer than `MIN_EXPERT_TOKENS` is quantized by the data-free solver instead
+and named in a warning and in the plan's notes. `"all"` runs every expert on every token for its
+statistics (llm-compressor's and ModelOpt's "calibrate all experts"), while each token's output
+still comes from its routed experts only, so the block's outputs are those of the real routing.
+"""
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from quantlab.errors import DataFreeExpertsWarning
+from quantlab.nn import QuantizedLinear
+from quantlab.nn.kinds import fused_experts_shape, is_fused_experts
+from quantlab.nn.quantized_experts import PROJECTIONS, QuantizedExperts, routed_tokens, stack_slices
+from quantlab.solvers import InputStats
+
+if TYPE_CHECKING:
+    from quantlab.plan import QuantizationPlan
+
+# Fewer routed tokens than this and an expert's input statistics say little: GPTQ would fit noise.
+MIN_EXPERT_TOKENS = 16
+
+
+class UnfusedExperts(nn.Module):
+    """A fused float experts module with each expert's projections as `nn.Linear` views, routing as it does."""
+
+    def __init__(self, experts: nn.Module, every_token: bool) -> None:
+        super().__init__()
+        self.fused = [experts]  # a list: not a submodule, so its parameters are not the block's twice
+        self.num_experts, _, _ = fused_experts_shape(experts)
+        self.act_fn = experts.act_fn
+        self.every_token = every_token
+        for projection in PROJECTIONS:
+            weight = getattr(experts, projection)
+            setattr(self, projection, nn.ModuleList(_linear_view(weight[e]) for e in range(self.num_experts)))
+        self.routed = torch.zeros(self.num_experts, dtype=torch.long)  # tokens routed to each expert
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        final = torch.zeros_like(hidden_states)
+        for expert, tokens, positions in routed_tokens(top_k_index, self.num_experts):
+            self.routed[expert] += tokens.numel()
+            inputs = hidden_states if self.every_token else hidden_states[tokens]
+            gate, up = self.gate_up_proj[expert](inputs).chunk(2, dim=-1)
+            out = self.down_proj[expert](self.act_fn(gate) * up)
+            if self.every_token:
+                out = out[tokens]
+            final.index_add_(0, tokens, (out * top_k_weights[tokens, positions, None]).to(final.dtype))
+        if self.every_token:  # experts no token chose still see every token
+            chosen = set(torch.unique(top_k_index).tolist())
+            for expert in range(self.num_experts):
+                if expert not in chosen:
+                    gate, up = self.gate_up_proj[expert](hidden_states).chunk(2, dim=-1)
+                    self.down_proj[expert](self.act_fn(gate) * up)
+        return final
+
+
+def _linear_view(weight: torch.Tensor) -> nn.Linear:
+    """An `nn.Linear` whose weight is `weight` itself (a slice of the fused parameter), without a bias."""
+    linear = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(linear)
+    linear.out_features, linear.in_features = weight.shape
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    linear.bias = None
+    return linear
+
+
+def unfuse_experts(block: nn.Module, prefix: str, plan: "QuantizationPlan") -> dict[str, UnfusedExperts]:
+    """Replace the planned fused experts modules of `block` (named `prefix` in the model) by `UnfusedExperts`;
+    returns them by their name in the block."""
+    planned = set(plan.experts_modules)
+    every_token = plan.config.expert_calibration == "all"
+    unfused = {}
+    for relative, module in list(block.named_modules()):
+        if f"{prefix}.{relative}" in planned and is_fused_experts(module):
+            unfused[relative] = UnfusedExperts(module, every_token)
+            block.set_submodule(relative, unfused[relative])
+    return unfused
+
+
+def starving_slices(
+    unfused: dict[str, UnfusedExperts], names: dict[str, str], stats: dict[str, InputStats]
+) -> dict[str, int]:
+    """Relative name → tokens routed, of the expert slices in `names` whose expert received too few tokens."""
+    starving = {}
+    for relative, module in unfused.items():
+        for projection in PROJECTIONS:
+            for expert in range(module.num_experts):
+                slice_name = f"{relative}.{projection}.{expert}"
+                if slice_name in names and stats[slice_name].count < MIN_EXPERT_TOKENS:
+                    starving[slice_name] = int(module.routed[expert])
+    return starving
+
+
+def fuse_experts(
+    block: nn.Module,
+    prefix: str,
+    unfused: dict[str, UnfusedExperts],
+    plan: "QuantizationPlan",
+    starving: dict[str, int],
+) -> None:
+    """Put a `QuantizedExperts` in place of each `UnfusedExperts` of `block`: its slices quantized by the solver,
+    or (the `starving` ones) by the data-free config; the fallbacks are noted in the plan and in one warning."""
+    for relative, module in unfused.items():
+        name = f"{prefix}.{relative}"
+        float_experts = module.fused[0]
+        configs = {projection: plan.config_for(f"{name}.{projection}") for projection in PROJECTIONS}
+        quantized = QuantizedExperts.empty_like(float_experts, plan.module_class, configs)
+        for projection in PROJECTIONS:
+            data_free = plan.data_free_for(f"{name}.{projection}")
+            slices = []
+            for expert, layer in enumerate(getattr(module, projection)):
+                if isinstance(layer, QuantizedLinear):
+                    slices.append(layer.stored_tensors())
+                else:
+                    slice_name = f"{name}.{projection}.{expert}"
+                    slices.append(plan.module_class.quantize_checked(layer.weight, data_free, slice_name))
+            quantized.load_stored(stack_slices(projection, slices))
+        block.set_submodule(relative, quantized)
+    if starving:
+        notes = {f"{prefix}.{relative}": tokens for relative, tokens in starving.items()}
+        plan.note_data_free_experts(notes, MIN_EXPERT_TOKENS)
+        first, tokens = next(iter(notes.items()))
+        warnings.warn(
+            f"{len(notes)} expert projection slice(s) received fewer than {MIN_EXPERT_TOKENS} calibration tokens "
+            f"({first}: {tokens}) and were quantized by the data-free {plan.data_free.solver} solver; calibrate on "
+            f"more text, or with expert_calibration='all'",
+            DataFreeExpertsWarning,
+            stacklevel=2,
+        )

@@ -1,0 +1,252 @@
+"""`QuantizedExperts`: a mixture of experts' fused projections, stored quantized expert by expert.
+
+transformers 5 keeps a mixture of experts' MLPs as one module holding two 3-D parameters,
+`gate_up_proj` `[experts, 2 * intermediate, hidden]` and `down_proj` `[experts, hidden,
+intermediate]` (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, OLMoE, ...). This module replaces
+such a module: each expert's slice of each projection is quantized exactly as a `QuantizedLinear`
+of the method would store it (the same codec, layout and solver), and the slices are stacked
+along a leading expert dimension. The codes keep the float parameter's name (`gate_up_proj`,
+now `[experts, out, groups, bytes]`), the other stored tensors are named after it
+(`gate_up_proj_scale`, ...), so transformers' own checkpoint conversions (per-expert tensors in
+the file, fused in memory) apply to the codes as they do to float weights.
+
+The forward pass routes like transformers' eager experts: each expert that received tokens runs
+its two projections on those tokens only, through the kernel of its format (`ExpertSlice` shows
+one expert's slice to a kernel as a quantized Linear layer), and the weighted results are summed.
+"""
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from quantlab.config import QuantlabConfig
+from quantlab.formats.layout import StorageLayout
+from quantlab.kernels import select_kernel
+from quantlab.nn.kinds import fused_experts_shape
+from quantlab.nn.quantized_linear import QuantizedLinear
+from quantlab.nn.stored import StoredTensorsModule
+
+PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+class ExpertSlice:
+    """One expert's slice of one projection, as a kernel reads a quantized Linear layer: its layout and views
+    of the stacked stored tensors (no copy)."""
+
+    activation_bits: ClassVar[int] = 0
+    input_rotation: ClassVar[int] = 0
+    bias: ClassVar[None] = None
+
+    def __init__(self, layout: StorageLayout, tensors: dict[str, torch.Tensor]) -> None:
+        self.layout = layout
+        self.in_features, self.out_features = layout.in_features, layout.out_features
+        self._buffers = tensors
+        self._parameters: dict[str, torch.Tensor] = {}
+
+    @property
+    def format(self) -> str:
+        return self.layout.codec
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self._buffers)
+
+    def dequantize_stored(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.layout.dequantize(self._buffers, dtype)
+
+    dequantize_weight = dequantize_stored
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return select_kernel(self.layout.codec, x.device.type)(self, x)
+
+
+class QuantizedExperts(StoredTensorsModule):
+    """The experts of one mixture-of-experts layer, each projection stored in the format of `layer_class`."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        act_fn: nn.Module,
+        layer_class: type[QuantizedLinear],
+        configs: dict[str, QuantlabConfig],
+        float_class: type[nn.Module] | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.act_fn = act_fn
+        self.layer_class = layer_class
+        self.configs = dict(configs)
+        self.float_class = float_class  # what `to_float` rebuilds, with these attributes (flags, config)
+        self.float_attributes: dict[str, Any] = {}
+        shapes = {"gate_up_proj": (2 * intermediate_size, hidden_size), "down_proj": (hidden_size, intermediate_size)}
+        self.layouts = {
+            projection: layer_class.layout_for(inputs, outputs, self.configs[projection])
+            for projection, (outputs, inputs) in shapes.items()
+        }
+        for projection, layout in self.layouts.items():
+            for name, spec in layout.tensors.items():
+                shape = (num_experts, *spec.shape)
+                self.register_buffer(stored_name(projection, name), torch.zeros(shape, dtype=spec.dtype, device=device))
+        self.stored_names = tuple(
+            stored_name(projection, name) for projection, layout in self.layouts.items() for name in layout.tensors
+        )
+        self._slices: dict[str, list[ExpertSlice]] = {}
+        self._sliced_from: tuple[int, ...] = ()
+
+    # -- built from a float experts module -----------------------------------------------------
+
+    @classmethod
+    def empty_like(
+        cls, experts: nn.Module, layer_class: type[QuantizedLinear], configs: dict[str, QuantlabConfig]
+    ) -> "QuantizedExperts":
+        """An empty module standing in for the float `experts` (on its device: meta while transformers loads)."""
+        num_experts, hidden, intermediate = fused_experts_shape(experts)
+        device = experts.gate_up_proj.device
+        module = cls(num_experts, hidden, intermediate, experts.act_fn, layer_class, configs, type(experts), device)
+        module.float_attributes = {key: value for key, value in vars(experts).items() if not key.startswith("_")}
+        return module
+
+    @classmethod
+    def from_float(
+        cls, experts: nn.Module, layer_class: type[QuantizedLinear], configs: dict[str, QuantlabConfig], name: str
+    ) -> "QuantizedExperts":
+        """Quantize every expert of the float `experts` module (named `name`) with the configs' data-free solver."""
+        module = cls.empty_like(experts, layer_class, configs)
+        for projection in PROJECTIONS:
+            stored = module.quantize_projection(projection, getattr(experts, projection), f"{name}.{projection}")
+            module.load_stored(stored)
+        return module
+
+    def quantize_projection(self, projection: str, weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        """The stacked stored tensors (by buffer name) of the float `[experts, out, in]` weight of `projection`."""
+        config = self.configs[projection]
+        slices = [
+            self.layer_class.quantize_checked(weight[expert], config, f"{name}.{expert}")
+            for expert in range(weight.shape[0])
+        ]
+        return stack_slices(projection, slices)
+
+    def load_stored(self, stored: dict[str, torch.Tensor]) -> None:
+        for name, tensor in stored.items():
+            setattr(self, name, tensor.to(getattr(self, name).device))
+
+    # -- the stored tensors ------------------------------------------------------------------------
+
+    def stored_tensor_names(self) -> tuple[str, ...]:
+        return self.stored_names
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.stored_names}
+
+    def stored_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.stored_tensors().values())
+
+    @property
+    def in_features(self) -> int:  # read by reports counting the weights a module encodes
+        return self.hidden_size
+
+    @property
+    def out_features(self) -> int:
+        return 3 * self.intermediate_size * self.num_experts
+
+    def slices(self, projection: str) -> list[ExpertSlice]:
+        """Each expert's slice of `projection` (rebuilt when a stored tensor was replaced)."""
+        source = tuple(id(self._buffers[name]) for name in self.stored_names)
+        if source != self._sliced_from:
+            self._slices = {
+                p: [ExpertSlice(layout, self._expert_tensors(p, e)) for e in range(self.num_experts)]
+                for p, layout in self.layouts.items()
+            }
+            self._sliced_from = source
+        return self._slices[projection]
+
+    def _expert_tensors(self, projection: str, expert: int) -> dict[str, torch.Tensor]:
+        return {name: self._buffers[stored_name(projection, name)][expert] for name in self.layouts[projection].tensors}
+
+    def dequantize_projection(self, projection: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float `[experts, out, in]` weight the stored tensors of `projection` represent."""
+        return torch.stack([expert.dequantize_stored(dtype) for expert in self.slices(projection)])
+
+    def to_float(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The float experts module (the class this one replaced) with the dequantized weights."""
+        if self.float_class is None:
+            raise TypeError("this QuantizedExperts does not know the float class it replaced")
+        experts = self.float_class.__new__(self.float_class)
+        nn.Module.__init__(experts)
+        for name, value in self.float_attributes.items():
+            setattr(experts, name, value)
+        experts.act_fn = self.act_fn
+        for projection in PROJECTIONS:
+            setattr(experts, projection, nn.Parameter(self.dequantize_projection(projection, dtype)))
+        return experts
+
+    # -- the forward pass ----------------------------------------------------------------------------
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        final = torch.zeros_like(hidden_states)
+        gate_up, down = self.slices("gate_up_proj"), self.slices("down_proj")
+        for expert, tokens, positions in routed_tokens(top_k_index, self.num_experts):
+            gate, up = gate_up[expert](hidden_states[tokens]).chunk(2, dim=-1)
+            out = down[expert](self.act_fn(gate) * up) * top_k_weights[tokens, positions, None]
+            final.index_add_(0, tokens, out.to(final.dtype))
+        return final
+
+    def extra_repr(self) -> str:
+        layout = self.layouts["gate_up_proj"]
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, format={layout.codec} {layout.bits}-bit"
+        )
+
+
+def stored_name(projection: str, tensor: str) -> str:
+    """The buffer of one stored tensor of a projection: the codes keep the projection's name."""
+    return projection if tensor == "weight" else f"{projection}_{tensor}"
+
+
+def stack_slices(projection: str, slices: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One projection's per-expert stored tensors (as `QuantizedLinear.quantize_checked` makes them), stacked."""
+    return {stored_name(projection, name): torch.stack([s[name] for s in slices]) for name in slices[0]}
+
+
+def routed_tokens(top_k_index: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, token indices, top-k positions) for each expert that received tokens, in expert order."""
+    with torch.no_grad():
+        experts = torch.unique(top_k_index)
+    for expert in experts.tolist():
+        if 0 <= expert < num_experts:
+            tokens, positions = torch.where(top_k_index == expert)
+            yield expert, tokens, positions
+
+
+def expert_configs(config: QuantlabConfig, name: str) -> dict[str, QuantlabConfig]:
+    """The config of each projection of the experts module `name` (its `layer_options` applied; never rotated:
+    the experts' inputs are not)."""
+    configs = {}
+    for projection in PROJECTIONS:
+        layer_config = config.config_for(f"{name}.{projection}")
+        if layer_config.input_rotated:
+            layer_config = dataclasses.replace(layer_config, input_rotated=False)
+        configs[projection] = layer_config
+    return configs
+
+
+def experts_modules(model: nn.Module) -> list[str]:
+    """The names of `model`'s quantized experts modules."""
+    return [name for name, module in model.named_modules() if isinstance(module, QuantizedExperts)]
+
+
+def experts_refusal(names: list[str], target: str) -> str:
+    """The one-line refusal of an export that cannot write quantized experts modules yet."""
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return (
+        f"{names[0]}{more} hold a mixture of experts' quantized projections, which the {target} export does not "
+        f"write yet; export the dequantized model (quantlab.dequantize) or a model without fused experts"
+    )
