@@ -31,6 +31,7 @@ time against parameters; needs matplotlib: `pip install quantlab[bench]`) into `
     python benchmarks/scale.py --shapes tinyllama --methods gptq --scratch /big/disk --keep
     python benchmarks/scale.py --shapes smollm2-135m,tinyllama --methods qat-grids --teacher-weights bfloat16
     python benchmarks/scale.py --shapes llama70b-2blocks --methods gptq --dtype bfloat16 --samples 128
+    python benchmarks/scale.py --shapes qwen3moe-1b --methods gptq     # a ~1B mixture of 16 experts
 """
 
 import argparse
@@ -51,8 +52,10 @@ from typing import Any
 import torch
 from _common import environment, format_table, fp32_linear_rate, linear_shape_counts, write_json
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
 
+from quantlab.nn.kinds import fused_experts_shape, is_fused_experts
 from quantlab.testing import byte_tokenizer
 
 GIB = 1024**3
@@ -72,23 +75,35 @@ class Shape:
     tied: bool = False
     methods: tuple[str, ...] = ("rtn", "gptq")  # what runs by default
     in_default_run: bool = True  # False: only when named in --shapes
+    experts: int = 0  # a Qwen3-MoE shape: this many experts in every block's MLP (`intermediate` each)
+    experts_per_token: int = 2
 
-    def config(self, dtype: torch.dtype) -> LlamaConfig:
-        config = LlamaConfig(
-            hidden_size=self.hidden,
-            intermediate_size=self.intermediate,
-            num_hidden_layers=self.blocks,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            vocab_size=self.vocab,
-            tie_word_embeddings=self.tied,
-            max_position_embeddings=2048,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        config.architectures = ["LlamaForCausalLM"]
+    def config(self, dtype: torch.dtype) -> Any:
+        shared = {
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.blocks,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "vocab_size": self.vocab,
+            "tie_word_embeddings": self.tied,
+            "max_position_embeddings": 2048,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+        }
+        if self.experts:
+            mixture = {"num_experts": self.experts, "num_experts_per_tok": self.experts_per_token}
+            mixture.update(moe_intermediate_size=self.intermediate, head_dim=self.hidden // self.heads)
+            config = Qwen3MoeConfig(**shared, **mixture)
+        else:
+            config = LlamaConfig(**shared)
+        config.architectures = [self.model_class.__name__]
         config.dtype = dtype
         return config
+
+    @property
+    def model_class(self) -> type:
+        return Qwen3MoeForCausalLM if self.experts else LlamaForCausalLM
 
 
 SHAPES = {
@@ -101,6 +116,8 @@ SHAPES = {
         Shape("h2560x36", 2560, 36, 6912, 32, 8, 32000, methods=("rtn",)),  # ~2.7B
         # Two blocks of Llama-2/3-70B's widths: GPTQ's statistics and working set at 28,672 inputs.
         Shape("llama70b-2blocks", 8192, 2, 28672, 64, 8, 32000, methods=("gptq",), in_default_run=False),
+        # A Qwen3-MoE shape of ~1B parameters: 16 experts of 768 in every block, 2 per token.
+        Shape("qwen3moe-1b", 1024, 24, 768, 16, 4, 32000, experts=16, in_default_run=False),
     )
 }
 
@@ -137,7 +154,9 @@ def write_checkpoint(shape: Shape, folder: Path, dtype: torch.dtype, seed: int) 
     """`shape` as a sharded safetensors checkpoint in `folder` (random weights, one shard in memory at a time)."""
     config = shape.config(dtype)
     with torch.device("meta"):
-        names = {name: tuple(t.shape) for name, t in LlamaForCausalLM(config).state_dict().items()}
+        model = shape.model_class(config)
+        # the names and shapes `save_pretrained` writes (a mixture's experts one by one, as transformers stores them)
+        names = {name: tuple(t.shape) for name, t in revert_weight_conversion(model, model.state_dict()).items()}
     if shape.tied:
         names.pop("lm_head.weight", None)
     shards: list[list[str]] = [[]]
@@ -171,21 +190,22 @@ def _random_tensor(name: str, dims: tuple[int, ...], dtype: torch.dtype, seed: i
     return (torch.randn(dims, generator=generator) * 0.02).to(dtype)
 
 
-def _meta_model(shape: Shape) -> LlamaForCausalLM:
+def _meta_model(shape: Shape) -> Any:
     """`shape` on the meta device: its modules' shapes, no memory."""
     with torch.device("meta"):
-        return LlamaForCausalLM(shape.config(torch.float32))
+        return shape.model_class(shape.config(torch.float32))
 
 
 def model_figures(shape: Shape) -> tuple[int, float]:
-    """Parameters, and GPTQ's arithmetic over the Linear layers of the blocks."""
+    """Parameters, and GPTQ's arithmetic over the Linear layers of the blocks (each expert's slices counted)."""
     model = _meta_model(shape)
     parameters = sum(p.numel() for p in model.parameters())
-    work = sum(
-        float(m.in_features) ** 2 * m.out_features + float(m.in_features) ** 3
-        for m in model.model.layers.modules()
-        if isinstance(m, torch.nn.Linear)
-    )
+    shapes = [(m.in_features, m.out_features) for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    for module in model.model.layers.modules():
+        if is_fused_experts(module):
+            experts, hidden, intermediate = fused_experts_shape(module)
+            shapes += [(hidden, 2 * intermediate), (intermediate, hidden)] * experts
+    work = sum(float(inputs) ** 2 * outputs + float(inputs) ** 3 for inputs, outputs in shapes)
     return parameters, work
 
 

@@ -111,5 +111,7 @@ def raise_nothing_to_quantize(model: nn.Module, plan: "QuantizationPlan") -> Non
         owners = sorted({type(model.get_submodule(w.name.rpartition(".")[0])).__name__ for w in unhandled})
         why = f"its weights are in {', '.join(owners)} layers, which no quantized module handles ({unhandled[0].name})"
     else:
-        why = "every Linear layer is skipped: check modules_to_not_convert"
-    raise QuantizationError(f"{type(model).__name__} has nothing left to quantize with {plan.config.method!r}: {why}")
+        why = "check modules_to_not_convert"
+    raise QuantizationError(
+        f"{type(model).__name__} has no nn.Linear layer left to quantize with {plan.config.method!r}: {why}"
+    )

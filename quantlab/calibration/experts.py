@@ -112,7 +112,7 @@ def fuse_experts(
     starving: dict[str, int],
 ) -> None:
     """Put a `QuantizedExperts` in place of each `UnfusedExperts` of `block`: its slices quantized by the solver,
-    or (the `starving` ones) by the data-free config; the fallbacks are noted in the plan and in one warning."""
+    or (the `starving` ones) by the data-free config, noted in the plan (`warn_data_free_experts` says so)."""
     for relative, module in unfused.items():
         name = f"{prefix}.{relative}"
         float_experts = module.fused[0]
@@ -130,13 +130,18 @@ def fuse_experts(
             quantized.load_stored(stack_slices(projection, slices))
         block.set_submodule(relative, quantized)
     if starving:
-        notes = {f"{prefix}.{relative}": tokens for relative, tokens in starving.items()}
-        plan.note_data_free_experts(notes, MIN_EXPERT_TOKENS)
-        first, tokens = next(iter(notes.items()))
-        warnings.warn(
-            f"{len(notes)} expert projection slice(s) received fewer than {MIN_EXPERT_TOKENS} calibration tokens "
-            f"({first}: {tokens}) and were quantized by the data-free {plan.data_free.solver} solver; calibrate on "
-            f"more text, or with expert_calibration='all'",
-            DataFreeExpertsWarning,
-            stacklevel=2,
-        )
+        plan.note_data_free_experts({f"{prefix}.{relative}": n for relative, n in starving.items()}, MIN_EXPERT_TOKENS)
+
+
+def warn_data_free_experts(plan: "QuantizationPlan") -> None:
+    """One warning line naming the expert slices the calibration left to the data-free solver, if any."""
+    if not plan.data_free_experts:
+        return
+    first, why = next(iter(plan.data_free_experts.items()))
+    warnings.warn(
+        f"{len(plan.data_free_experts)} expert projection slice(s) received fewer than {MIN_EXPERT_TOKENS} "
+        f"calibration tokens and were quantized by the data-free {plan.data_free.solver} solver ({first}: {why}); "
+        f"calibrate on more text, or with expert_calibration='all'",
+        DataFreeExpertsWarning,
+        stacklevel=3,
+    )

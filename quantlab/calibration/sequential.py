@@ -36,7 +36,7 @@ from quantlab.calibration.blocks import (
     run_block,
     run_block_on_batches,
 )
-from quantlab.calibration.experts import fuse_experts, starving_slices, unfuse_experts
+from quantlab.calibration.experts import fuse_experts, starving_slices, unfuse_experts, warn_data_free_experts
 from quantlab.calibration.reconstruction import BlockReconstruction
 from quantlab.calibration.solving import quantize_layers
 from quantlab.config import QuantlabConfig
@@ -115,6 +115,7 @@ def quantize_blocks(
         fuse_experts(block, f"{prefix}.{index}", unfused, plan, starving)
         weights.store(index, block)
         converted += names.values()
+    warn_data_free_experts(plan)
     return converted
 
 

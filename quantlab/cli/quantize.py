@@ -156,7 +156,10 @@ def run(args: argparse.Namespace) -> int:
         console.report(plan.describe(), {"command": "quantize", "plan": plan.to_dict()})
         return 0
     if args.output is None:
-        raise QuantlabError("quantlab quantize needs --output DIR (or --plan to print the plan and write nothing)")
+        raise QuantlabError(
+            "the following arguments are required: --output/-o (unless --plan, which writes nothing; "
+            "see 'quantlab quantize --help')"
+        )
     text = text_from_args(args) if args.eval else None
     report = quantize_to_checkpoint(
         args.model,

@@ -207,8 +207,9 @@ class QuantizedExperts(StoredTensorsModule):
 
 
 def stored_name(projection: str, tensor: str) -> str:
-    """The buffer of one stored tensor of a projection: the codes keep the projection's name."""
-    return projection if tensor == "weight" else f"{projection}_{tensor}"
+    """The buffer of one stored tensor of a projection: the codes keep the projection's name, the others are named
+    after it (`weight_scale` of `down_proj` is `down_proj_scale`)."""
+    return projection if tensor == "weight" else f"{projection}_{tensor.removeprefix('weight_')}"
 
 
 def stack_slices(projection: str, slices: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

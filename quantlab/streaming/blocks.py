@@ -16,6 +16,7 @@ from torch import nn
 
 from quantlab.calibration.blocks import BlockWeights
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.quantized_experts import PROJECTIONS, QuantizedExperts
 from quantlab.streaming.partial import PartialOutput, ResumeError
 from quantlab.streaming.skeleton import StreamedWeights, assign, stored_entries
 from quantlab.streaming.writer import SafetensorsWriter
@@ -93,6 +94,8 @@ class StreamedBlocks(ReadBlocks):
             quantized = shell_block.get_submodule(relative) if relative != layer else None
             if isinstance(quantized, QuantizedLinear) and attribute == "weight":
                 value = self._dequantized(quantized, layer)
+            elif isinstance(quantized, QuantizedExperts) and attribute in PROJECTIONS:
+                value = self._dequantized_experts(quantized, layer, attribute)
             else:
                 value = self.writer.read(full)
             assign(owner, attribute, value.to(self.weights.dtype) if value.is_floating_point() else value)
@@ -102,6 +105,15 @@ class StreamedBlocks(ReadBlocks):
         real = cls(shell_layer.in_features, shell_layer.out_features, False, shell_layer.config, device="cpu")
         real.load_stored({tensor: self.writer.read(f"{layer}.{tensor}") for tensor in real.stored_names})
         return real.dequantize_weight(self.weights.dtype)
+
+    def _dequantized_experts(self, shell: QuantizedExperts, layer: str, projection: str) -> torch.Tensor:
+        experts = QuantizedExperts(
+            shell.num_experts, shell.hidden_size, shell.intermediate_size, shell.act_fn, shell.layer_class,
+            shell.configs, device="cpu",
+        )  # fmt: skip
+        names = [name for name in experts.stored_names if name == projection or name.startswith(f"{projection}_")]
+        experts.load_stored({name: self.writer.read(f"{layer}.{name}") for name in names})
+        return experts.dequantize_projection(projection, self.weights.dtype)
 
 
 def part_names(writer: SafetensorsWriter, prefix: str, blocks_prefix: str | None = None) -> list[str]:

@@ -2,6 +2,7 @@
 
     peak = memory before loading + max(blocks phase, end phase)
     blocks phase = one float block + its stored (quantized) tensors
+                   [fused experts: + twice the float gate/up projection, while its per-expert tensors are merged]
                    [calibrated: + the input embedding
                                 + the calibration activations, the block's inputs and outputs:
                                   2 x samples x seq_len x hidden (with --offload-dir, one batch of 8)
@@ -31,6 +32,7 @@ from quantlab.calibration.sequential import BATCH_SIZE
 from quantlab.config import QuantlabConfig
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
+from quantlab.nn.quantized_experts import QuantizedExperts
 from quantlab.plan.plan import calibrates_blocks
 from quantlab.solvers import InputStats
 
@@ -57,6 +59,11 @@ def predict_peak(
     outside_stored = sum(_own_stored_bytes(m) for m in outside if isinstance(m, QuantizedLinear | QuantizedTable))
     terms = {"before loading": before, "one float block": float_block, "its stored tensors": stored_block}
     blocks_phase = float_block + stored_block
+    fused = max((_float_bytes(m, itemsize) * 2 // 3 for m in blocks.modules() if isinstance(m, QuantizedExperts)),
+                default=0)  # fmt: skip
+    if fused:  # per-expert tensors read, stacked and concatenated into the fused gate/up projection
+        terms["fused experts being read: twice their gate/up projection"] = 2 * fused
+        blocks_phase += 2 * fused
     if config.needs_calibration and calibrates_blocks(config):
         hidden = _setting(shell, "hidden_size")
         sizes = _linear_sizes(blocks[0])
@@ -80,14 +87,20 @@ def predict_peak(
         }
         larger = max(summing, solving, key=lambda phase: sum(phase.values()))
         terms.update(larger)
-        blocks_phase += sum(terms[k] for k in list(terms)[3:])
+        blocks_phase += sum(terms[k] for k in list(terms)[4 if fused else 3 :])
     end_phase = outside_float + outside_stored
     terms["tensors outside the blocks, float and quantized (at the end)"] = end_phase
     return MemoryPrediction(before + max(blocks_phase, end_phase), terms)
 
 
 def _linear_sizes(block: nn.Module) -> list[tuple[int, int]]:
-    return [(m.in_features, m.out_features) for m in block.modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
+    """(inputs, outputs) of every Linear layer of `block`, each expert's slice of a fused projection one."""
+    sizes = [(m.in_features, m.out_features) for m in block.modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
+    for module in block.modules():
+        if isinstance(module, QuantizedExperts):
+            slices = [(layout.in_features, layout.out_features) for layout in module.layouts.values()]
+            sizes += slices * module.num_experts
+    return sizes
 
 
 def _float_bytes(module: nn.Module, itemsize: int) -> int:
@@ -101,7 +114,7 @@ def _stored_bytes(module: nn.Module) -> int:
 def _own_float_bytes(module: nn.Module, itemsize: int) -> int:
     """What `module`'s own tensors take in float: a quantized layer's weight as the float one it replaces."""
     total = sum(p.numel() * itemsize for p in module._parameters.values() if p is not None)
-    if isinstance(module, QuantizedLinear | QuantizedTable):
+    if isinstance(module, QuantizedLinear | QuantizedTable | QuantizedExperts):
         total += module.in_features * module.out_features * itemsize
     return total
 

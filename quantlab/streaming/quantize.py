@@ -31,7 +31,7 @@ from quantlab.calibration.sequential import quantize_blocks
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.plan import QuantizationPlan, build_plan, empty_layers
-from quantlab.replacement import replace_linear_layers
+from quantlab.replacement import replace_experts, replace_linear_layers
 from quantlab.streaming.blocks import REST, ReadBlocks, StreamedBlocks, write_part
 from quantlab.streaming.partial import WINDOWS, PartialOutput, ResumeError
 from quantlab.streaming.reader import CheckpointReader, NotStreamableError
@@ -274,8 +274,10 @@ def _data_free_blocks(streamed: StreamedBlocks, plan: QuantizationPlan, progress
         if streamed.finished(index):
             continue
         streamed.load(index, block)
-        within = _within(f"{streamed.part(index)}.", plan.selects)
-        replace_linear_layers(model, plan.config, plan.module_class, within, quantize=True)
+        part = f"{streamed.part(index)}."
+        replace_linear_layers(model, plan.config, plan.module_class, _within(part, plan.selects), quantize=True)
+        experts = [name for name in plan.experts_modules if name.startswith(part)]
+        replace_experts(model, plan.config, plan.module_class, experts, quantize=True)
         streamed.store(index, block)
 
 

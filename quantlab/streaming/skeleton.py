@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from quantlab.streaming.conversion import CheckpointConversion
 from quantlab.streaming.reader import CheckpointReader, NotStreamableError
 from quantlab.utils.allocator import return_freed_memory
 
@@ -65,12 +66,14 @@ class StreamedWeights:
     def __init__(self, model: nn.Module, reader: CheckpointReader, dtype: torch.dtype) -> None:
         self.model, self.reader, self.dtype = model, reader, dtype
         self.tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
+        self.conversion = CheckpointConversion(model, reader.names())
         self.check_names()
 
     def check_names(self) -> None:
-        """Every tensor the model stores must be in the checkpoint under its own name (or its tied source's)."""
+        """Every tensor the model stores must be in the checkpoint under its own name (or its tied source's), or
+        be built from checkpoint tensors by the model's conversion mapping (fused experts)."""
         for name, _, _ in stored_entries(self.model):
-            if name not in self.reader and self.tied.get(name) not in self.reader:
+            if name not in self.reader and self.tied.get(name) not in self.reader and name not in self.conversion:
                 raise NotStreamableError(f"the checkpoint has no tensor {name!r} (its names differ from the model's)")
 
     def load(self, module: nn.Module, prefix: str, recurse: bool = True) -> None:
@@ -81,9 +84,12 @@ class StreamedWeights:
             if not current.is_meta:
                 continue
             value = self._shared(name)
-            if value is None:
+            dtype = self.dtype if current.is_floating_point() else None
+            if value is None and name not in self.reader and name in self.conversion:
+                value = self.conversion.read(name, lambda key, dtype=dtype: self.reader.tensor(key, dtype))
+            elif value is None:
                 key = name if name in self.reader else self.tied[name]
-                value = self.reader.tensor(key, self.dtype if current.is_floating_point() else None)
+                value = self.reader.tensor(key, dtype)
             assign(owner, attribute, value)
 
     def release(self, module: nn.Module, recurse: bool = True) -> None:

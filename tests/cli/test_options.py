@@ -53,6 +53,7 @@ def test_flags_follow_the_config_fields_of_every_builtin() -> None:
         "--layer-options",
         "--rotate-inputs",
         "--rotation-blocks",
+        "--expert-calibration",
         "--embedding-bits",
         "--embedding-group-size",
     ]
@@ -84,6 +85,7 @@ def test_kinds_and_defaults_come_from_annotations() -> None:
         "layer_options": ("json", True),
         "rotate_inputs": ("list", True),
         "rotation_blocks": ("choice", False),
+        "expert_calibration": ("choice", False),
         "embedding_bits": ("int", True),
         "embedding_group_size": ("int", True),
     }

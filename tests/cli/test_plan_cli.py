@@ -24,7 +24,7 @@ def test_the_plan_is_printed_and_nothing_is_written(cli, llama_dir: Path, tmp_pa
 
 def test_quantize_needs_an_output_unless_it_plans(cli, llama_dir: Path) -> None:
     result = cli.run("quantize", llama_dir, "--method", "nf4")
-    cli.assert_user_error(result, "needs --output DIR (or --plan")
+    cli.assert_user_error(result, "required: --output/-o (unless --plan")
 
 
 def test_a_mixture_of_experts_is_quantized_whole_and_said_so(cli, tmp_path: Path) -> None:
