@@ -28,6 +28,7 @@ from quantlab.generation.fusion import FuseProjections, mark_int8_activations
 from quantlab.generation.kv_cache import QuantizedKVCache
 from quantlab.generation.loop import NativeCachePreparation, NativeGenerate
 from quantlab.generation.native import NativeDecodeStep, SkipMaskForNativeSteps
+from quantlab.nn.quantized_experts import experts_modules
 
 # Modes inductor runs on CPU; "reduce-overhead" and "max-autotune" add CUDA graphs (CUDA only).
 CPU_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -150,7 +151,7 @@ def fast_decoding_config(
     On transformers' "sdpa" attention, the model's grouped-query attention layers are marked to run
     one-token steps without copying the cache for every query head (attention.py: the same attention);
     `disable_compiled_decoding` unmarks them."""
-    _check_can_compile(model, max_cache_len, mode)
+    _check_can_compile(model, max_cache_len, mode, fullgraph)
     _check_kv_bits(model, kv_bits, native_step)
     if not module_guards:
         options = {"guard_filter_fn": SKIP_MODULE_GUARDS, **(options or {})}
@@ -243,7 +244,7 @@ def warm_up(model: Any, batch_size: int = 1, **generate_kwargs: Any) -> CompileC
     return counts
 
 
-def _check_can_compile(model: Any, max_cache_len: int, mode: str) -> None:
+def _check_can_compile(model: Any, max_cache_len: int, mode: str, fullgraph: bool = True) -> None:
     if not hasattr(model, "generate") or not hasattr(model, "generation_config"):
         raise ConfigError(f"{type(model).__name__} does not generate text: pass a causal language model")
     if not getattr(model, "_can_compile_fullgraph", False) or not model._supports_default_dynamic_cache():
@@ -255,6 +256,12 @@ def _check_can_compile(model: Any, max_cache_len: int, mode: str) -> None:
         raise ConfigError(f"max_cache_len must be an integer >= 2 (prompt + new tokens), not {max_cache_len!r}")
     if mode not in CPU_COMPILE_MODES and model.device.type == "cpu":
         raise ConfigError(f"compile mode {mode!r} needs CUDA graphs; on CPU use one of {', '.join(CPU_COMPILE_MODES)}")
+    experts = experts_modules(model)
+    if experts and fullgraph:
+        raise ConfigError(
+            f"{experts[0]} routes tokens to quantized experts, which the compiled step does not trace in one graph "
+            f"yet; pass fullgraph=False (the experts run between graphs), or decode with plain generate"
+        )
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and not quantizer.is_compileable:
         method = getattr(quantizer.quantization_config, "quant_method", type(quantizer).__name__)

@@ -154,3 +154,14 @@ def test_dequantize_gives_the_float_experts_back(windows):
     experts = model.model.layers[0].mlp.experts
     assert type(experts) is MixtralExperts and experts.gate_up_proj.shape == (4, 256, 64)
     assert torch.allclose(model(windows["test"]).logits, logits, atol=1e-4)
+
+
+def test_the_compiled_step_refuses_quantized_experts_in_one_graph():
+    from quantlab.errors import ConfigError
+    from quantlab.generation import compile_for_decoding
+
+    model = quantlab.quantize(mixtral(), CustomBitsConfig(bits=4, group_size=32), progress=False)
+    with pytest.raises(ConfigError, match="pass fullgraph=False"):
+        compile_for_decoding(model)
+    with pytest.raises(ConfigError, match="native_step runs"):
+        compile_for_decoding(model, native_step=True, fullgraph=False)
