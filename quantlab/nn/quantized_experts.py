@@ -230,13 +230,12 @@ def routed_tokens(top_k_index: torch.Tensor, num_experts: int) -> Iterator[tuple
 def expert_configs(config: QuantlabConfig, name: str) -> dict[str, QuantlabConfig]:
     """The config of each projection of the experts module `name` (its `layer_options` applied; never rotated:
     the experts' inputs are not)."""
-    configs = {}
-    for projection in PROJECTIONS:
-        layer_config = config.config_for(f"{name}.{projection}")
-        if layer_config.input_rotated:
-            layer_config = dataclasses.replace(layer_config, input_rotated=False)
-        configs[projection] = layer_config
-    return configs
+    return {projection: unrotated(config.config_for(f"{name}.{projection}")) for projection in PROJECTIONS}
+
+
+def unrotated(config: QuantlabConfig) -> QuantlabConfig:
+    """`config` for an experts projection: never rotated, since `QuantizedExperts` does not rotate its inputs."""
+    return dataclasses.replace(config, input_rotated=False) if config.input_rotated else config
 
 
 def experts_modules(model: nn.Module) -> list[str]:

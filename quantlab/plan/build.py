@@ -197,7 +197,6 @@ def _left_float(
     named_only: bool,
 ) -> list[FloatWeight]:
     """Every float weight of two or more dimensions the plan does not quantize, with the reason."""
-    from transformers.quantizers.quantizers_utils import should_convert_module
 
     vocabulary = find_vocabulary(model)
     vocabulary_names = {vocabulary.embedding, vocabulary.head} - {None}
@@ -229,8 +228,6 @@ def _left_float(
             why, chosen = _why_float(
                 module, attribute, parameter.dim(), name, skipped, in_vocabulary, named_only, skip_reason
             )
-            if chosen is None:
-                chosen = not should_convert_module(name, skipped) if skipped else False
             left.append(FloatWeight(full, tuple(parameter.shape), why, chosen, in_vocabulary))
     return left
 
@@ -244,8 +241,8 @@ def _why_float(
     in_vocabulary: bool,
     named_only: bool,
     skip_reason: str,
-) -> tuple[str, bool | None]:
-    """(reason, whether it was kept on purpose); None: on purpose only if the skip list names it."""
+) -> tuple[str, bool]:
+    """(reason, whether it was kept on purpose: chosen, or named by the skip list)."""
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     if in_vocabulary and isinstance(module, nn.Embedding):
@@ -260,4 +257,5 @@ def _why_float(
         return "not selected", True
     if is_router(module, name):
         return "router (kept in float: its few weights choose the experts)", True
-    return f"no quantized module for a {unhandled_kind(module, attribute, dimensions)}", None
+    kept_by_user = bool(skipped) and not should_convert_module(name, skipped)
+    return f"no quantized module for a {unhandled_kind(module, attribute, dimensions)}", kept_by_user

@@ -17,6 +17,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import LeftInFloatWarning, PaddedGroupsWarning
 from quantlab.formats.layout import StorageLayout
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.quantized_experts import unrotated
 from quantlab.solvers import Solver
 
 
@@ -47,9 +48,7 @@ class PlannedLayer:
     ) -> "PlannedLayer":
         """The layer `name` under the run's `config` (its layer options and rotation applied; an experts
         projection is never rotated)."""
-        layer_config = config.config_for(name)
-        if experts and layer_config.input_rotated:
-            layer_config = dataclasses.replace(layer_config, input_rotated=False)
+        layer_config = unrotated(config.config_for(name)) if experts else config.config_for(name)
         try:
             layout = module_class.layout_for(in_features, out_features, layer_config)
         except NotImplementedError:
