@@ -70,10 +70,11 @@ def _add_gguf_parser(formats: argparse._SubParsersAction) -> None:
     gguf = formats.add_parser(
         "gguf",
         help="one GGUF file for llama.cpp, quantlab's 4- and 8-bit codes kept where a GGUF type holds them",
-        description="Export a Llama-family or Qwen2 causal LM (float, or quantized by quantlab) and its tokenizer to "
-        "one GGUF file. Layers whose codes a GGUF type holds exactly keep them: symmetric 4-bit (fp16 scales, groups "
-        "of 32 or a multiple) as Q4_0, int8 as Q8_0, asymmetric 4-bit as Q4_1 when fp16 holds -zero*scale. Other "
-        "matrices are re-quantized to the fallback type; the report lists every tensor.",
+        description="Export a Llama-family, Qwen2/3, Mixtral, Qwen2-MoE or Qwen3-MoE causal LM (float, or quantized by "
+        "quantlab) and its tokenizer to one GGUF file. Layers whose codes a GGUF type holds exactly keep them: "
+        "symmetric 4-bit (fp16 scales, groups of 32 or a multiple) as Q4_0, int8 as Q8_0, asymmetric 4-bit as Q4_1 "
+        "when fp16 holds -zero*scale; a mixture's experts as 3-D tensors of those types. Other matrices are "
+        "re-quantized to the fallback type; the report lists every tensor.",
     )
     gguf.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
     gguf.add_argument("--output", "-o", required=True, metavar="FILE", help="the .gguf file to write")

@@ -1,9 +1,14 @@
 """The transformers causal LMs llama.cpp runs that the GGUF export knows: their GGUF architecture,
 hyperparameter keys and tensor names, as llama.cpp's own converter (`convert_hf_to_gguf.py`) writes them.
 
-- `llama` (Llama 2/3, SmolLM2, ...): rotary embedding on interleaved pairs in llama.cpp, so the
-  rows of the q and k projections are permuted from transformers' half-split layout (`rope_rows`).
-- `qwen2`: the same block with q/k/v biases and the half-split (NeoX) rotary layout: no permutation.
+- `llama` (Llama 2/3, SmolLM2, ..., and Mixtral, whose experts llama.cpp's `llama` graph runs):
+  rotary embedding on interleaved pairs in llama.cpp, so the rows of the q and k projections are
+  permuted from transformers' half-split layout (`rope_rows`).
+- `qwen2`, `qwen3`: the same block with the half-split (NeoX) rotary layout, no permutation; Qwen2
+  has q/k/v biases, Qwen3 RMS norms on each head's queries and keys (`attn_q_norm`, `attn_k_norm`).
+- `qwen2moe`, `qwen3moe`: those blocks with a mixture of experts: a float router (`ffn_gate_inp`),
+  the experts' projections as 3-D tensors (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`,
+  `[experts, out, in]`), and Qwen2-MoE's shared expert (`*_shexp`) with its sigmoid gate.
 """
 
 import math
@@ -18,17 +23,28 @@ from quantlab.export.gguf.errors import GGUFExportError
 
 @dataclass(frozen=True)
 class Architecture:
-    """One architecture: `name` is GGUF's `general.architecture`; `model_type` is transformers'."""
+    """One architecture: `name` is GGUF's `general.architecture`; `model_type` is transformers'.
+
+    `normalizes_top_k` (mixtures of experts): whether llama.cpp's graph of `name` renormalizes the
+    routed experts' weights to sum to one; the transformers config must route the same way."""
 
     name: str
     model_type: str
     rope_permuted: bool  # q/k rows in llama.cpp's interleaved rotary layout
     writes_vocab_size: bool
+    normalizes_top_k: bool | None = None  # None: not a mixture of experts
 
 
 ARCHITECTURES = {
-    "llama": Architecture("llama", "llama", rope_permuted=True, writes_vocab_size=True),
-    "qwen2": Architecture("qwen2", "qwen2", rope_permuted=False, writes_vocab_size=False),
+    architecture.model_type: architecture
+    for architecture in (
+        Architecture("llama", "llama", rope_permuted=True, writes_vocab_size=True),
+        Architecture("llama", "mixtral", rope_permuted=True, writes_vocab_size=True, normalizes_top_k=True),
+        Architecture("qwen2", "qwen2", rope_permuted=False, writes_vocab_size=False),
+        Architecture("qwen3", "qwen3", rope_permuted=False, writes_vocab_size=False),
+        Architecture("qwen2moe", "qwen2_moe", rope_permuted=False, writes_vocab_size=False, normalizes_top_k=False),
+        Architecture("qwen3moe", "qwen3_moe", rope_permuted=False, writes_vocab_size=False, normalizes_top_k=True),
+    )
 }
 
 # transformers module name → GGUF tensor name (without the `.weight` / `.bias` suffix)
@@ -41,29 +57,67 @@ _MODULE_NAMES = [
     (r"model\.layers\.(\d+)\.self_attn\.k_proj", r"blk.\1.attn_k"),
     (r"model\.layers\.(\d+)\.self_attn\.v_proj", r"blk.\1.attn_v"),
     (r"model\.layers\.(\d+)\.self_attn\.o_proj", r"blk.\1.attn_output"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_norm", r"blk.\1.attn_q_norm"),
+    (r"model\.layers\.(\d+)\.self_attn\.k_norm", r"blk.\1.attn_k_norm"),
     (r"model\.layers\.(\d+)\.post_attention_layernorm", r"blk.\1.ffn_norm"),
     (r"model\.layers\.(\d+)\.mlp\.gate_proj", r"blk.\1.ffn_gate"),
     (r"model\.layers\.(\d+)\.mlp\.up_proj", r"blk.\1.ffn_up"),
     (r"model\.layers\.(\d+)\.mlp\.down_proj", r"blk.\1.ffn_down"),
+    (r"model\.layers\.(\d+)\.mlp\.gate", r"blk.\1.ffn_gate_inp"),
+    (r"model\.layers\.(\d+)\.mlp\.experts", r"blk.\1.ffn_{}_exps"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.gate_proj", r"blk.\1.ffn_gate_shexp"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.up_proj", r"blk.\1.ffn_up_shexp"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.down_proj", r"blk.\1.ffn_down_shexp"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert_gate", r"blk.\1.ffn_gate_inp_shexp"),
 ]
 _COMPILED = [(re.compile(pattern + r"$"), name) for pattern, name in _MODULE_NAMES]
+
+# Matrices llama.cpp's converter keeps in float32 (routers: a rounded router picks other experts), and
+# the ones it stores as a vector (Qwen2-MoE's shared-expert gate, `[1, hidden]` in transformers).
+FLOAT32_MATRICES = (".ffn_gate_inp", ".ffn_gate_inp_shexp")
+VECTORS = (".ffn_gate_inp_shexp",)
+
+# The experts' projections in GGUF (`{}` of `ffn_{}_exps`): each names the fused parameter it is cut from
+# and which half of its rows (gate and up share `gate_up_proj`: gate the first half, up the second).
+EXPERT_PROJECTIONS = (("gate", "gate_up_proj", 0), ("up", "gate_up_proj", 1), ("down", "down_proj", None))
 
 
 def architecture_of(model: Any) -> Architecture:
     """The architecture of a transformers causal LM; GGUFExportError naming the supported ones otherwise."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for architecture in ARCHITECTURES.values():
-        if architecture.model_type == model_type:
-            return architecture
-    supported = ", ".join(sorted(ARCHITECTURES))
-    raise GGUFExportError(
-        f"a {model_type or type(model).__name__} model cannot be written as GGUF; supported architectures: "
-        f"{supported} (Llama-family and Qwen2 causal LMs)"
-    )
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    architecture = ARCHITECTURES.get(model_type)
+    if architecture is None:
+        supported = ", ".join(ARCHITECTURES)
+        raise GGUFExportError(
+            f"a {model_type or type(model).__name__} model cannot be written as GGUF; supported model types: "
+            f"{supported}"
+        )
+    if architecture.normalizes_top_k is not None:
+        _check_routing(architecture, config)
+    return architecture
+
+
+def _check_routing(architecture: Architecture, config: Any) -> None:
+    """Refuse a mixture of experts that llama.cpp's graph would route differently from transformers."""
+    normalizes = getattr(config, "norm_topk_prob", True)  # Mixtral always renormalizes
+    if bool(normalizes) != architecture.normalizes_top_k:
+        raise GGUFExportError(
+            f"llama.cpp's {architecture.name} graph {'always' if architecture.normalizes_top_k else 'never'} "
+            f"renormalizes the routed experts' weights, but this model's config has norm_topk_prob={normalizes}: "
+            f"the file would compute another model"
+        )
+    dense = list(getattr(config, "mlp_only_layers", None) or [])
+    if int(getattr(config, "decoder_sparse_step", 1) or 1) != 1 or dense:
+        raise GGUFExportError(
+            f"llama.cpp's {architecture.name} graph needs experts in every block; this model has dense MLP blocks "
+            f"(mlp_only_layers={dense}, decoder_sparse_step={getattr(config, 'decoder_sparse_step', 1)})"
+        )
 
 
 def gguf_name(module_name: str) -> str | None:
-    """The GGUF name of a module's tensors (`blk.0.attn_q`), or None for a module GGUF has no tensor for."""
+    """The GGUF name of a module's tensors (`blk.0.attn_q`; `blk.0.ffn_{}_exps` for a block's experts, `{}`
+    standing for gate, up or down), or None for a module GGUF has no tensor for."""
     for pattern, name in _COMPILED:
         if pattern.match(module_name):
             return pattern.sub(name, module_name)
@@ -111,7 +165,19 @@ def write_hyperparameters(writer: Any, architecture: Architecture, config: Any) 
     if dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(dim)
         writer.add_value_length(dim)
+    if architecture.normalizes_top_k is not None:
+        _write_experts(writer, config)
     return _rope_scaling(writer, architecture, rope, config)
+
+
+def _write_experts(writer: Any, config: Any) -> None:
+    """The mixture-of-experts keys: how many experts, how many each token uses, their MLP widths."""
+    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:

@@ -1,5 +1,7 @@
-"""`to_gguf`: a Llama-family or Qwen2 causal LM, float or quantized by quantlab, as one GGUF file for llama.cpp."""
+"""`to_gguf`: a Llama-family, Qwen2/3 or mixture-of-experts causal LM, float or quantized by quantlab, as one GGUF
+file for llama.cpp."""
 
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -12,7 +14,6 @@ from quantlab.export.gguf import architectures
 from quantlab.export.gguf.errors import GGUFExportError, require_gguf
 from quantlab.export.gguf.tensors import GGUFTensor, extra_tensors, model_tensors
 from quantlab.export.gguf.vocabulary import vocabulary
-from quantlab.nn.quantized_experts import experts_modules, experts_refusal
 from quantlab.nn.rotation import refusal, rotated_layers
 from quantlab.utils.atomic import atomic_file, check_replaceable
 
@@ -82,9 +83,6 @@ def to_gguf(
     rotated = rotated_layers(model)
     if rotated:
         raise GGUFExportError(refusal(rotated, "GGUF"))
-    experts = experts_modules(model)
-    if experts:
-        raise GGUFExportError(experts_refusal(experts, "GGUF"))
     if tokenizer is None:
         raise GGUFExportError("a GGUF file carries its tokenizer: pass the model's tokenizer (none was found)")
     config = model.config
@@ -144,7 +142,7 @@ def _file_type(tensors: list[GGUFTensor]) -> str:
     """`general.file_type`: the type holding most of the matrices' weights, as llama.cpp names it."""
     weights: Counter[str] = Counter()
     for tensor in tensors:
-        if len(tensor.shape) == 2:
-            weights[tensor.type] += tensor.shape[0] * tensor.shape[1]
+        if len(tensor.shape) >= 2:
+            weights[tensor.type] += math.prod(tensor.shape)
     main = weights.most_common(1)[0][0] if weights else "F32"
     return "ALL_F32" if main == "F32" else f"MOSTLY_{main}"
