@@ -10,7 +10,9 @@ models whose quantizer does not declare itself compileable; `compile_for_decodin
 on any causal LM, float or quantized. The prompt (prefill) still runs eagerly, on the many-row
 kernels; only the one-token steps run compiled. In the compiled step the quantized projections
 that read one input (q/k/v, gate/up) run as one grouped call each (`fuse_projections`, fusion.py),
-and grouped-query attention reads the cache's key/value heads in place (attention.py).
+and grouped-query attention reads the cache's key/value heads in place (attention.py). A mixture of
+experts' quantized projections (`QuantizedExperts`) route inside the operator `quantlab::routed_linear`
+(quantlab.kernels.experts), so a mixture of experts decodes in one graph too.
 """
 
 import copy
@@ -28,7 +30,6 @@ from quantlab.generation.fusion import FuseProjections, mark_int8_activations
 from quantlab.generation.kv_cache import QuantizedKVCache
 from quantlab.generation.loop import NativeCachePreparation, NativeGenerate
 from quantlab.generation.native import NativeDecodeStep, SkipMaskForNativeSteps
-from quantlab.nn.quantized_experts import experts_modules
 
 # Modes inductor runs on CPU; "reduce-overhead" and "max-autotune" add CUDA graphs (CUDA only).
 CPU_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -71,9 +72,10 @@ def compile_for_decoding(
     grows the cache and compiles once more); attention reads the whole static cache at every step,
     so keep it near what you generate. `mode` is a torch.compile mode that runs on CPU. `fullgraph`
     (default True: every quantized layer traces, on the torch operators, through ctypes, or on the
-    reference kernel) makes a graph break an error instead of a slowdown. The first generation
-    compiles (tens of seconds): call `warm_up` to pay it up front. Generation options (sampling,
-    stopping, streamers) work as in plain `generate`; a new batch size compiles once more.
+    reference kernel, and quantized experts as one routing operator) makes a graph break an error
+    instead of a slowdown. The first generation compiles (tens of seconds): call `warm_up` to pay it
+    up front. Generation options (sampling, stopping, streamers) work as in plain `generate`; a new
+    batch size compiles once more.
 
     `module_guards=False` (the default) skips dynamo's checks of the model's modules before every
     step, a noticeable share of a small model's step (benchmarks/RESULTS.md). The compiled step then
@@ -151,7 +153,7 @@ def fast_decoding_config(
     On transformers' "sdpa" attention, the model's grouped-query attention layers are marked to run
     one-token steps without copying the cache for every query head (attention.py: the same attention);
     `disable_compiled_decoding` unmarks them."""
-    _check_can_compile(model, max_cache_len, mode, fullgraph)
+    _check_can_compile(model, max_cache_len, mode)
     _check_kv_bits(model, kv_bits, native_step)
     if not module_guards:
         options = {"guard_filter_fn": SKIP_MODULE_GUARDS, **(options or {})}
@@ -244,7 +246,7 @@ def warm_up(model: Any, batch_size: int = 1, **generate_kwargs: Any) -> CompileC
     return counts
 
 
-def _check_can_compile(model: Any, max_cache_len: int, mode: str, fullgraph: bool = True) -> None:
+def _check_can_compile(model: Any, max_cache_len: int, mode: str) -> None:
     if not hasattr(model, "generate") or not hasattr(model, "generation_config"):
         raise ConfigError(f"{type(model).__name__} does not generate text: pass a causal language model")
     if not getattr(model, "_can_compile_fullgraph", False) or not model._supports_default_dynamic_cache():
@@ -256,12 +258,6 @@ def _check_can_compile(model: Any, max_cache_len: int, mode: str, fullgraph: boo
         raise ConfigError(f"max_cache_len must be an integer >= 2 (prompt + new tokens), not {max_cache_len!r}")
     if mode not in CPU_COMPILE_MODES and model.device.type == "cpu":
         raise ConfigError(f"compile mode {mode!r} needs CUDA graphs; on CPU use one of {', '.join(CPU_COMPILE_MODES)}")
-    experts = experts_modules(model)
-    if experts and fullgraph:
-        raise ConfigError(
-            f"{experts[0]} routes tokens to quantized experts, which the compiled step does not trace in one graph "
-            f"yet; pass fullgraph=False (the experts run between graphs), or decode with plain generate"
-        )
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and not quantizer.is_compileable:
         method = getattr(quantizer.quantization_config, "quant_method", type(quantizer).__name__)

@@ -13,53 +13,25 @@ the file, fused in memory) apply to the codes as they do to float weights.
 The forward pass routes like transformers' eager experts: each expert that received tokens runs
 its two projections on those tokens only, through the kernel of its format (`ExpertSlice` shows
 one expert's slice to a kernel as a quantized Linear layer), and the weighted results are summed.
+Each projection is one call of `quantlab.kernels.experts.routed_linear` (as the operator
+`quantlab::routed_linear` without gradients), so torch.compile traces the whole module into one
+graph: the activation between the projections and everything around them as torch operations.
 """
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from quantlab.config import QuantlabConfig
-from quantlab.formats.layout import StorageLayout
-from quantlab.kernels import select_kernel
+from quantlab.kernels.experts import ExpertSlice, layout_text, routed_linear, routed_linear_op
 from quantlab.nn.kinds import fused_experts_shape
 from quantlab.nn.quantized_linear import QuantizedLinear
 from quantlab.nn.stored import StoredTensorsModule
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
-
-
-class ExpertSlice:
-    """One expert's slice of one projection, as a kernel reads a quantized Linear layer: its layout and views
-    of the stacked stored tensors (no copy)."""
-
-    activation_bits: ClassVar[int] = 0
-    input_rotation: ClassVar[int] = 0
-    bias: ClassVar[None] = None
-
-    def __init__(self, layout: StorageLayout, tensors: dict[str, torch.Tensor]) -> None:
-        self.layout = layout
-        self.in_features, self.out_features = layout.in_features, layout.out_features
-        self._buffers = tensors
-        self._parameters: dict[str, torch.Tensor] = {}
-
-    @property
-    def format(self) -> str:
-        return self.layout.codec
-
-    def stored_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self._buffers)
-
-    def dequantize_stored(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.layout.dequantize(self._buffers, dtype)
-
-    dequantize_weight = dequantize_stored
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return select_kernel(self.layout.codec, x.device.type)(self, x)
 
 
 class QuantizedExperts(StoredTensorsModule):
@@ -92,9 +64,12 @@ class QuantizedExperts(StoredTensorsModule):
             for name, spec in layout.tensors.items():
                 shape = (num_experts, *spec.shape)
                 self.register_buffer(stored_name(projection, name), torch.zeros(shape, dtype=spec.dtype, device=device))
-        self.stored_names = tuple(
-            stored_name(projection, name) for projection, layout in self.layouts.items() for name in layout.tensors
-        )
+        self._projection_names = {
+            projection: tuple(stored_name(projection, name) for name in layout.tensors)
+            for projection, layout in self.layouts.items()
+        }
+        self.stored_names = tuple(name for names in self._projection_names.values() for name in names)
+        self._layout_texts = {projection: layout_text(layout) for projection, layout in self.layouts.items()}
         self._slices: dict[str, list[ExpertSlice]] = {}
         self._sliced_from: tuple[int, ...] = ()
 
@@ -190,13 +165,25 @@ class QuantizedExperts(StoredTensorsModule):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        final = torch.zeros_like(hidden_states)
-        gate_up, down = self.slices("gate_up_proj"), self.slices("down_proj")
-        for expert, tokens, positions in routed_tokens(top_k_index, self.num_experts):
-            gate, up = gate_up[expert](hidden_states[tokens]).chunk(2, dim=-1)
-            out = down[expert](self.act_fn(gate) * up) * top_k_weights[tokens, positions, None]
-            final.index_add_(0, tokens, out.to(final.dtype))
-        return final
+        gate, up = self.project("gate_up_proj", hidden_states, top_k_index).chunk(2, dim=-1)
+        return self.project("down_proj", self.act_fn(gate) * up, top_k_index, top_k_weights)
+
+    def project(
+        self, projection: str, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`routed_linear` of one projection: each routed pair's row `[tokens, k, out]`, or with `top_k_weights`
+        the weighted sum per token `[tokens, out]`. Without gradients it runs as the operator
+        `quantlab::routed_linear`, which torch.compile keeps in the graph; with them, the same function
+        directly, its gradients flowing through the kernels."""
+        layout, stored = self.routed_arguments(projection)
+        if torch.is_grad_enabled() and (x.requires_grad or (top_k_weights is not None and top_k_weights.requires_grad)):
+            return routed_linear(x, top_k_index, top_k_weights, self.layouts[projection], stored)
+        return routed_linear_op(x, top_k_index, top_k_weights, layout, stored)
+
+    def routed_arguments(self, projection: str) -> tuple[str, list[torch.Tensor]]:
+        """What `quantlab::routed_linear` takes for `projection` after the routing: its layout in one line
+        (`layout_text`) and its stacked stored tensors in the layout's order."""
+        return self._layout_texts[projection], [self._buffers[name] for name in self._projection_names[projection]]
 
     def extra_repr(self) -> str:
         layout = self.layouts["gate_up_proj"]
@@ -236,17 +223,3 @@ def expert_configs(config: QuantlabConfig, name: str) -> dict[str, QuantlabConfi
 def unrotated(config: QuantlabConfig) -> QuantlabConfig:
     """`config` for an experts projection: never rotated, since `QuantizedExperts` does not rotate its inputs."""
     return dataclasses.replace(config, input_rotated=False) if config.input_rotated else config
-
-
-def experts_modules(model: nn.Module) -> list[str]:
-    """The names of `model`'s quantized experts modules."""
-    return [name for name, module in model.named_modules() if isinstance(module, QuantizedExperts)]
-
-
-def experts_refusal(names: list[str], target: str) -> str:
-    """The one-line refusal of an export that cannot write quantized experts modules yet."""
-    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-    return (
-        f"{names[0]}{more} hold a mixture of experts' quantized projections, which the {target} export does not "
-        f"write yet; export the dequantized model (quantlab.dequantize) or a model without fused experts"
-    )

@@ -6,6 +6,7 @@ import torch
 import quantlab
 from quantlab.errors import ConfigError
 from quantlab.generation import compile_for_decoding, count_compilations, disable_compiled_decoding, warm_up
+from quantlab.testing.architectures import tiny_causal_lm
 from quantlab.testing.models import tiny_bert, tiny_llama
 
 MODELS = {
@@ -73,6 +74,41 @@ def test_a_padded_batch_compiles_once_more_and_decodes_each_row_as_eager(models)
     assert counts.graph_breaks == 0 and counts.frames == 1  # batch size 2: a second graph, compiled once
     assert torch.equal(fast, again)
     assert torch.equal(fast, eager.generate(ids, **kwargs))
+
+
+# Quantized mixtures of experts: (model type, seed, config). One compilation each.
+MIXTURES = {
+    "qwen3_moe-4bit-g32": ("qwen3_moe", 2, quantlab.CustomBitsConfig(bits=4, group_size=32)),
+    "mixtral-4bit-g32": ("mixtral", 1, quantlab.CustomBitsConfig(bits=4, group_size=32)),
+    "mixtral-nf4": ("mixtral", 1, quantlab.NF4Config(blocksize=32)),
+}
+MIXTURE_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=list(MIXTURES))
+def mixture(request):
+    """(model, its eager greedy tokens for each prompt): a quantized tiny mixture of experts, then compiled
+    for decoding and warmed up as one graph."""
+    model_type, seed, config = MIXTURES[request.param]
+    model = quantlab.quantize(tiny_causal_lm(model_type, seed=seed), config, progress=False)
+    model.generation_config.pad_token_id = 0
+    eager = [_generate(model, ids, MIXTURE_TOKENS) for ids in PROMPTS]
+    torch._dynamo.reset()
+    compile_for_decoding(model, max_cache_len=32)  # fullgraph: a graph break would be an error
+    counts = warm_up(model)
+    assert counts.graph_breaks == 0, counts.break_reasons
+    assert counts.frames == 1 and counts.graphs == 1
+    return model, eager
+
+
+def test_a_quantized_mixture_of_experts_decodes_compiled_in_one_graph_as_eager(mixture):
+    model, eager = mixture
+    with count_compilations() as counts:
+        fast = [_generate(model, ids, MIXTURE_TOKENS) for ids in PROMPTS]
+    assert (counts.frames, counts.graphs, counts.graph_breaks) == (0, 0, 0), counts.break_reasons
+    for tokens_fast, tokens in zip(fast, eager, strict=True):
+        assert torch.equal(tokens_fast, tokens)
+        assert len(set(tokens[0].tolist())) > MIXTURE_TOKENS // 2  # tokens that vary: routed to varied experts
 
 
 def test_disabling_returns_to_eager_decoding():

@@ -9,10 +9,11 @@ from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 import quantlab
-from quantlab.errors import DataFreeExpertsWarning, QuantlabError
+from quantlab.errors import DataFreeExpertsWarning
+from quantlab.kernels.experts import routed_linear_op
 from quantlab.methods.custom_bits import CustomBitsConfig
 from quantlab.methods.nf4 import NF4Config
-from quantlab.nn.quantized_experts import QuantizedExperts, stored_name
+from quantlab.nn.quantized_experts import QuantizedExperts, routed_tokens, stored_name
 
 CALIBRATED = {"calibration_samples": 8, "calibration_seq_len": 32}
 
@@ -136,17 +137,6 @@ def test_experts_given_too_few_tokens_are_quantized_data_free_and_named(windows)
     assert noted and all(".mlp.experts." in name and why.endswith(": mse") for name, why in noted.items())
 
 
-def test_exports_refuse_quantized_experts_in_one_line(tmp_path):
-    from quantlab.export import to_onnx
-    from quantlab.export.compressed_tensors import to_compressed_tensors
-
-    model = quantlab.quantize(mixtral(), CustomBitsConfig(bits=4, group_size=32), progress=False)
-    for export in (lambda: to_onnx(model, tmp_path / "m.onnx"), lambda: to_compressed_tensors(model, tmp_path / "ct")):
-        with pytest.raises(QuantlabError, match="mixture of experts' quantized projections") as caught:
-            export()
-        assert "\n" not in str(caught.value)
-
-
 def test_dequantize_gives_the_float_experts_back(windows):
     model = quantlab.quantize(mixtral(), CustomBitsConfig(bits=8, group_size=32), progress=False)
     logits = model(windows["test"]).logits
@@ -156,12 +146,79 @@ def test_dequantize_gives_the_float_experts_back(windows):
     assert torch.allclose(model(windows["test"]).logits, logits, atol=1e-4)
 
 
-def test_the_compiled_step_refuses_quantized_experts_in_one_graph():
+def test_the_native_step_refuses_a_mixture_of_experts_in_one_line():
     from quantlab.errors import ConfigError
     from quantlab.generation import compile_for_decoding
 
     model = quantlab.quantize(mixtral(), CustomBitsConfig(bits=4, group_size=32), progress=False)
-    with pytest.raises(ConfigError, match="pass fullgraph=False"):
-        compile_for_decoding(model)
-    with pytest.raises(ConfigError, match="native_step runs"):
-        compile_for_decoding(model, native_step=True, fullgraph=False)
+    with pytest.raises(ConfigError, match="native_step runs") as caught:
+        compile_for_decoding(model, native_step=True)
+    assert "\n" not in str(caught.value)
+
+
+# Every format QuantizedLinear stores: affine at 2-8 bits (symmetric or with zero points, per group or per
+# channel), int8, NF4 (plain and double-quantized absmax), IQ4_NL, and a learned table (lut).
+FORMATS = {
+    "affine2": CustomBitsConfig(bits=2, group_size=32),
+    "affine3-sym": CustomBitsConfig(bits=3, group_size=64, symmetric=True),
+    "affine4": CustomBitsConfig(bits=4, group_size=32),
+    "affine5-channel": CustomBitsConfig(bits=5, group_size=None, scale_dtype="float32"),
+    "affine8": CustomBitsConfig(bits=8, group_size=32),
+    "int8": quantlab.Int8SymmetricConfig(),
+    "nf4": NF4Config(blocksize=32, double_quant=False),
+    "nf4-double": NF4Config(blocksize=64),
+    "iq4_nl": quantlab.IQ4NLConfig(),
+    "lut3": quantlab.LutConfig(bits=3, group_size=32),
+}
+
+
+def eager_loop(experts: QuantizedExperts, x: torch.Tensor, top_k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output as a loop over the routed experts computes it, each slice through its kernel."""
+    final = torch.zeros_like(x)
+    gate_up, down = experts.slices("gate_up_proj"), experts.slices("down_proj")
+    for expert, tokens, positions in routed_tokens(top_k, experts.num_experts):
+        gate, up = gate_up[expert](x[tokens]).chunk(2, dim=-1)
+        out = down[expert](experts.act_fn(gate) * up) * weights[tokens, positions, None]
+        final.index_add_(0, tokens, out.to(final.dtype))
+    return final
+
+
+def quantized_experts(config) -> QuantizedExperts:
+    torch.manual_seed(0)
+    experts_config = mixtral_config()
+    experts_config.intermediate_size = 64
+    experts = MixtralExperts(experts_config)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.05)
+    torch.nn.init.normal_(experts.down_proj, std=0.05)
+    layer_class = quantlab.registry.method_of(config).module_class
+    return QuantizedExperts.from_float(experts, layer_class, {"gate_up_proj": config, "down_proj": config}, "e")
+
+
+@pytest.mark.parametrize("config", list(FORMATS.values()), ids=list(FORMATS))
+def test_the_routed_operator_computes_the_loop_over_experts_in_every_format(config):
+    experts = quantized_experts(config)
+    x = torch.randn(12, 64)
+    # expert 0 gets 9 tokens, 2 none, and slot index 4 names no expert of the module (it adds nothing)
+    top_k = torch.tensor([[0, 1]] * 5 + [[1, 3], [3, 0], [0, 3], [1, 0], [3, 1], [0, 4], [4, 1]])
+    weights = torch.rand(12, 2)
+    expected = eager_loop(experts, x, top_k, weights)
+    with torch.no_grad():  # the operator quantlab::routed_linear, as in the compiled step
+        out = experts(x, top_k, weights)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    x_grad = x.clone().requires_grad_()  # with gradients: the same function called directly
+    out = experts(x_grad, top_k, weights)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    out.square().sum().backward()
+    assert x_grad.grad is not None and x_grad.grad.abs().sum() > 0
+
+
+def test_the_routed_operator_traces_its_shapes_and_keeps_the_input_dtype():
+    experts = quantized_experts(CustomBitsConfig(bits=4, group_size=32))
+    x, top_k, weights = torch.randn(5, 64), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+    gate_up, down = experts.routed_arguments("gate_up_proj"), experts.routed_arguments("down_proj")
+    torch.library.opcheck(routed_linear_op, (x, top_k, None, *gate_up))  # each pair's row: [tokens, k, 128]
+    torch.library.opcheck(routed_linear_op, (torch.randn(5, 2, 64), top_k, weights, *down))  # summed: [tokens, 64]
+    with torch.no_grad():
+        half = experts(x.bfloat16(), top_k, weights)
+    assert half.dtype == torch.bfloat16 and half.shape == (5, 64)
+    torch.testing.assert_close(half.float(), eager_loop(experts, x, top_k, weights), rtol=0.05, atol=0.01)
