@@ -3,7 +3,10 @@
 The model is traced by `torch.onnx.export(dynamo=True)` with each quantized layer replaced
 by a placeholder node; the placeholders are then lowered to onnxruntime's low-bit operators
 fed with the layers' own codes and scales (see `builtin_lowerings.py` for the table). The
-graph has dynamic batch and sequence axes, and optionally past key values.
+graph has dynamic batch and sequence axes, and optionally past key values. A mixture of
+experts' quantized projections (`QuantizedExperts`) are lowered expert by expert the same way,
+every expert computing every token (see `experts.py`); the router is exported as transformers
+writes it.
 
 Why the dynamo exporter: the TorchScript one (`dynamo=False`) also exports transformers 5.23
 Llama with a DynamicCache, and faster, but it bakes Python branches on sizes into the
@@ -25,6 +28,7 @@ from torch import nn
 import quantlab
 from quantlab.export import placeholder
 from quantlab.export.errors import ExportError
+from quantlab.export.experts import expert_layer, projection_names
 from quantlab.export.lower import lower_placeholders, operator_counts
 from quantlab.export.lowering import lowering_for
 from quantlab.export.saving import check_output, save_model, staged_output, stored_bytes
@@ -32,7 +36,7 @@ from quantlab.export.tracking import ModuleTracker, module_of_failed_node, short
 from quantlab.export.wrappers import ExportSpec, build_spec
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
-from quantlab.nn.quantized_experts import experts_modules, experts_refusal
+from quantlab.nn.quantized_experts import PROJECTIONS, QuantizedExperts
 
 _WRAPPER_PREFIX = "model."  # the wrappers hold the model as `self.model`
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits: unset, fp32, fp16, bf16, int8 activations
@@ -136,12 +140,13 @@ def _write(model: ir.Model, path: Path, ort_dynamic_int8: bool) -> Counter:
 def check_exportable(model: nn.Module) -> None:
     """Refuse, by module name, layers the export cannot carry: quantized layers of other libraries
     and quantlab layers without an ONNX lowering."""
-    experts = experts_modules(model)
-    if experts:
-        raise ExportError(experts_refusal(experts, "ONNX"))
     for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
             lowering_for(name, module)
+            continue
+        if isinstance(module, QuantizedExperts):
+            for projection, projection_name in zip(PROJECTIONS, projection_names(name), strict=True):
+                lowering_for(projection_name, expert_layer(module, projection, 0))
             continue
         if isinstance(module, QuantizedTable):
             continue  # traced as torch ops: a Gather of the stored codes, decoded (see nn/quantized_embedding.py)

@@ -39,6 +39,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {**_MOE, "head_dim": 16},
     "olmoe": {**_MOE, "num_experts": 4},
     "deepseek_v3": {
+        # As DeepSeek-V3's own config: its attention expands keys to every head, so transformers' sdpa path repeats
+        # them again when there are fewer key/value heads, and a padded batch then fails.
+        "num_key_value_heads": 4,
         "n_routed_experts": 8,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,

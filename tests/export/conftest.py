@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from quantlab.export.lower import lowering_for
 from quantlab.export.lowering import LayerLowering
 from quantlab.nn import QuantizedLinear
-from quantlab.replacement import quantized_layers
+from quantlab.replacement import quantized_experts, quantized_layers
 
 
 def small_llama(hidden_size: int = 64, intermediate_size: int = 96, layers: int = 1, seed: int = 0) -> LlamaForCausalLM:
@@ -50,9 +50,10 @@ def max_logit_error(model, onnx_logits: torch.Tensor, ids: torch.Tensor, mask: t
 
 
 def layer_initializer_bytes(path, model) -> dict[str, int]:
-    """Bytes of the initializers each quantized layer owns in the ONNX file (named `<layer>.*`)."""
+    """Bytes of the initializers each quantized layer (and quantized experts module) owns in the ONNX file
+    (named `<layer>.*`)."""
     graph = ir.load(path).graph
-    sizes = dict.fromkeys(quantized_layers(model), 0)
+    sizes = dict.fromkeys([*quantized_layers(model), *quantized_experts(model)], 0)
     for name, value in graph.initializers.items():
         for layer in sizes:
             if name.startswith(layer + "."):
