@@ -190,13 +190,20 @@ def _per_group(values: torch.Tensor, out: int, groups: int, strategy: str, where
 # -- config.json -----------------------------------------------------------------------------------
 
 
-def quantization_config(schemes: dict[Scheme, list[str]], ignore: list[str], version: str) -> dict[str, Any]:
+def quantization_config(
+    schemes: dict[Scheme, list[str]], ignore: list[str], version: str, experts: list[list[str]] | None = None
+) -> dict[str, Any]:
     """The `quantization_config` entry of a pack-quantized checkpoint: `schemes` maps each scheme to its
-    layers (one scheme targets every Linear layer not in `ignore`; several target their layers by name)."""
+    layers (one scheme targets every Linear layer not in `ignore`; several target their layers by name).
+
+    `experts` lists the per-expert Linear layers of mixtures of experts (all in one scheme), one list per
+    layer and projection naming it for every expert: with several schemes, their group targets them by one
+    `re:` pattern naming `experts`, by which transformers' loader finds the experts' scheme."""
     single = len(schemes) == 1
+    families = experts or []
     groups = {
         f"group_{index}": {
-            "targets": ["Linear"] if single else sorted(layers),
+            "targets": ["Linear"] if single else _targets(layers, families),
             "weights": scheme.weights_json(),
             "input_activations": None,
             "output_activations": None,
@@ -216,6 +223,26 @@ def quantization_config(schemes: dict[Scheme, list[str]], ignore: list[str], ver
         "transform_config": {},
         "version": version,
     }
+
+
+def _targets(layers: list[str], experts: list[list[str]]) -> list[str]:
+    """A group's targets by name: its layers, the experts' ones as one `re:` pattern."""
+    mine = set(layers)
+    families = [family for family in experts if mine.intersection(family)]
+    expert_layers = {name for family in families for name in family}
+    named = sorted(layer for layer in layers if layer not in expert_layers)
+    return named + ([_experts_target(families)] if families else [])
+
+
+def _experts_target(families: list[list[str]]) -> str:
+    """One `re:` target matching the per-expert layers of `families` (each: one layer and projection, named for
+    every expert, `...experts.0.gate_proj`, `...experts.1.gate_proj`, ...), any expert index in place of theirs."""
+    templates = set()
+    for family in families:
+        split = [name.split(".") for name in family]
+        varying = {i for i in range(len(split[0])) if len({parts[i] for parts in split}) > 1}
+        templates.add(r"\.".join(r"\d+" if i in varying else re.escape(part) for i, part in enumerate(split[0])))
+    return "re:^(?:" + "|".join(sorted(templates)) + ")$"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,9 @@ from quantlab.export import to_compressed_tensors
 from quantlab.export.compressed_tensors import CompressedTensorsExportError
 from quantlab.formats import grouping
 from quantlab.interop import compressed_tensors as ct
+from quantlab.nn.quantized_experts import QuantizedExperts
 from quantlab.testing import tiny_llama
+from quantlab.testing.architectures import tiny_causal_lm
 from quantlab.testing.models import tiny_qwen2
 
 pytest.importorskip("compressed_tensors")
@@ -25,17 +27,22 @@ IDS = torch.arange(3, 43).reshape(2, 20) % 256
 RELATIVE = 1e-4  # the acceptance bound on the logits, relative to their largest magnitude
 
 # Runs in a fresh interpreter: loads each folder with transformers alone and compares with quantlab's logits.
+# A reference may ask for `CompressedTensorsConfig(dequantize=True)` and name weights the model must hold exactly.
 _LOADER = """
 import json, sys, torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 results = []
-for folder, reference in json.loads(sys.argv[1]):
-    model = AutoModelForCausalLM.from_pretrained(folder)
+for folder, path in json.loads(sys.argv[1]):
+    reference = torch.load(path)
+    options = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if reference.get("dequantize") else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, **options)
     with torch.no_grad():
-        logits = model(torch.load(reference)["ids"]).logits
-    expected = torch.load(reference)["logits"]
+        logits = model(reference["ids"]).logits
+    expected = reference["logits"]
     relative = float((logits - expected).abs().max() / expected.abs().max())
-    results.append({"relative": relative, "dtype": str(model.dtype)})
+    weights = reference.get("weights", {})
+    unequal = [name for name, weight in weights.items() if not torch.equal(model.get_parameter(name).detach(), weight)]
+    results.append({"relative": relative, "dtype": str(model.dtype), "weights": len(weights), "unequal": unequal})
 results.append({"quantlab_imported": any(name.split(".")[0] == "quantlab" for name in sys.modules)})
 print(json.dumps(results))
 """
@@ -55,13 +62,20 @@ def load_without_quantlab(cases: list[tuple[Path, Path]]) -> list[dict]:
     return results
 
 
-def exported(model, folder: Path) -> tuple[Path, Path]:
-    """Export `model` to `folder`; quantlab's own logits of `IDS` beside it, for the loader."""
+def exported(model, folder: Path, dequantize: bool = False) -> tuple[Path, Path]:
+    """Export `model` to `folder`; quantlab's own logits of `IDS` beside it, and each quantized experts projection
+    dequantized (what transformers must hold), for the loader; `dequantize`: load with `dequantize=True`."""
     to_compressed_tensors(model, folder)
     with torch.no_grad():
         logits = model(IDS).logits
+    weights = {
+        f"{name}.{projection}": module.dequantize_projection(projection, torch.float32)
+        for name, module in model.named_modules()
+        if isinstance(module, QuantizedExperts)
+        for projection in module.layouts
+    }
     reference = folder.with_suffix(".pt")
-    torch.save({"ids": IDS, "logits": logits}, reference)
+    torch.save({"ids": IDS, "logits": logits, "weights": weights, "dequantize": dequantize}, reference)
     return folder, reference
 
 
@@ -126,12 +140,13 @@ def test_config_is_one_compressed_tensors_reads(tmp_path) -> None:
     config = quantlab.CustomBitsConfig(
         bits=4, group_size=32, symmetric=True, layer_options={"model.layers.0.mlp.down_proj": {"bits": 8}}
     )
-    to_compressed_tensors(quantlab.quantize(tiny_llama(), config), tmp_path / "mixed")
+    report = to_compressed_tensors(quantlab.quantize(tiny_llama(), config), tmp_path / "mixed")
     entry = json.loads((tmp_path / "mixed" / "config.json").read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(entry)
     schemes = {tuple(group.targets): group.weights.num_bits for group in parsed.config_groups.values()}
     assert schemes[("model.layers.0.mlp.down_proj",)] == 8
     assert len(next(targets for targets, bits in schemes.items() if bits == 4)) == 13
+    assert any("without CompressedTensorsConfig(dequantize=True)" in note for note in report.notes)
 
 
 def test_tied_embedding_table_is_written_in_float_and_reported(tmp_path) -> None:
@@ -174,3 +189,130 @@ def test_padded_groups_are_refused(tmp_path) -> None:
     model = quantlab.quantize(tiny_llama(), quantlab.CustomBitsConfig(bits=4, group_size=128, symmetric=True))
     with pytest.raises(CompressedTensorsExportError, match="do not split into groups of 128"):
         to_compressed_tensors(model, tmp_path / "out")
+
+
+# -- mixtures of experts ---------------------------------------------------------------------------
+
+
+def int4_experts(model_type: str, **options):
+    """A tiny mixture of experts quantized to int4 g32 (float16 scales unless `options` say otherwise)."""
+    config = quantlab.CustomBitsConfig(**{"bits": 4, "group_size": 32, "symmetric": True, **options})
+    return quantlab.quantize(tiny_causal_lm(model_type), config, progress=False)
+
+
+def experts_int8(model_type: str):
+    """Experts in int8 per channel, every other layer in int4 g32: two schemes, the experts' named by pattern."""
+    projections = [f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")]
+    options = {name: {"bits": 8, "group_size": None} for name in projections}
+    return int4_experts(model_type, scale_dtype="float32", layer_options=options)
+
+
+# name -> (the quantized model, load with dequantize=True)
+EXPERTS_CASES = {
+    "qwen3_moe-int4": (lambda: int4_experts("qwen3_moe"), False),
+    "mixtral-int4": (lambda: int4_experts("mixtral"), False),
+    "olmoe-int8-channel": (lambda: quantlab.quantize(tiny_causal_lm("olmoe"), quantlab.Int8SymmetricConfig()), False),
+    "mixtral-int4-q_proj-int8": (
+        lambda: int4_experts("mixtral", layer_options={"model.layers.0.self_attn.q_proj": {"bits": 8}}),
+        False,
+    ),
+    "qwen3_moe-int4-layer0-experts-float": (
+        lambda: int4_experts("qwen3_moe", modules_to_not_convert=["model.layers.0.mlp.experts"]),
+        False,
+    ),
+    "qwen3_moe-int4-fp32-dequantized": (lambda: int4_experts("qwen3_moe", scale_dtype="float32"), True),
+    "qwen3_moe-experts-int8-dequantized": (lambda: experts_int8("qwen3_moe"), True),
+}
+
+
+@pytest.mark.subprocess
+def test_experts_load_without_quantlab_as_quantlab_decodes_them(tmp_path) -> None:
+    cases = [exported(build(), tmp_path / name, dequantize) for name, (build, dequantize) in EXPERTS_CASES.items()]
+    results = load_without_quantlab(cases)
+    for name, result in zip(EXPERTS_CASES, results, strict=True):
+        assert result["weights"] in (2, 4) and result["unequal"] == [], (name, result)
+        assert result["relative"] <= RELATIVE, (name, result)
+        assert result["dtype"] == "torch.float32", (name, result)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "block", "gate", "up", "down"),
+    [
+        ("qwen3_moe", "model.layers.1.mlp", "gate_proj", "up_proj", "down_proj"),
+        ("mixtral", "model.layers.1.block_sparse_moe", "w1", "w3", "w2"),
+    ],
+    ids=["qwen3_moe", "mixtral"],
+)
+def test_experts_are_written_per_expert_under_the_checkpoint_names(tmp_path, model_type, block, gate, up, down) -> None:
+    model = int4_experts(model_type)
+    report = to_compressed_tensors(model, tmp_path / "out")
+    experts = model.model.layers[1].mlp.experts
+    rows = experts.intermediate_size
+    written = {  # checkpoint layer -> (projection, its rows of the expert's slice)
+        gate: ("gate_up_proj", slice(0, rows)),
+        up: ("gate_up_proj", slice(rows, 2 * rows)),
+        down: ("down_proj", slice(None)),
+    }
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as handle:
+        stored = set(handle.keys())
+        assert not any(key.endswith(("gate_up_proj", "gate_up_proj_scale", "down_proj_scale")) for key in stored)
+        assert f"{block}.gate.weight" in stored  # the router, named as the experts are
+        for expert in range(experts.num_experts):
+            for layer, (projection, part) in written.items():
+                piece = experts.slices(projection)[expert]
+                grid = piece.layout.codec_object.integer_grid(piece.layout, piece.stored_tensors())
+                name = f"{block}.experts.{expert}.{layer}"
+                packed, scale = handle.get_tensor(f"{name}.weight_packed"), handle.get_tensor(f"{name}.weight_scale")
+                assert torch.equal(ct.unpack_int32(packed, 4, piece.in_features), grid.codes[part]), name
+                assert scale.dtype == torch.float32 and torch.equal(scale, grid.scale[part].float()), name
+    assert report.scheme_counts() == {"int4 g32 sym": 8 + 2 * 3 * experts.num_experts}
+    assert report.notes[0].startswith("model.layers.0.mlp.experts and 1 more experts modules: transformers'")
+    assert "quantlab stores in float16 are written in float32, the same numbers" in report.notes[1]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"]["group_0"]["targets"] == ["Linear"]
+
+
+def test_experts_in_their_own_scheme_are_the_group_transformers_reads_them_with(tmp_path) -> None:
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers.integrations.compressed_tensors import get_dense_scheme, get_experts_scheme
+
+    report = to_compressed_tensors(experts_int8("mixtral"), tmp_path / "out")
+    assert not any("dequantize=True)" in note for note in report.notes)  # one scheme for the other layers
+    entry = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(entry)
+    assert get_experts_scheme(parsed).weights.num_bits == 8 and get_dense_scheme(parsed).weights.num_bits == 4
+    groups, _ = ct.read_config(entry)
+    assert ct.group_of("model.layers.1.block_sparse_moe.experts.3.w2", groups).scheme.bits == 8
+    assert ct.group_of("model.layers.1.self_attn.q_proj", groups).scheme.bits == 4
+
+
+def _asymmetric_experts():
+    """Experts with zero points that are whole numbers (rounded, as an imported checkpoint's are)."""
+    model = int4_experts("qwen3_moe", symmetric=False, scale_dtype="float32")
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("zero"):
+                buffer.copy_(buffer.round())
+    return model
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: int4_experts("qwen3_moe", layer_options={"model.layers.0.mlp.experts.down_proj": {"bits": 8}}),
+            "loader reads every expert with one scheme",
+        ),
+        (_asymmetric_experts, "reads no zero points for experts"),
+        (
+            lambda: int4_experts("qwen3_moe").to(torch.bfloat16),
+            "the model's bfloat16 does not hold its float16 scales exactly",
+        ),
+    ],
+    ids=["experts-in-two-schemes", "asymmetric-experts", "float16-scales-in-bfloat16"],
+)
+def test_experts_transformers_cannot_load_are_refused_in_one_line(tmp_path, build, message) -> None:
+    with pytest.raises(CompressedTensorsExportError, match=message) as caught:
+        to_compressed_tensors(build(), tmp_path / "out")
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("model.layers.0.mlp.experts")
+    assert list(tmp_path.iterdir()) == []

@@ -1,6 +1,8 @@
 """`to_compressed_tensors`: a transformers model quantized by quantlab as a compressed-tensors checkpoint folder."""
 
+import bisect
 import copy
+import dataclasses
 import json
 import os
 from collections import Counter
@@ -12,11 +14,11 @@ import torch
 from torch import nn
 
 from quantlab.errors import QuantlabError
-from quantlab.formats.codec import NotAnIntegerGrid
+from quantlab.formats.codec import IntegerGrid, NotAnIntegerGrid
 from quantlab.interop import compressed_tensors as ct
 from quantlab.nn import QuantizedLinear, QuantizedOutputHead, TiedOutputHead
 from quantlab.nn.quantized_embedding import QuantizedTable
-from quantlab.nn.quantized_experts import experts_modules, experts_refusal
+from quantlab.nn.quantized_experts import ExpertSlice, QuantizedExperts
 from quantlab.nn.rotation import refusal, rotated_layers
 from quantlab.utils.atomic import atomic_directory, check_replaceable
 
@@ -72,8 +74,9 @@ def to_compressed_tensors(
     """Write `model` (and `tokenizer`) to the folder `directory` as a compressed-tensors checkpoint.
 
     `AutoModelForCausalLM.from_pretrained(directory)` then loads it with the `compressed-tensors`
-    package and without quantlab; its weights decode to quantlab's exactly (scales keep their dtype).
-    Every layer is checked before anything is written; the folder is staged beside `directory` and
+    package and without quantlab; its weights decode to quantlab's exactly (scales keep their dtype,
+    but experts' are written in the model's float dtype: transformers runs experts in it). Every
+    layer is checked before anything is written; the folder is staged beside `directory` and
     renamed into place. `overwrite` replaces an existing folder.
     """
     directory = Path(directory).expanduser()
@@ -85,18 +88,18 @@ def to_compressed_tensors(
     rotated = rotated_layers(model)
     if rotated:
         raise CompressedTensorsExportError(refusal(rotated, "compressed-tensors"))
-    experts = experts_modules(model)
-    if experts:
-        raise CompressedTensorsExportError(experts_refusal(experts, "compressed-tensors"))
     converted = _Converted.of(model)
     if not converted.schemes:
         raise CompressedTensorsExportError(
             "the model has no quantized Linear layer; quantize it (custom_bits 4-bit or int8) before exporting"
         )
+    _check_experts_loadable(converted)
+    converted.notes.extend(_loading_notes(converted, _float_dtype(model), converted.float_experts(model)))
     by_scheme: dict[ct.Scheme, list[str]] = {}
     for name, scheme in converted.schemes.items():
         by_scheme.setdefault(scheme, []).append(name)
-    config = _config_json(model, ct.quantization_config(by_scheme, converted.ignore, FORMAT_VERSION))
+    quantization = ct.quantization_config(by_scheme, converted.ignore, FORMAT_VERSION, converted.experts)
+    config = _config_json(model, quantization)
     with atomic_directory(directory, overwrite=overwrite) as staging:
         _write(staging, converted.state, config)
         generation = getattr(model, "generation_config", None)
@@ -111,11 +114,15 @@ def to_compressed_tensors(
 
 @dataclass
 class _Converted:
-    """The checkpoint's tensors by name, each quantized layer's scheme, the float Linear layers, and notes."""
+    """The checkpoint's tensors by name, each quantized layer's scheme, the float Linear layers, the experts' layers
+    (as the checkpoint names them) and notes."""
 
     state: dict[str, torch.Tensor]
     schemes: dict[str, ct.Scheme] = field(default_factory=dict)
     ignore: list[str] = field(default_factory=list)
+    experts: list[list[str]] = field(default_factory=list)  # one per layer and projection: its name per expert
+    experts_modules: list[str] = field(default_factory=list)
+    widened_scales: set[torch.dtype] = field(default_factory=set)  # experts' scale dtypes written in the float one
     notes: list[str] = field(default_factory=list)
 
     @classmethod
@@ -124,10 +131,33 @@ class _Converted:
         for key in getattr(model, "all_tied_weights_keys", None) or {}:
             state.pop(key, None)  # written once, under the tensor it is tied to
         converted = cls(state)
+        expert_layers = _checkpoint_expert_layers(model)
         for name, module in model.named_modules():
-            converted.add(model, name, module)
+            if isinstance(module, QuantizedExperts):
+                converted.add_experts(name, module, expert_layers[name], _float_dtype(model))
+            else:
+                converted.add(model, name, module)
         converted.state = {key: tensor.detach().cpu().contiguous() for key, tensor in converted.state.items()}
+        if expert_layers:
+            converted.state = converted.named_as_checkpoint(model)
         return converted
+
+    def named_as_checkpoint(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The state with its tensors outside Linear layers (norms, routers) named as transformers saves them, as the
+        experts' layers are: Mixtral's router is `block_sparse_moe.gate` beside `block_sparse_moe.experts.3.w1`.
+        Linear layers keep the model's names, which the config's targets and `ignore` match; experts left float stay
+        fused, as the model holds them: transformers' loader would decode them as codes if they were per expert."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        kept_modules = set(self.schemes) | set(self.ignore) | set(self.float_experts(model))
+        kept = {key: tensor for key, tensor in self.state.items() if key.rpartition(".")[0] in kept_modules}
+        others = {key: tensor for key, tensor in self.state.items() if key not in kept}
+        return {**kept, **revert_weight_conversion(model, others)}
+
+    def float_experts(self, model: nn.Module) -> list[str]:
+        """The experts modules left float in a model whose other experts are quantized (same class as theirs)."""
+        classes = {module.float_class for module in model.modules() if isinstance(module, QuantizedExperts)}
+        return [name for name, module in model.named_modules() if type(module) in classes]
 
     def add(self, model: nn.Module, name: str, module: nn.Module) -> None:
         if isinstance(module, QuantizedLinear):
@@ -150,6 +180,34 @@ class _Converted:
             if f"{name}.weight" in (getattr(model, "all_tied_weights_keys", None) or {}):
                 self.notes.append(f"{name}: tied to the embedding table, which stays float")
 
+    def add_experts(
+        self, name: str, module: QuantizedExperts, layers: list["_ExpertLayer"], dtype: torch.dtype
+    ) -> None:
+        """Each expert's slice of each fused projection as the per-expert Linear layers the checkpoint names (gate and
+        up from the rows of `gate_up_proj`), every one packed as a quantized Linear layer is, its scales in `dtype`."""
+        tensors: dict[str, torch.Tensor] = {}
+        families: dict[tuple[str, int], list[str]] = {}
+        by_slice: dict[tuple[str, int], list[_ExpertLayer]] = {}
+        for layer in layers:
+            by_slice.setdefault((layer.projection, layer.expert), []).append(layer)
+        for projection in module.layouts:
+            for expert, piece in enumerate(module.slices(projection)):
+                where = f"{name}.{projection} (expert {expert})"
+                scheme, grid = _grid(where, piece)
+                if grid.scale.dtype != dtype:
+                    self.widened_scales.add(grid.scale.dtype)
+                grid = _scales_in(grid, dtype, where)
+                for layer in by_slice.get((projection, expert), []):
+                    self.schemes[layer.name] = scheme
+                    families.setdefault((projection, layer.rows.start), []).append(layer.name)
+                    part = ct.layer_tensors(_rows(grid, layer.rows))
+                    tensors.update({f"{layer.name}.{key}": value for key, value in part.items()})
+        for stored in module.stored_tensor_names():
+            self.state.pop(f"{name}.{stored}", None)
+        self.state.update(tensors)
+        self.experts.extend(families.values())
+        self.experts_modules.append(name)
+
     def replace(self, prefix: str, stored: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> None:
         for name in stored:
             self.state.pop(f"{prefix}.{name}", None)
@@ -158,6 +216,13 @@ class _Converted:
 
 def _layer(name: str, module: QuantizedLinear) -> tuple[ct.Scheme, dict[str, torch.Tensor]]:
     """A quantized layer's scheme and pack-quantized tensors; the reason in one line when it has none."""
+    scheme, grid = _grid(name, module)
+    return scheme, ct.layer_tensors(grid)
+
+
+def _grid(name: str, module: QuantizedLinear | ExpertSlice) -> tuple[ct.Scheme, IntegerGrid]:
+    """A quantized layer's (or one expert's slice's) scheme and integer grid; the reason in one line when it has
+    none."""
     layout = module.layout
     label = f"{layout.codec_object.label(layout)} {layout.bits}-bit"
     if layout.bits not in ct.BITS:
@@ -172,7 +237,174 @@ def _layer(name: str, module: QuantizedLinear) -> tuple[ct.Scheme, dict[str, tor
         raise CompressedTensorsExportError(
             f"{name} ({label}) cannot be written as compressed-tensors: {error}"
         ) from None
-    return ct.Scheme(grid.bits, grid.group_size, grid.symmetric), ct.layer_tensors(grid)
+    return ct.Scheme(grid.bits, grid.group_size, grid.symmetric), grid
+
+
+def _scales_in(grid: IntegerGrid, dtype: torch.dtype, name: str) -> IntegerGrid:
+    """`grid` with its scales in `dtype`, the model's float dtype: transformers' loader decodes experts in their
+    scales' dtype and runs them in it, so other scales would meet float activations of another dtype. Refused when
+    `dtype` does not hold the scales exactly."""
+    if grid.scale.dtype == dtype:
+        return grid
+    scale = grid.scale.to(dtype)
+    if not torch.equal(scale.to(grid.scale.dtype), grid.scale):
+        raise CompressedTensorsExportError(
+            f"{name} cannot be written as compressed-tensors: transformers decodes experts in their scales' dtype, "
+            f"and the model's {_dtype_name(dtype)} does not hold its {_dtype_name(grid.scale.dtype)} scales exactly; "
+            f"quantize with scale_dtype={_dtype_name(dtype)} or convert the model to {_dtype_name(grid.scale.dtype)}"
+        )
+    return dataclasses.replace(grid, scale=scale)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _rows(grid: IntegerGrid, rows: slice) -> IntegerGrid:
+    """The output rows `rows` of a grid (the gate or the up half of a fused projection): codes, scales, zero points."""
+    zero = None if grid.zero is None else grid.zero[rows]
+    return dataclasses.replace(grid, codes=grid.codes[rows], scale=grid.scale[rows], zero=zero)
+
+
+# -- the experts as the checkpoint names them ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ExpertLayer:
+    """One per-expert Linear layer of the checkpoint (`...experts.3.gate_proj`): the rows of one expert's slice of a
+    fused projection it holds."""
+
+    name: str
+    projection: str
+    expert: int
+    rows: slice
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """The row numbers `first ..` of one fused projection, `rows` to an expert, in the probe given to transformers."""
+
+    module: str
+    projection: str
+    first: int
+    rows: int
+
+
+def _checkpoint_expert_layers(model: nn.Module) -> dict[str, list[_ExpertLayer]]:
+    """The per-expert Linear layers transformers saves each quantized experts module's projections as (and loads them
+    from), by module name.
+
+    transformers' own reverse conversion (`revert_weight_conversion`, what `save_pretrained` runs) is applied to one
+    probe per projection, `[experts, rows, 1]` numbering every row of the model's fused projections: each tensor it
+    returns names a checkpoint Linear layer and holds the numbers of the rows it takes, so the names and the split
+    of gate and up are the model's own conversion mapping's.
+    """
+    modules = {name: module for name, module in model.named_modules() if isinstance(module, QuantizedExperts)}
+    if not modules:
+        return {}
+    probes: list[_Probe] = []
+    tensors: dict[str, torch.Tensor] = {}
+    first = 0
+    for name, module in modules.items():
+        for projection, layout in module.layouts.items():
+            probes.append(_Probe(name, projection, first, layout.out_features))
+            count = module.num_experts * layout.out_features
+            numbers = torch.arange(first, first + count, dtype=torch.float64)
+            tensors[f"{name}.{projection}"] = numbers.reshape(module.num_experts, layout.out_features, 1)
+            first += count
+    layers: dict[str, list[_ExpertLayer]] = {name: [] for name in modules}
+    firsts = [probe.first for probe in probes]
+    for key, numbers in _reverted(model, tensors, next(iter(modules))).items():
+        probe = probes[bisect.bisect_right(firsts, int(numbers.flatten()[0])) - 1]
+        layers[probe.module].append(_expert_layer(key, numbers, probe))
+    return layers
+
+
+def _expert_layer(key: str, numbers: torch.Tensor, probe: _Probe) -> _ExpertLayer:
+    """The checkpoint layer `key` (a `.weight`) holding the probe rows `numbers`: whole rows of one expert, in order."""
+    first, count = int(numbers.flatten()[0]), numbers.numel()
+    expert, row = divmod(first - probe.first, probe.rows)
+    expected = torch.arange(first, first + count, dtype=torch.float64).reshape(count, 1)
+    if not key.endswith(".weight") or row + count > probe.rows or not torch.equal(numbers, expected):
+        raise CompressedTensorsExportError(_not_per_expert(f"{probe.module}.{probe.projection}"))
+    return _ExpertLayer(key.removesuffix(".weight"), probe.projection, expert, slice(row, row + count))
+
+
+def _reverted(model: nn.Module, probes: dict[str, torch.Tensor], first: str) -> dict[str, torch.Tensor]:
+    """`probes` (fused experts projections by name) as transformers would save them; refused when it keeps them
+    fused or cannot reverse the model's conversions."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    try:
+        reverted = revert_weight_conversion(model, dict(probes))
+    except (ValueError, KeyError, RuntimeError) as error:
+        raise CompressedTensorsExportError(
+            f"{first}: transformers cannot name its experts' per-expert checkpoint layers ({error})"
+        ) from None
+    total = sum(probe.numel() for probe in probes.values())
+    fused = [key for key in reverted if key in probes]
+    if fused or sum(tensor.numel() for tensor in reverted.values()) != total:
+        raise CompressedTensorsExportError(_not_per_expert(fused[0] if fused else first))
+    return reverted
+
+
+def _not_per_expert(projection: str) -> str:
+    return (
+        f"{projection} cannot be written as compressed-tensors: transformers does not save this model's experts as "
+        f"one Linear layer per expert and projection, the only way compressed-tensors stores them; export the "
+        f"dequantized model (quantlab.dequantize) instead"
+    )
+
+
+def _check_experts_loadable(converted: _Converted) -> None:
+    """Refuse experts transformers' compressed-tensors loader cannot decode: it reads every expert with one scheme,
+    and no zero points for experts (an asymmetric expert fails to load)."""
+    names = [name for family in converted.experts for name in family]
+    schemes = {converted.schemes[name] for name in names}
+    if len(schemes) > 1:
+        labels = ", ".join(sorted(scheme.label() for scheme in schemes))
+        raise CompressedTensorsExportError(
+            f"{names[0]} and the other experts' layers are in several schemes ({labels}); transformers' "
+            f"compressed-tensors loader reads every expert with one scheme, so quantize every experts projection alike"
+        )
+    if schemes and not next(iter(schemes)).symmetric:
+        raise CompressedTensorsExportError(
+            f"{names[0]} ({next(iter(schemes)).label()}) cannot be written as compressed-tensors: transformers' "
+            f"compressed-tensors loader reads no zero points for experts; quantize the experts symmetric"
+        )
+
+
+def _loading_notes(converted: _Converted, dtype: torch.dtype, float_experts: list[str]) -> list[str]:
+    """What transformers' compressed-tensors loader does differently with this checkpoint than quantlab: it decodes
+    experts while loading, in their scales' dtype; `dequantize=True` decodes every other layer with one scheme. And
+    how the experts left float (`float_experts`) are written."""
+    notes = []
+    if converted.experts_modules:
+        first, count = converted.experts_modules[0], len(converted.experts_modules)
+        modules = f"{first} and {count - 1} more experts modules" if count > 1 else first
+        notes.append(
+            f"{modules}: transformers' compressed-tensors loader decodes the experts' codes to {_dtype_name(dtype)} "
+            f"weights while it loads the checkpoint, also without dequantize=True (the other layers then stay packed)"
+        )
+        for stored in sorted(converted.widened_scales, key=str):
+            notes.append(
+                f"{modules}: the experts' scales quantlab stores in {_dtype_name(stored)} are written in "
+                f"{_dtype_name(dtype)}, the same numbers (transformers runs experts in their scales' dtype)"
+            )
+    if float_experts:
+        more = f" and {len(float_experts) - 1} more" if len(float_experts) > 1 else ""
+        notes.append(
+            f"{float_experts[0]}{more}: experts left float are written fused (3-D), as the model holds them and "
+            f"transformers loads them, not as per-expert layers"
+        )
+    experts = {name for family in converted.experts for name in family}
+    dense = {scheme for name, scheme in converted.schemes.items() if name not in experts}
+    if len(dense) > 1:
+        notes.append(
+            "the layers other than experts are in several schemes: load the checkpoint without "
+            "CompressedTensorsConfig(dequantize=True), with which transformers decodes all of them with one scheme"
+        )
+    return notes
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype:
