@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from quantlab.errors import QuantlabError
 from quantlab.files.shard_index import check_weight_files
+from quantlab.utils.model_kind import model_class
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -295,20 +296,6 @@ def _check_quantization_method(config: Any, folder: Path) -> None:
             f"{folder / 'config.json'} names quant_method={method!r}, which no installed method reads "
             f"(known: {known}); install the plugin that wrote it, or fix the config"
         )
-
-
-def model_class(config: Any) -> type:
-    """The class named in `config.architectures` (heads included), else the auto class for the type."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    for name in getattr(config, "architectures", None) or []:
-        found = getattr(transformers, name, None)
-        if isinstance(found, type):
-            return found
-    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return transformers.AutoModelForCausalLM
-    return transformers.AutoModel
 
 
 def is_text_encoder(config: Any, cls: type) -> bool:

@@ -4,7 +4,10 @@
 swaps its Linear layers for the method's quantized layer, then quantizes each float weight
 as the loader streams it in (`get_quantize_ops`): the float model never exists in memory.
 A checkpoint saved from such a model reloads through the same quantizer on its pre-quantized
-path, the stored tensors landing straight in the layers' buffers.
+path, the stored tensors landing straight in the layers' buffers. A mixture of experts' stored
+tensors may come fused (as quantlab saves them) or one Linear layer per expert (as an imported
+compressed-tensors checkpoint has them): transformers' conversions merge the per-expert codes, and
+copies of them the per-expert scales and zero points (`experts_companion_conversions`).
 
 A calibrated config (GPTQ, AWQ, mixed precision, self-calibration) loads the float model whole
 and then quantizes it block by block: transformers hands the quantizer one tensor at a time with
@@ -19,11 +22,12 @@ A causal LM loaded this way also gets quantlab's chunked cross-entropy as its `l
 the peak of a training step); `QUANTLAB_CHUNKED_LOSS=0` keeps transformers' own.
 """
 
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from transformers.core_model_loading import ConversionOps
+from transformers.core_model_loading import ConversionOps, WeightConverter, WeightTransform
 from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
@@ -40,7 +44,7 @@ from quantlab.errors import QuantlabError, UnknownMethodError
 from quantlab.integrations.chunked_loss import use_chunked_loss
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
-from quantlab.nn.quantized_experts import PROJECTIONS, QuantizedExperts
+from quantlab.nn.quantized_experts import PROJECTIONS, QuantizedExperts, stored_name
 from quantlab.plan import QuantizationPlan, build_plan, empty_layers, quantize_loaded
 from quantlab.registry import Method
 from quantlab.replacement import dequantize_layers
@@ -156,6 +160,7 @@ class QuantlabHfQuantizer(HfQuantizer):
         self.modules_to_not_convert: list[str] = []
         self.errors: list[QuantlabError] = []
         self.plan: QuantizationPlan | None = None  # built from the model before its weights load
+        self.companion_conversions: list[WeightConverter] = []  # experts' per-expert scales and zero points
 
     def param_needs_quantization(self, model: torch.nn.Module, param_name: str, **kwargs: Any) -> bool:
         if self.pre_quantized:
@@ -190,8 +195,19 @@ class QuantlabHfQuantizer(HfQuantizer):
         if self.calibrates_after_loading:
             self._calibrate(model)
         _forget_quantize_operations(model)
+        _forget_conversions(model, self.companion_conversions)
         use_chunked_loss(model)
         return model
+
+    def update_weight_conversions(
+        self, weight_conversions: list[WeightTransform], model: torch.nn.Module
+    ) -> list[WeightTransform]:
+        """transformers' conversions, plus one per stored companion of a quantized experts projection (see
+        `experts_companion_conversions`): transformers adds those for parameters only, and `QuantizedExperts`
+        keeps its stored tensors as buffers."""
+        updated = super().update_weight_conversions(weight_conversions, model)
+        self.companion_conversions = experts_companion_conversions(weight_conversions, model)
+        return updated + self.companion_conversions
 
     def _verify_files(self, model: torch.nn.Module) -> None:
         """A damaged or edited checkpoint stops before loading, with one line naming the tensor."""
@@ -280,6 +296,45 @@ def _forget_quantize_operations(model: torch.nn.Module) -> None:
     for conversion in getattr(model, "_weight_conversions", None) or []:
         if getattr(conversion, "quantization_operation", None) is not None:
             conversion.quantization_operation = None
+
+
+def experts_companion_conversions(conversions: list[WeightTransform], model: torch.nn.Module) -> list[WeightConverter]:
+    """For each conversion merging per-expert `.weight` tensors into a projection of a `QuantizedExperts` (its
+    codes), a copy merging the experts' other stored tensors alike: `experts.*.gate_proj.weight_scale` into
+    `experts.gate_up_proj_scale`. A checkpoint storing experts per expert (a compressed-tensors one, as quantlab
+    converts it) thus loads every stored tensor, not only the codes; one storing them fused matches none."""
+    layouts: dict[str, set[str]] = {}  # full projection name -> its stored tensors other than the codes
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedExperts):
+            for projection, layout in module.layouts.items():
+                layouts[f"{name}.{projection}"] = {tensor for tensor in layout.tensors if tensor != "weight"}
+    copies = []
+    for conversion in conversions:
+        if not isinstance(conversion, WeightConverter):
+            continue
+        sources, targets = conversion._original_source_patterns, conversion._original_target_patterns
+        projection = next((p for p in PROJECTIONS if len(targets) == 1 and targets[0].endswith(p)), None)
+        if projection is None or not all(source.endswith(".weight") for source in sources):
+            continue
+        pattern = re.compile(f"{targets[0]}$")
+        tensors = {tensor for name, names in layouts.items() if pattern.search(name) for tensor in names}
+        for tensor in sorted(tensors):
+            copies.append(
+                conversion.copy(
+                    [source.removesuffix("weight") + tensor for source in sources],
+                    [targets[0].removesuffix(projection) + stored_name(projection, tensor)],
+                    operations=list(conversion.operations),
+                )
+            )
+    return copies
+
+
+def _forget_conversions(model: torch.nn.Module, dropped: list[WeightConverter]) -> None:
+    """Drop `dropped` from the conversions the loader attached to the model: `save_pretrained` then writes the
+    experts' companions fused, as quantlab writes them, whichever layout they were read from."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [c for c in conversions if not any(c is d for d in dropped)]
 
 
 def _tokenizer_of(model: torch.nn.Module) -> Any:

@@ -6,6 +6,12 @@ them are symmetric 8-bit) whose layout holds the source's integer grid exactly
 Layers with other schemes than the most common one get `layer_options`; float layers are listed in
 `modules_to_not_convert`. Tensors are converted one layer at a time, shard by shard; the tokenizer
 and other files are copied.
+
+A mixture of experts stored one Linear layer per expert and projection (`experts.3.gate_proj`) keeps
+those names: transformers merges them into the model's fused projections while loading, the codes as
+its conversion mapping says and the other stored tensors alike (`quantlab.integrations.transformers`).
+The config names their options by the fused projection (`quantlab.interop.experts`), which holds one
+scheme; experts modules stored in float are listed in `modules_to_not_convert`.
 """
 
 import json
@@ -25,8 +31,10 @@ from quantlab.formats.codec import IntegerGrid, NotAnIntegerGrid
 from quantlab.interop import awq, gptq
 from quantlab.interop import compressed_tensors as ct
 from quantlab.interop.errors import ForeignCheckpointError
+from quantlab.interop.experts import ModelNames, model_names
 from quantlab.methods.custom_bits import CustomBitsConfig, CustomBitsLinear
 from quantlab.methods.int8 import Int8Linear, Int8SymmetricConfig
+from quantlab.nn.quantized_experts import PROJECTIONS
 
 INDEX = "model.safetensors.index.json"
 _NOT_COPIED = {"config.json", INDEX, "quantize_config.json", "quant_config.json"}
@@ -132,11 +140,13 @@ def convert_checkpoint(source: Path, target: Path) -> QuantlabConfig:
     layers = _layers(headers, reader)
     if not layers:
         raise ForeignCheckpointError(f"{source} says {quantization.get('quant_method')} but stores no quantized layer")
-    quantlab_config, module_class = _quantlab_config(headers, layers, reader)
+    names = model_names(source, _float_keys(headers, layers), layers)
+    quantlab_config, module_class = _quantlab_config(headers, layers, reader, names)
     with ExitStack() as files:
         opened: dict[Path, Any] = {}
         for shard in sorted({header.file for header in headers.values()}):
-            tensors = dict(_converted(shard, headers, layers, reader, quantlab_config, module_class, opened, files))
+            target_layouts = _Layouts(quantlab_config, module_class, names)
+            tensors = dict(_converted(shard, headers, layers, reader, target_layouts, opened, files))
             _save(tensors, target / shard.name)
     _write_index(target)
     config["quantization_config"] = quantlab_config.to_dict()
@@ -181,39 +191,93 @@ def _layers(headers: dict[str, _Header], reader: _Reader) -> dict[str, dict[str,
 _SAFETENSORS_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
+def _float_keys(headers: dict[str, _Header], layers: dict[str, dict[str, _Header]]) -> list[str]:
+    """The stored tensors that belong to no quantized layer."""
+    return [key for key in headers if key.rpartition(".")[0] not in layers]
+
+
 def _quantlab_config(
-    headers: dict[str, _Header], layers: dict[str, dict[str, _Header]], reader: _Reader
+    headers: dict[str, _Header], layers: dict[str, dict[str, _Header]], reader: _Reader, names: ModelNames
 ) -> tuple[QuantlabConfig, type]:
     """The quantlab config whose layouts hold every layer's scheme: int8 when all are symmetric 8-bit, else
-    custom_bits with the most common options and `layer_options` for the others."""
-    options = {}
-    for layer, names in layers.items():
-        scheme = reader.scheme(layer)
-        scale = names.get(reader.scale_name)
-        scale_dtype = _SAFETENSORS_FLOATS.get(scale.dtype) if scale is not None else None
-        if scale_dtype is None:
-            found = scale.dtype if scale is not None else "none"
-            raise ForeignCheckpointError(f"{layer}: scales stored as {found}; quantlab reads float32/float16/bfloat16")
-        options[layer] = {
-            "bits": scheme.bits,
-            "group_size": scheme.group_size,
-            "symmetric": scheme.symmetric,
-            "scale_dtype": scale_dtype,
-        }
-    floats = sorted(
-        key.rpartition(".")[0]
-        for key, header in headers.items()
-        if key.endswith(".weight") and len(header.shape) == 2 and key.rpartition(".")[0] not in layers
-    )
+    custom_bits with the most common options and `layer_options` for the others. Layers are named as the model
+    names them: per-expert layers by the fused experts projection they are merged into, which holds one scheme."""
+    options: dict[str, dict[str, Any]] = {}
+    for layer, stored in layers.items():
+        found = _options(layer, stored, reader)
+        name = names.layer(layer)
+        if options.setdefault(name, found) != found:
+            raise ForeignCheckpointError(
+                f"{layer} ({_label(found)}) is merged into {name} with experts' layers in {_label(options[name])}; "
+                f"quantlab stores a fused experts projection in one scheme: quantize the float model with quantlab"
+            )
+    floats = _float_modules(headers, _float_keys(headers, layers), names) | _float_experts(layers, headers, names)
     if all(o["bits"] == 8 and o["symmetric"] for o in options.values()):
         shared = {(o["group_size"], o["scale_dtype"]) for o in options.values()}
         if len(shared) == 1:
             group_size, scale_dtype = shared.pop()
-            return _config(Int8SymmetricConfig, floats, group_size=group_size, scale_dtype=scale_dtype), Int8Linear
+            config = _config(Int8SymmetricConfig, sorted(floats), group_size=group_size, scale_dtype=scale_dtype)
+            return config, Int8Linear
     common = Counter(tuple(o.items()) for o in options.values()).most_common(1)[0][0]
     overrides = {layer: o for layer, o in options.items() if tuple(o.items()) != common}
-    config = _config(CustomBitsConfig, floats, **dict(common), layer_options=overrides or None)
+    config = _config(CustomBitsConfig, sorted(floats), **dict(common), layer_options=overrides or None)
     return config, CustomBitsLinear
+
+
+def _options(layer: str, stored: dict[str, _Header], reader: _Reader) -> dict[str, Any]:
+    """The quantlab options of one stored layer's scheme (its scales' dtype included)."""
+    scheme = reader.scheme(layer)
+    scale = stored.get(reader.scale_name)
+    scale_dtype = _SAFETENSORS_FLOATS.get(scale.dtype) if scale is not None else None
+    if scale_dtype is None:
+        found = scale.dtype if scale is not None else "none"
+        raise ForeignCheckpointError(f"{layer}: scales stored as {found}; quantlab reads float32/float16/bfloat16")
+    return {
+        "bits": scheme.bits,
+        "group_size": scheme.group_size,
+        "symmetric": scheme.symmetric,
+        "scale_dtype": scale_dtype,
+    }
+
+
+def _label(options: dict[str, Any]) -> str:
+    grouping = "per channel" if options["group_size"] is None else f"g{options['group_size']}"
+    symmetric = "sym" if options["symmetric"] else "asym"
+    return f"int{options['bits']} {grouping} {symmetric}, {options['scale_dtype']} scales"
+
+
+def _float_modules(headers: dict[str, _Header], float_keys: list[str], names: ModelNames) -> set[str]:
+    """The float Linear layers (2-D `.weight`, experts' aside) under the model's names."""
+    return {
+        names.layer(key.rpartition(".")[0])
+        for key in float_keys
+        if key.endswith(".weight") and len(headers[key].shape) == 2 and key.removesuffix(".weight") not in names.experts
+    }
+
+
+def _float_experts(layers: dict[str, Any], headers: dict[str, _Header], names: ModelNames) -> set[str]:
+    """The model's fused experts modules the checkpoint stores in float (quantlab keeps them float); refuses a
+    module stored partly quantized, or not at all under the names transformers loads it from."""
+    quantized: dict[str, set[str]] = {}
+    for layer in layers:
+        if layer in names.experts:
+            module, _, projection = names.experts[layer].rpartition(".")
+            quantized.setdefault(module, set()).add(projection)
+    stored_float = [key.removesuffix(".weight") for key in _float_keys(headers, layers)]
+    floats = {names.experts[key].rpartition(".")[0] for key in stored_float if key in names.experts}
+    for module in names.modules:
+        stored = quantized.get(module, set())
+        if stored and (module in floats or stored != set(PROJECTIONS)):
+            raise ForeignCheckpointError(
+                f"{module}: the checkpoint stores some of its experts' weights quantized and others in float; "
+                f"quantlab holds an experts module all quantized or all float: quantize the float model with quantlab"
+            )
+        if not stored and module not in floats:
+            raise ForeignCheckpointError(
+                f"{module}: the checkpoint stores none of its experts' weights under the names transformers loads them "
+                f"from; load it with transformers and compressed-tensors, or quantize the float model with quantlab"
+            )
+    return floats
 
 
 def _config(cls: type[QuantlabConfig], floats: list[str], **options: Any) -> QuantlabConfig:
@@ -230,8 +294,7 @@ def _converted(
     headers: dict[str, _Header],
     layers: dict[str, dict[str, _Header]],
     reader: _Reader,
-    config: QuantlabConfig,
-    module_class: type,
+    layouts: "_Layouts",
     opened: dict[Path, Any],
     files: ExitStack,
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -250,13 +313,25 @@ def _converted(
         stored = {name: _read(f"{module}.{name}", h, opened, files) for name, h in layers[module].items()}
         grid = reader.grid(module, stored)
         out, cols = grid.codes.shape
-        layout = module_class.layout_for(cols, out, config.config_for(module))
+        layout = layouts.of(module, out, cols)
         try:
             tensors = layout.codec_object.from_integer_grid(layout, grid)
         except NotAnIntegerGrid as error:
             raise ForeignCheckpointError(f"{module}: {error}") from None
         for tensor_name, tensor in tensors.items():
             yield f"{module}.{tensor_name}", tensor
+
+
+@dataclass(frozen=True)
+class _Layouts:
+    """The quantlab layout of each stored layer: its config's options are under the model's name for it."""
+
+    config: QuantlabConfig
+    module_class: type
+    names: ModelNames
+
+    def of(self, layer: str, out: int, cols: int) -> Any:
+        return self.module_class.layout_for(cols, out, self.config.config_for(self.names.layer(layer)))
 
 
 def _read(key: str, header: _Header, opened: dict[Path, Any], files: ExitStack) -> torch.Tensor:
