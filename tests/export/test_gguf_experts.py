@@ -48,8 +48,12 @@ def _read(path) -> dict[str, tuple[str, np.ndarray]]:
 
 @pytest.mark.parametrize(
     ("model_type", "config", "kind"),
-    [("qwen3_moe", SYMMETRIC_4, "Q4_0"), ("qwen3_moe", INT8, "Q8_0"), ("qwen2_moe", SYMMETRIC_4, "Q4_0")]
-    + [("qwen3", SYMMETRIC_4, "Q4_0")],
+    [
+        ("qwen3_moe", SYMMETRIC_4, "Q4_0"),
+        ("qwen3_moe", INT8, "Q8_0"),
+        ("qwen2_moe", SYMMETRIC_4, "Q4_0"),
+        ("qwen3", SYMMETRIC_4, "Q4_0"),
+    ],
     ids=["qwen3_moe-sym4", "qwen3_moe-int8", "qwen2_moe-sym4", "qwen3-sym4"],
 )
 def test_the_file_computes_quantlabs_logits_when_read_back(tmp_path, model_type, config, kind) -> None:
@@ -110,8 +114,58 @@ def test_float_experts_are_rounded_into_the_fallback_type_and_reported(tmp_path)
 
 
 def test_other_routing_than_llama_cpps_is_refused(tmp_path) -> None:
-    with pytest.raises(GGUFExportError, match="renormalizes the routed experts' weights.*norm_topk_prob=False"):
+    with pytest.raises(GGUFExportError, match=r"renormalizes the routed experts' weights.*norm_topk_prob=False"):
         to_gguf(_quantized("qwen3_moe", norm_topk_prob=False), tmp_path / "a.gguf", tokenizer=byte_tokenizer())
-    with pytest.raises(GGUFExportError, match="needs experts in every block.*mlp_only_layers=\\[0\\]"):
+    with pytest.raises(GGUFExportError, match=r"needs experts in every block.*mlp_only_layers=\[0\]"):
         to_gguf(_quantized("qwen3_moe", mlp_only_layers=[0]), tmp_path / "b.gguf", tokenizer=byte_tokenizer())
     assert not list(tmp_path.iterdir())
+
+
+# -- llama.cpp itself (llama-cpp-python, the `peers` extra) --------------------------------------------------
+
+LLAMA_CPP_PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 100, 101, 102, 33, 34, 35, 36, 37]
+
+
+def _llama_cpp_logits(path) -> np.ndarray:
+    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (the peers extra)")
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(LLAMA_CPP_PROMPT)
+    logits = np.asarray(llm.scores[: len(LLAMA_CPP_PROMPT)], dtype=np.float32)
+    llm.close()
+    return logits
+
+
+def _spread_model(model_type: str):
+    """A seeded float model with weights spread wide enough (0.1) for its most likely tokens to be clear."""
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_config(model_type, initializer_range=0.1)).eval()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3"])
+def test_llama_cpp_computes_the_float_model_from_a_float32_file(tmp_path, model_type) -> None:
+    """Every tensor in F32: llama.cpp's graph (routing, renormalization, shared expert, q/k norms, rotary layout)
+    gives transformers' logits up to its float16 KV cache; a wrong name, order or routing rule would not."""
+    model = _spread_model(model_type)
+    to_gguf(model, tmp_path / "tiny.gguf", tokenizer=byte_tokenizer(), fallback_type="F32")
+    theirs = _llama_cpp_logits(tmp_path / "tiny.gguf")
+    with torch.no_grad():
+        ours = model(torch.tensor([LLAMA_CPP_PROMPT])).logits[0].numpy()
+    assert np.linalg.norm(theirs - ours) / np.linalg.norm(ours) < 2e-3
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_llama_cpp_runs_the_quantized_experts_and_agrees_with_quantlab(tmp_path, model_type) -> None:
+    """Same codes, different arithmetic: llama.cpp rounds activations to 8 bits per block of 32 before its Q4_0
+    products (quantlab multiplies in float32), which moves the logits by a few percent of their norm on these
+    tiny models; a misplaced expert, half or scale moves them entirely."""
+    model = quantlab.quantize(_spread_model(model_type), SYMMETRIC_4, progress=False)
+    result = to_gguf(model, tmp_path / "tiny.gguf", tokenizer=byte_tokenizer())
+    assert result.requantized == []
+    theirs = _llama_cpp_logits(tmp_path / "tiny.gguf")
+    with torch.no_grad():
+        ours = model(torch.tensor([LLAMA_CPP_PROMPT])).logits[0].numpy()
+    assert np.linalg.norm(theirs - ours) / np.linalg.norm(ours) < 0.1
+    top_two = np.sort(ours, axis=-1)[:, -2:]
+    clear = top_two[:, 1] - top_two[:, 0] > 0.05
+    assert clear.sum() >= len(LLAMA_CPP_PROMPT) // 2
+    assert (theirs.argmax(-1) == ours.argmax(-1))[clear].all()

@@ -181,7 +181,9 @@ def test_embedding_tables_train_only_when_asked_at_their_own_rate(tmp_path, tied
     table = tables["model.embed_tokens.weight"]
     table_group = [g for g in trainer.optimizer.param_groups if any(p is table for p in g["params"])]
     entries = 1 if tied else 2
-    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in table_group] == [(pytest.approx(0.01), 0.0, entries)]
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in table_group] == [
+        (pytest.approx(0.01), 0.0, entries)
+    ]
     assert all(not torch.equal(p.detach(), before[name]) for name, p in tables.items())
     write_back(student, swapped)
     student.save_pretrained(tmp_path / "saved")
