@@ -92,8 +92,10 @@ class Shape:
             "eos_token_id": 0,
         }
         if self.experts:
+            # the routed weights renormalized, as Qwen3-30B-A3B sets it (and llama.cpp's qwen3moe graph computes)
             mixture = {"num_experts": self.experts, "num_experts_per_tok": self.experts_per_token}
             mixture.update(moe_intermediate_size=self.intermediate, head_dim=self.hidden // self.heads)
+            mixture.update(norm_topk_prob=True)
             config = Qwen3MoeConfig(**shared, **mixture)
         else:
             config = LlamaConfig(**shared)

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from quantlab.nn.quantized_experts import QuantizedExperts
 from quantlab.testing import tiny_llama
 from quantlab.testing.architectures import tiny_causal_lm
 from quantlab.testing.models import tiny_qwen2
+from quantlab.workflows.quantize import quantize_to_checkpoint
 
 pytest.importorskip("compressed_tensors")
 
@@ -207,6 +209,18 @@ def experts_int8(model_type: str):
     return int4_experts(model_type, scale_dtype="float32", layer_options=options)
 
 
+def streamed_int4_experts(model_type: str):
+    """Quantized by the quantize workflow (block by block, the experts stored fused as the model holds them), then
+    loaded: a model that records no checkpoint conversion, yet must be exported per expert all the same."""
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as scratch:
+        tiny_causal_lm(model_type).save_pretrained(Path(scratch) / "float")
+        config = quantlab.CustomBitsConfig(bits=4, group_size=32, symmetric=True)
+        quantize_to_checkpoint(Path(scratch) / "float", config, Path(scratch) / "quantized")
+        return AutoModelForCausalLM.from_pretrained(Path(scratch) / "quantized").eval()
+
+
 # name -> (the quantized model, load with dequantize=True)
 EXPERTS_CASES = {
     "qwen3_moe-int4": (lambda: int4_experts("qwen3_moe"), False),
@@ -221,6 +235,8 @@ EXPERTS_CASES = {
         False,
     ),
     "qwen3_moe-int4-fp32-dequantized": (lambda: int4_experts("qwen3_moe", scale_dtype="float32"), True),
+    "qwen3_moe-int4-streamed": (lambda: streamed_int4_experts("qwen3_moe"), False),
+    "mixtral-int4-streamed": (lambda: streamed_int4_experts("mixtral"), False),
     "qwen3_moe-experts-int8-dequantized": (lambda: experts_int8("qwen3_moe"), True),
 }
 

@@ -147,12 +147,10 @@ class _Converted:
         experts' layers are: Mixtral's router is `block_sparse_moe.gate` beside `block_sparse_moe.experts.3.w1`.
         Linear layers keep the model's names, which the config's targets and `ignore` match; experts left float stay
         fused, as the model holds them: transformers' loader would decode them as codes if they were per expert."""
-        from transformers.core_model_loading import revert_weight_conversion
-
         kept_modules = set(self.schemes) | set(self.ignore) | set(self.float_experts(model))
         kept = {key: tensor for key, tensor in self.state.items() if key.rpartition(".")[0] in kept_modules}
         others = {key: tensor for key, tensor in self.state.items() if key not in kept}
-        return {**kept, **revert_weight_conversion(model, others)}
+        return {**kept, **_as_saved(model, others)}
 
     def float_experts(self, model: nn.Module) -> list[str]:
         """The experts modules left float in a model whose other experts are quantized (same class as theirs)."""
@@ -333,10 +331,8 @@ def _expert_layer(key: str, numbers: torch.Tensor, probe: _Probe) -> _ExpertLaye
 def _reverted(model: nn.Module, probes: dict[str, torch.Tensor], first: str) -> dict[str, torch.Tensor]:
     """`probes` (fused experts projections by name) as transformers would save them; refused when it keeps them
     fused or cannot reverse the model's conversions."""
-    from transformers.core_model_loading import revert_weight_conversion
-
     try:
-        reverted = revert_weight_conversion(model, dict(probes))
+        reverted = _as_saved(model, dict(probes))
     except (ValueError, KeyError, RuntimeError) as error:
         raise CompressedTensorsExportError(
             f"{first}: transformers cannot name its experts' per-expert checkpoint layers ({error})"
@@ -346,6 +342,20 @@ def _reverted(model: nn.Module, probes: dict[str, torch.Tensor], first: str) -> 
     if fused or sum(tensor.numel() for tensor in reverted.values()) != total:
         raise CompressedTensorsExportError(_not_per_expert(fused[0] if fused else first))
     return reverted
+
+
+def _as_saved(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` named as transformers saves a model of this class built anew: its class's conversion mapping
+    reversed, whatever checkpoint the model was loaded from (one with fused experts records no conversion, and
+    transformers would then keep the fused names, which its compressed-tensors loader does not read)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    recorded = model.__dict__.pop("_weight_conversions", None)
+    try:
+        return revert_weight_conversion(model, state)
+    finally:
+        if recorded is not None:
+            model._weight_conversions = recorded
 
 
 def _not_per_expert(projection: str) -> str:
