@@ -76,7 +76,7 @@ def transformers_logits(folder: Path, ids: np.ndarray, scratch: Path) -> np.ndar
     np.save(scratch / "ids.npy", ids)
     environment_ = {**os.environ, "QUANTLAB_AUTOLOAD": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     command = [sys.executable, "-c", READER, str(folder), str(scratch / "ids.npy"), str(scratch / "theirs.npy")]
-    subprocess.run(command, check=True, env=environment_)
+    subprocess.run(command, check=True, env=environment_, cwd=scratch)  # not beside benchmarks/compressed_tensors.py
     return np.load(scratch / "theirs.npy")
 
 
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     text = summary(shape.name, args, results, report)
     (output / "moe_interop.md").write_text(text + "\n", encoding="utf-8")
     payload = {"environment": environment(), "cpu": cpu_line(args.threads), "results": results}
-    write_json(output / "moe_interop.json", {**payload, "args": vars(args) | {"output": str(output)}})
+    arguments = {name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()}
+    write_json(output / "moe_interop.json", {**payload, "args": arguments})
     print(text)
     return 0
 
