@@ -11,11 +11,18 @@ error relative to the layer's output instead). It counts each candidate's stored
 scales, zero points: `StorageLayout.stored_bytes`). The assignment minimising the summed loss with
 total bytes at most `target_bits * weights / 8` is a multiple-choice knapsack, solved exactly by
 dynamic programming over the budget cut into `BUDGET_STEPS` units (each candidate's bytes rounded
-up to whole units, so the budget always holds)."""
+up to whole units, so the budget always holds).
+
+A fused experts projection (`<block>.mlp.experts.gate_up_proj`, `.down_proj`) is one unit: its
+candidates are option sets that apply to all its expert slices (one layout per projection), its
+bytes are every slice's, and its predicted loss is the sum over its slices of each slice's, with
+the slice's own input statistics (gathered as the calibration gathers them: on the tokens routed
+to its expert, or on every token under `expert_calibration="all"`) and its own Fisher, from the
+gradient at that expert's output on its routed tokens (so scaled by the share of tokens it gets).
+The routers stay float and, like every float weight, count neither as weights nor as bytes."""
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +30,7 @@ from tqdm.auto import tqdm
 
 from quantlab import distributed
 from quantlab.calibration.blocks import BlockInputs, BlockWeights, find_blocks, first_block_inputs
+from quantlab.calibration.experts import restore_experts, unfuse_experts
 from quantlab.calibration.sensitivity import output_fisher
 from quantlab.calibration.sequential import BATCH_SIZE, collect_input_stats, selected_linears
 from quantlab.config import QuantlabConfig
@@ -31,7 +39,11 @@ from quantlab.formats import grouping
 from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.rotation import rotate, rotate_square, rotation_block
+from quantlab.solvers import InputStats
 from quantlab.solvers.mse import column_importance
+
+if TYPE_CHECKING:
+    from quantlab.plan import QuantizationPlan
 
 BUDGET_STEPS = 20_000
 
@@ -46,19 +58,19 @@ class Candidate:
 @torch.no_grad()
 def allocate_bits(
     model: nn.Module,
-    config: QuantlabConfig,
-    module_class: type[QuantizedLinear],
+    plan: "QuantizationPlan",
     windows: torch.Tensor,
-    selected: Callable[[str], bool],
     progress: bool = True,
     block_weights: BlockWeights | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Per-layer options meeting `config.target_bits` (only layers whose choice differs from the config).
+    """Per-layer options meeting `config.target_bits` (only layers whose choice differs from the config), by
+    Linear layer and by experts projection.
 
     Layers the user named in `config.layer_options` keep those options: their bytes count against the
     budget, and the other layers are chosen around them.
     `block_weights`: where the blocks' weights are (default: in the model; streamed: read block by block)."""
-    measured, weights = measure_layers(model, config, module_class, windows, selected, progress, block_weights)
+    config = plan.config
+    measured, weights = measure_layers(model, plan, windows, progress, block_weights)
     budget = int(config.target_bits * weights / 8)
     chosen = choose(measured, budget, config.target_bits, weights)
     own = {name: getattr(config, name) for name in config.allocation_candidates()[0]}
@@ -66,33 +78,46 @@ def allocate_bits(
 
 
 def layer_candidates(config: QuantlabConfig, layer: str) -> list[tuple[dict[str, Any], QuantlabConfig]]:
-    """The option sets mixed precision may give `layer`, each with the config it quantizes under: the method's
-    candidates, or only the user's own `layer_options` for a layer they named."""
+    """The option sets mixed precision may give `layer` (a Linear layer or an experts projection), each with the
+    config it quantizes under: the method's candidates, or only the user's own `layer_options` for a layer they
+    named."""
     pinned = (config.layer_options or {}).get(layer)
     if pinned:
         return [(dict(pinned), config.for_one_layer(**pinned))]
     return [(options, config.for_one_layer(**options)) for options in config.allocation_candidates()]
 
 
-def check_budget_reachable(
-    model: nn.Module, config: QuantlabConfig, module_class: type[QuantizedLinear], selected: Callable[[str], bool]
-) -> None:
+def check_budget_reachable(model: nn.Module, plan: "QuantizationPlan") -> None:
     """Refuse a `target_bits` no assignment of the candidates can meet, from the layers' shapes alone:
     before any calibration text is made or any weight is read (the model may sit on the meta device)."""
+    config, module_class = plan.config, plan.module_class
     prefix, blocks = find_blocks(model)
     smallest = largest = weights = 0
     for index, block in enumerate(blocks):
-        for relative, full_name in selected_linears(block, f"{prefix}.{index}", selected).items():
-            out_features, in_features = block.get_submodule(relative).weight.shape
+        shapes = {
+            full_name: (*block.get_submodule(relative).weight.shape, 1)
+            for relative, full_name in selected_linears(block, f"{prefix}.{index}", plan.selects).items()
+        }
+        shapes.update(_experts_shapes(plan, f"{prefix}.{index}"))
+        for full_name, (out_features, in_features, count) in shapes.items():
             candidates = [c for _, c in layer_candidates(config, full_name)]
-            sizes = [module_class.layout_for(in_features, out_features, c).stored_bytes() for c in candidates]
+            sizes = [module_class.layout_for(in_features, out_features, c).stored_bytes() * count for c in candidates]
             smallest, largest, weights = (
                 smallest + min(sizes),
                 largest + max(sizes),
-                weights + in_features * out_features,
+                weights + in_features * out_features * count,
             )
     if weights:
         _refuse_unreachable(config.target_bits, int(config.target_bits * weights / 8), smallest, largest, weights)
+
+
+def _experts_shapes(plan: "QuantizationPlan", block: str) -> dict[str, tuple[int, int, int]]:
+    """Experts projection → (out, in, experts) of the planned fused experts projections inside `block`."""
+    return {
+        name: (layer.out_features, layer.in_features, layer.experts)
+        for name, layer in plan.layers.items()
+        if layer.experts and name.startswith(f"{block}.")
+    }
 
 
 def _refuse_unreachable(target_bits: float, budget: int, smallest: int, largest: int, weights: int) -> None:
@@ -106,49 +131,96 @@ def _refuse_unreachable(target_bits: float, budget: int, smallest: int, largest:
 
 def measure_layers(
     model: nn.Module,
-    config: QuantlabConfig,
-    module_class: type[QuantizedLinear],
+    plan: "QuantizationPlan",
     windows: torch.Tensor,
-    selected: Callable[[str], bool],
     progress: bool = True,
     block_weights: BlockWeights | None = None,
 ) -> tuple[dict[str, list[Candidate]], int]:
-    """Each selected layer's candidates with predicted loss and bytes, and the number of weights."""
+    """Each selected layer's (and experts projection's) candidates with predicted loss and bytes, and the number
+    of weights."""
     block_weights = block_weights or BlockWeights()
     prefix, blocks = find_blocks(model)
     layer_names = [
-        name for i, block in enumerate(blocks) for name in selected_linears(block, f"{prefix}.{i}", selected).values()
-    ]
+        name
+        for i, block in enumerate(blocks)
+        for name in selected_linears(block, f"{prefix}.{i}", plan.selects).values()
+    ] + _expert_slice_names(plan)
     with block_weights.whole_model():
         fisher = output_fisher(model, windows, layer_names)
     batches = first_block_inputs(model, blocks[0], distributed.share_of_windows(windows, BATCH_SIZE), BATCH_SIZE)
     measured: dict[str, list[Candidate]] = {}
+    options: dict[str, list[tuple[dict[str, Any], QuantlabConfig]]] = {}  # by unit: an experts projection's, once
     weights = 0
     for index, block in enumerate(
         tqdm(blocks, desc="measuring layers", disable=not (progress and distributed.is_main()))
     ):
         block_weights.load(index, block)
-        names = selected_linears(block, f"{prefix}.{index}", selected)
+        unfused = unfuse_experts(block, f"{prefix}.{index}", plan)  # each expert slice an `nn.Linear`
+        names = selected_linears(block, f"{prefix}.{index}", plan.selects)
         outputs: list[torch.Tensor] = []
         stats = collect_input_stats(block, names, batches, outputs)
         batches = [BlockInputs(output, batch.kwargs) for output, batch in zip(outputs, batches, strict=True)]
         for relative, full_name in names.items():
             weight = block.get_submodule(relative).weight.detach().float()
             weights += weight.numel()
-            layer_stats = stats[relative]
-            if config.rotates_input_of(full_name):  # its codes store `W R`, for inputs `x R`
-                rotation = rotation_block(weight.shape[1], config.rotation_blocks)
-                weight = rotate(weight, rotation)
-                layer_stats = layer_stats.transformed(lambda hessian, r=rotation: rotate_square(hessian, r))
-            if fisher is None:  # no loss to differentiate (encoders): the error relative to the layer's output
-                cost = 1.0 / (float((weight @ layer_stats.hessian * weight).sum()) or 1.0)  # 1 / ||W x||^2
-            else:  # the loss the layer's output error adds, to second order
-                cost = fisher[full_name] / 2
-            importance = layer_stats.channel_weights() * cost
-            candidates = layer_candidates(config, full_name)
-            measured[full_name] = [_candidate(module_class, c, o, weight, importance) for o, c in candidates]
+            unit = _experts_projection(plan, full_name) or full_name
+            if unit not in options:
+                options[unit] = layer_candidates(plan.config, unit)
+            candidates = _measure_layer(plan, full_name, unit, options[unit], weight, stats[relative], fisher)
+            measured[unit] = _summed(measured[unit], candidates) if unit in measured else candidates
+        restore_experts(block, unfused)
         block_weights.release(index, block)
     return measured, weights
+
+
+def _expert_slice_names(plan: "QuantizationPlan") -> list[str]:
+    """The full name of every expert slice (`{projection}.{expert}`) of the planned experts projections."""
+    return [
+        f"{name}.{expert}" for name, layer in plan.layers.items() if layer.experts for expert in range(layer.experts)
+    ]
+
+
+def _experts_projection(plan: "QuantizationPlan", name: str) -> str | None:
+    """The planned experts projection the expert slice `name` belongs to, or None for a Linear layer."""
+    parent = name.rpartition(".")[0]
+    layer = plan.layers.get(parent)
+    return parent if layer is not None and layer.experts else None
+
+
+def _measure_layer(
+    plan: "QuantizationPlan",
+    name: str,
+    unit: str,
+    options: list[tuple[dict[str, Any], QuantlabConfig]],
+    weight: torch.Tensor,
+    stats: InputStats,
+    fisher: dict[str, float] | None,
+) -> list[Candidate]:
+    """The candidates `options` (`layer_candidates`) of the Linear layer (or expert slice) `name` of the allocation
+    unit `unit`, with their predicted loss and bytes; an expert slice is never rotated (the experts' inputs are
+    not)."""
+    config = plan.config
+    if unit == name and config.rotates_input_of(name):  # its codes store `W R`, for inputs `x R`
+        rotation = rotation_block(weight.shape[1], config.rotation_blocks)
+        weight = rotate(weight, rotation)
+        stats = stats.transformed(lambda hessian, r=rotation: rotate_square(hessian, r))
+    importance = stats.channel_weights() * _output_cost(name, weight, stats, fisher)
+    return [_candidate(plan.module_class, c, o, weight, importance) for o, c in options]
+
+
+def _output_cost(name: str, weight: torch.Tensor, stats: InputStats, fisher: dict[str, float] | None) -> float:
+    """What a unit of squared output error of the layer `name` costs: the loss it adds, to second order, or with
+    no loss to differentiate (encoders) its share of the layer's output `1 / ||W x||^2`."""
+    if fisher is None:
+        return 1.0 / (float((weight @ stats.hessian * weight).sum()) or 1.0)
+    return fisher[name] / 2
+
+
+def _summed(total: list[Candidate], more: list[Candidate]) -> list[Candidate]:
+    """Each candidate of an experts projection with one more slice's bytes and predicted loss added."""
+    return [
+        Candidate(a.options, a.stored_bytes + b.stored_bytes, a.loss + b.loss) for a, b in zip(total, more, strict=True)
+    ]
 
 
 def choose(measured: dict[str, list[Candidate]], budget: int, target_bits: float, weights: int) -> dict[str, Candidate]:

@@ -11,10 +11,14 @@ expert that receives fewer than `MIN_EXPERT_TOKENS` is quantized by the data-fre
 and named in a warning and in the plan's notes. `"all"` runs every expert on every token for its
 statistics (llm-compressor's and ModelOpt's "calibrate all experts"), while each token's output
 still comes from its routed experts only, so the block's outputs are those of the real routing.
+
+Mixed precision measures the slices the same way (`unfuse_experts`, then `restore_experts`), and
+`slice_hooks` lets a whole-model pass (the empirical Fisher's backward) see each slice's output.
 """
 
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -88,6 +92,60 @@ def unfuse_experts(block: nn.Module, prefix: str, plan: "QuantizationPlan") -> d
             unfused[relative] = UnfusedExperts(module, every_token)
             block.set_submodule(relative, unfused[relative])
     return unfused
+
+
+def restore_experts(block: nn.Module, unfused: dict[str, UnfusedExperts]) -> None:
+    """Put the float fused experts modules back in place of their `UnfusedExperts` (after measuring a block)."""
+    for relative, module in unfused.items():
+        block.set_submodule(relative, module.fused[0])
+
+
+def expert_slice(model: nn.Module, name: str) -> tuple[str, str, int] | None:
+    """(experts module, projection, expert) of an expert slice name `{experts}.{projection}.{expert}` of a fused
+    experts module of `model`, or None for any other name."""
+    rest, _, index = name.rpartition(".")
+    module, _, projection = rest.rpartition(".")
+    if not index.isdigit() or projection not in PROJECTIONS:
+        return None
+    try:
+        experts = model.get_submodule(module)
+    except AttributeError:
+        return None
+    if not is_fused_experts(experts) or int(index) >= fused_experts_shape(experts)[0]:
+        return None
+    return module, projection, int(index)
+
+
+class SliceHooks:
+    """Forward hooks on the expert slices of one fused experts module: while registered, the module runs as an
+    `UnfusedExperts` made from its weights at each call (a streamed block reads them just before), routed as
+    transformers routes, with the hooks on its slices. `remove` gives the module its own forward back."""
+
+    def __init__(self, experts: nn.Module, hooks: dict[tuple[str, int], Callable[..., None]]) -> None:
+        self.experts, self.hooks = experts, hooks
+        experts.forward = self.forward
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+        unfused = UnfusedExperts(self.experts, every_token=False)
+        for (projection, expert), hook in self.hooks.items():
+            getattr(unfused, projection)[expert].register_forward_hook(hook)
+        return unfused(hidden_states, top_k_index, top_k_weights)
+
+    def remove(self) -> None:
+        vars(self.experts).pop("forward", None)
+
+
+def slice_hooks(model: nn.Module, hooks: dict[str, Callable[..., None]]) -> list[SliceHooks]:
+    """Forward hooks (by expert slice name, `expert_slice`) on the slices of `model`'s fused experts modules,
+    one `SliceHooks` per module; remove each when done."""
+    grouped: dict[str, dict[tuple[str, int], Callable[..., None]]] = {}
+    for name, hook in hooks.items():
+        found = expert_slice(model, name)
+        if found is None:
+            raise ValueError(f"{name} is not an expert slice of a fused experts module")
+        module, projection, expert = found
+        grouped.setdefault(module, {})[projection, expert] = hook
+    return [SliceHooks(model.get_submodule(module), module_hooks) for module, module_hooks in grouped.items()]
 
 
 def starving_slices(

@@ -39,12 +39,12 @@ def calibrate(
     model; streamed: read block by block). Under torchrun the processes share the windows
     (`quantlab.distributed`)."""
     distributed.init()
-    config, module_class = plan.config, plan.module_class
+    config = plan.config
     if plan.allocates:
-        check_budget_reachable(model, config, module_class, plan.selects)
+        check_budget_reachable(model, plan)
     windows = windows_for(model, config, calibration, tokenizer, progress, weights)
     if plan.allocates:
-        plan.set_layer_options(allocate_bits(model, config, module_class, windows, plan.selects, progress, weights))
+        plan.set_layer_options(allocate_bits(model, plan, windows, progress, weights))
     if not plan.calibrates_blocks:
         return []  # mixed precision with a data-free solver: the layers are quantized as usual next
     return quantize_blocks(model, plan, windows, progress, weights)

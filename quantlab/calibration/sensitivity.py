@@ -8,6 +8,12 @@ quantized layer adds is that scalar times its output error `E ||x (W - Q)^T||^2`
 layers it predicts the loss of a whole assignment, which is what mixed precision minimises.
 One forward and backward pass of the float model over a few calibration windows measures it
 (gradients for activations only: no parameter gradient is allocated).
+
+An expert's slice of a fused experts projection (`{experts}.{projection}.{expert}`) is probed at
+its own output, on the tokens routed to it (`quantlab.calibration.experts.slice_hooks`): the
+gradient there already carries the routing weight, and a token routed elsewhere adds nothing, so
+its value is `sum_{t routed} ||g_t||^2 / out_features` over all tokens, the expert's mean Fisher
+times its share of the tokens.
 """
 
 from collections.abc import Callable
@@ -17,6 +23,7 @@ import torch
 from torch import nn
 
 from quantlab import distributed
+from quantlab.calibration.experts import expert_slice, slice_hooks
 
 WINDOWS = 16
 BATCH_SIZE = 2  # the logits of a batch and their gradient: 2 x 256 x 49152 floats x 3 for SmolLM2
@@ -42,10 +49,7 @@ def output_fisher(
         with torch.enable_grad():
             for row, index in enumerate(mine):
                 batch = batches[index]
-                probes = [
-                    model.get_submodule(name).register_forward_hook(_gradient_probe(sums[row], column))
-                    for column, name in enumerate(names)
-                ]
+                probes = _register_probes(model, names, sums[row])
                 try:
                     output = model(input_ids=batch, labels=batch, use_cache=False)
                     if getattr(output, "loss", None) is None:
@@ -68,6 +72,17 @@ def output_fisher(
         return None
     totals = distributed.sum_rows_in_order(sums)
     return {name: float(totals[column] / totals[-1]) for column, name in enumerate(names)}
+
+
+def _register_probes(model: nn.Module, names: list[str], sums: torch.Tensor) -> list[Any]:
+    """A gradient probe on each named Linear layer or expert slice, adding to its column of `sums`; each
+    returned handle's `remove` takes its probes away."""
+    layers, slices = {}, {}
+    for column, name in enumerate(names):
+        probes = slices if expert_slice(model, name) is not None else layers
+        probes[name] = _gradient_probe(sums, column)
+    handles: list[Any] = [model.get_submodule(name).register_forward_hook(probe) for name, probe in layers.items()]
+    return handles + slice_hooks(model, slices)
 
 
 def _track_gradients(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:

@@ -93,14 +93,8 @@ def describe_calibration(config: QuantlabConfig) -> str | None:
 def check_layer_options(model: nn.Module, config: QuantlabConfig, names: list[str], experts: list[str]) -> None:
     """Raise `ConfigError` if a `layer_options` entry names none of the Linear layers `names` nor a projection of
     the fused experts modules `experts`, or `rotate_inputs` matches none, or a layer it matches cannot be
-    rotated; or mixed precision would have to choose widths for expert projections."""
+    rotated."""
     _check_rotated_layers(model, config, names)
-    if experts and config.target_bits is not None:
-        raise ConfigError(
-            f"{config.method}: target_bits chooses widths per Linear layer, and this model's experts "
-            f"({experts[0]} and {len(experts) - 1} more) are fused projections it does not allocate yet; use one "
-            f"width for all, with layer_options for the ones that need more"
-        )
     if not config.layer_options:
         return
     known = names + [f"{name}.{projection}" for name in experts for projection in ("gate_up_proj", "down_proj")]

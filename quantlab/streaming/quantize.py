@@ -137,7 +137,7 @@ def _run(
 ) -> StreamedQuantization:
     model, config = weights.model, plan.config
     if plan.allocates and partial.resolved_config is None:
-        check_budget_reachable(model, config, plan.module_class, plan.selects)
+        check_budget_reachable(model, plan)
     windows = None
     if plan.needs_calibration:
         windows = _windows(weights, blocks, prefix, config, partial, tokenizer, progress)
@@ -257,12 +257,9 @@ def _allocate(
         return
     _input_stage(weights, weights.model, blocks, load=True)
     measured = ReadBlocks(weights, blocks, prefix)
-    config = plan.config
-    plan.set_layer_options(
-        allocate_bits(weights.model, config, plan.module_class, windows, plan.selects, progress, measured)
-    )
+    plan.set_layer_options(allocate_bits(weights.model, plan, windows, progress, measured))
     _input_stage(weights, weights.model, blocks, load=False)
-    partial.set_resolved_config(config.to_dict())
+    partial.set_resolved_config(plan.config.to_dict())
 
 
 def _data_free_blocks(streamed: StreamedBlocks, plan: QuantizationPlan, progress: bool) -> None:
