@@ -1,6 +1,5 @@
 """`to_compressed_tensors`: a transformers model quantized by quantlab as a compressed-tensors checkpoint folder."""
 
-import bisect
 import copy
 import dataclasses
 import json
@@ -13,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantlab.errors import QuantlabError
+from quantlab.export.compressed_tensors.errors import CompressedTensorsExportError
+from quantlab.export.compressed_tensors.experts import ExpertLayer, as_saved, checkpoint_expert_layers
 from quantlab.formats.codec import IntegerGrid, NotAnIntegerGrid
 from quantlab.interop import compressed_tensors as ct
 from quantlab.nn import QuantizedLinear, QuantizedOutputHead, TiedOutputHead
@@ -25,10 +25,6 @@ from quantlab.utils.atomic import atomic_directory, check_replaceable
 # The compressed-tensors release whose layout the files follow (its `version` key).
 FORMAT_VERSION = "0.20.0"
 MAX_SHARD_SIZE = "5GB"
-
-
-class CompressedTensorsExportError(QuantlabError, ValueError):
-    """A model cannot be written as compressed-tensors exactly; the message names the layer and why."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +127,7 @@ class _Converted:
         for key in getattr(model, "all_tied_weights_keys", None) or {}:
             state.pop(key, None)  # written once, under the tensor it is tied to
         converted = cls(state)
-        expert_layers = _checkpoint_expert_layers(model)
+        expert_layers = checkpoint_expert_layers(model)
         for name, module in model.named_modules():
             if isinstance(module, QuantizedExperts):
                 converted.add_experts(name, module, expert_layers[name], _float_dtype(model))
@@ -150,7 +146,7 @@ class _Converted:
         kept_modules = set(self.schemes) | set(self.ignore) | set(self.float_experts(model))
         kept = {key: tensor for key, tensor in self.state.items() if key.rpartition(".")[0] in kept_modules}
         others = {key: tensor for key, tensor in self.state.items() if key not in kept}
-        return {**kept, **_as_saved(model, others)}
+        return {**kept, **as_saved(model, others)}
 
     def float_experts(self, model: nn.Module) -> list[str]:
         """The experts modules left float in a model whose other experts are quantized (same class as theirs)."""
@@ -178,14 +174,12 @@ class _Converted:
             if f"{name}.weight" in (getattr(model, "all_tied_weights_keys", None) or {}):
                 self.notes.append(f"{name}: tied to the embedding table, which stays float")
 
-    def add_experts(
-        self, name: str, module: QuantizedExperts, layers: list["_ExpertLayer"], dtype: torch.dtype
-    ) -> None:
+    def add_experts(self, name: str, module: QuantizedExperts, layers: list["ExpertLayer"], dtype: torch.dtype) -> None:
         """Each expert's slice of each fused projection as the per-expert Linear layers the checkpoint names (gate and
         up from the rows of `gate_up_proj`), every one packed as a quantized Linear layer is, its scales in `dtype`."""
         tensors: dict[str, torch.Tensor] = {}
         families: dict[tuple[str, int], list[str]] = {}
-        by_slice: dict[tuple[str, int], list[_ExpertLayer]] = {}
+        by_slice: dict[tuple[str, int], list[ExpertLayer]] = {}
         for layer in layers:
             by_slice.setdefault((layer.projection, layer.expert), []).append(layer)
         for projection in module.layouts:
@@ -262,108 +256,6 @@ def _rows(grid: IntegerGrid, rows: slice) -> IntegerGrid:
     """The output rows `rows` of a grid (the gate or the up half of a fused projection): codes, scales, zero points."""
     zero = None if grid.zero is None else grid.zero[rows]
     return dataclasses.replace(grid, codes=grid.codes[rows], scale=grid.scale[rows], zero=zero)
-
-
-# -- the experts as the checkpoint names them ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _ExpertLayer:
-    """One per-expert Linear layer of the checkpoint (`...experts.3.gate_proj`): the rows of one expert's slice of a
-    fused projection it holds."""
-
-    name: str
-    projection: str
-    expert: int
-    rows: slice
-
-
-@dataclass(frozen=True)
-class _Probe:
-    """The row numbers `first ..` of one fused projection, `rows` to an expert, in the probe given to transformers."""
-
-    module: str
-    projection: str
-    first: int
-    rows: int
-
-
-def _checkpoint_expert_layers(model: nn.Module) -> dict[str, list[_ExpertLayer]]:
-    """The per-expert Linear layers transformers saves each quantized experts module's projections as (and loads them
-    from), by module name.
-
-    transformers' own reverse conversion (`revert_weight_conversion`, what `save_pretrained` runs) is applied to one
-    probe per projection, `[experts, rows, 1]` numbering every row of the model's fused projections: each tensor it
-    returns names a checkpoint Linear layer and holds the numbers of the rows it takes, so the names and the split
-    of gate and up are the model's own conversion mapping's.
-    """
-    modules = {name: module for name, module in model.named_modules() if isinstance(module, QuantizedExperts)}
-    if not modules:
-        return {}
-    probes: list[_Probe] = []
-    tensors: dict[str, torch.Tensor] = {}
-    first = 0
-    for name, module in modules.items():
-        for projection, layout in module.layouts.items():
-            probes.append(_Probe(name, projection, first, layout.out_features))
-            count = module.num_experts * layout.out_features
-            numbers = torch.arange(first, first + count, dtype=torch.float64)
-            tensors[f"{name}.{projection}"] = numbers.reshape(module.num_experts, layout.out_features, 1)
-            first += count
-    layers: dict[str, list[_ExpertLayer]] = {name: [] for name in modules}
-    firsts = [probe.first for probe in probes]
-    for key, numbers in _reverted(model, tensors, next(iter(modules))).items():
-        probe = probes[bisect.bisect_right(firsts, int(numbers.flatten()[0])) - 1]
-        layers[probe.module].append(_expert_layer(key, numbers, probe))
-    return layers
-
-
-def _expert_layer(key: str, numbers: torch.Tensor, probe: _Probe) -> _ExpertLayer:
-    """The checkpoint layer `key` (a `.weight`) holding the probe rows `numbers`: whole rows of one expert, in order."""
-    first, count = int(numbers.flatten()[0]), numbers.numel()
-    expert, row = divmod(first - probe.first, probe.rows)
-    expected = torch.arange(first, first + count, dtype=torch.float64).reshape(count, 1)
-    if not key.endswith(".weight") or row + count > probe.rows or not torch.equal(numbers, expected):
-        raise CompressedTensorsExportError(_not_per_expert(f"{probe.module}.{probe.projection}"))
-    return _ExpertLayer(key.removesuffix(".weight"), probe.projection, expert, slice(row, row + count))
-
-
-def _reverted(model: nn.Module, probes: dict[str, torch.Tensor], first: str) -> dict[str, torch.Tensor]:
-    """`probes` (fused experts projections by name) as transformers would save them; refused when it keeps them
-    fused or cannot reverse the model's conversions."""
-    try:
-        reverted = _as_saved(model, dict(probes))
-    except (ValueError, KeyError, RuntimeError) as error:
-        raise CompressedTensorsExportError(
-            f"{first}: transformers cannot name its experts' per-expert checkpoint layers ({error})"
-        ) from None
-    total = sum(probe.numel() for probe in probes.values())
-    fused = [key for key in reverted if key in probes]
-    if fused or sum(tensor.numel() for tensor in reverted.values()) != total:
-        raise CompressedTensorsExportError(_not_per_expert(fused[0] if fused else first))
-    return reverted
-
-
-def _as_saved(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` named as transformers saves a model of this class built anew: its class's conversion mapping
-    reversed, whatever checkpoint the model was loaded from (one with fused experts records no conversion, and
-    transformers would then keep the fused names, which its compressed-tensors loader does not read)."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    recorded = model.__dict__.pop("_weight_conversions", None)
-    try:
-        return revert_weight_conversion(model, state)
-    finally:
-        if recorded is not None:
-            model._weight_conversions = recorded
-
-
-def _not_per_expert(projection: str) -> str:
-    return (
-        f"{projection} cannot be written as compressed-tensors: transformers does not save this model's experts as "
-        f"one Linear layer per expert and projection, the only way compressed-tensors stores them; export the "
-        f"dequantized model (quantlab.dequantize) instead"
-    )
 
 
 def _check_experts_loadable(converted: _Converted) -> None:
