@@ -37,7 +37,7 @@ class PaddedGroupsWarning(UserWarning):
 
 
 class LeftInFloatWarning(UserWarning):
-    """Weights that no quantized module handles (a 3-D expert parameter, `Conv1D`, a Linear subclass with its own
+    """Weights that no quantized module handles (a 3-D expert parameter, a Linear subclass with its own
     forward) stay in float; the message names them and the share of the model that was quantized."""
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.nn import QuantizedLinear
-from quantlab.nn.kinds import is_quantizable_linear
+from quantlab.nn.kinds import as_linear, is_quantizable_linear
 from quantlab.nn.quantized_experts import PROJECTIONS, QuantizedExperts, expert_configs
 from quantlab.vocabulary import dequantize_vocabulary
 
@@ -29,7 +29,7 @@ def replace_linear_layers(
     selected: Callable[[str], bool],
     quantize: bool,
 ) -> list[str]:
-    """Swap the selected Linear layers for `module_class`; returns their names.
+    """Swap the selected Linear layers (`quantlab.nn.kinds`) for `module_class`; returns their names.
 
     With `quantize` false the new layers are empty shells (on the Linear's device: meta while
     transformers loads); otherwise they are quantized from the Linear's weight.
@@ -39,16 +39,17 @@ def replace_linear_layers(
         if not is_quantizable_linear(module) or not selected(name):
             continue
         layer_config = config.config_for(name)
+        linear = as_linear(module)  # GPT-2's `Conv1D` as the Linear layer of its transposed weight
         if quantize:
-            new = module_class.from_linear(module, layer_config, layer=name)
+            new = module_class.from_linear(linear, layer_config, layer=name)
         else:
             new = module_class(
-                module.in_features,
-                module.out_features,
-                module.bias is not None,
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
                 layer_config,
-                dtype=module.weight.dtype,
-                device=module.weight.device,
+                dtype=linear.weight.dtype,
+                device=linear.weight.device,
             )
         model.set_submodule(name, new)
         converted.append(name)

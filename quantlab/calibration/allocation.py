@@ -38,6 +38,7 @@ from quantlab.errors import ConfigError
 from quantlab.formats import grouping
 from quantlab.formats.layout import GroupParams, StorageLayout
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.kinds import as_linear
 from quantlab.nn.rotation import rotate, rotate_square, rotation_block
 from quantlab.solvers import InputStats
 from quantlab.solvers.mse import column_importance
@@ -95,7 +96,7 @@ def check_budget_reachable(model: nn.Module, plan: "QuantizationPlan") -> None:
     smallest = largest = weights = 0
     for index, block in enumerate(blocks):
         shapes = {
-            full_name: (*block.get_submodule(relative).weight.shape, 1)
+            full_name: (*as_linear(block.get_submodule(relative)).weight.shape, 1)
             for relative, full_name in selected_linears(block, f"{prefix}.{index}", plan.selects).items()
         }
         shapes.update(_experts_shapes(plan, f"{prefix}.{index}"))
@@ -161,7 +162,7 @@ def measure_layers(
         stats = collect_input_stats(block, names, batches, outputs)
         batches = [BlockInputs(output, batch.kwargs) for output, batch in zip(outputs, batches, strict=True)]
         for relative, full_name in names.items():
-            weight = block.get_submodule(relative).weight.detach().float()
+            weight = as_linear(block.get_submodule(relative)).weight.detach().float()
             weights += weight.numel()
             unit = _experts_projection(plan, full_name) or full_name
             if unit not in options:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from quantlab.errors import QuantizationError
+from quantlab.nn.kinds import is_transposed_linear
 from quantlab.utils.allocator import heap_for_temporaries
 
 
@@ -109,7 +110,7 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
             continue
         if len({type(block) for block in module}) != 1:
             continue
-        linears = sum(isinstance(m, nn.Linear) for m in module.modules())
+        linears = sum(isinstance(m, nn.Linear) or is_transposed_linear(m) for m in module.modules())
         if linears and (best is None or linears > best[0]):
             best = (linears, name, module)
     if best is None:

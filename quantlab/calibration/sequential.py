@@ -43,7 +43,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError
 from quantlab.formats import grouping
 from quantlab.nn import QuantizedLinear
-from quantlab.nn.kinds import is_quantizable_linear
+from quantlab.nn.kinds import as_linear, is_quantizable_linear
 from quantlab.nn.rotation import input_rotation_block, rotate
 from quantlab.solvers import InputStats
 from quantlab.utils.allocator import return_freed_memory
@@ -92,6 +92,7 @@ def quantize_blocks(
             weights.store(index, block)
             converted += names.values()
             continue
+        as_linears(block, names)
         if config.awq:
             scale_block(block, batches, names, _fake_quantizer(plan.config_for, module_class))
         if reconstruction is not None:
@@ -167,6 +168,16 @@ def selected_linears(block: nn.Module, prefix: str, selected: Callable[[str], bo
         for relative, module in block.named_modules()
         if is_quantizable_linear(module) and selected(f"{prefix}.{relative}")
     }
+
+
+def as_linears(block: nn.Module, names: dict[str, str]) -> None:
+    """Put each named layer of `block` in place as an `nn.Linear` computing the same (GPT-2's `Conv1D`: the Linear
+    of its transposed weight, sharing its tensors), so AWQ, the solvers and the block's runs read one kind."""
+    for relative in names:
+        module = block.get_submodule(relative)
+        linear = as_linear(module)
+        if linear is not module:
+            block.set_submodule(relative, linear)
 
 
 def _fake_quantizer(

@@ -19,6 +19,7 @@ from quantlab.cli.console import Console, add_output_options, column_table, disk
 from quantlab.errors import QuantlabError
 from quantlab.loading import ModelSource, load, resolve_model, weights_size
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.kinds import as_linear, is_quantizable_linear
 from quantlab.nn.quantized_embedding import QuantizedTable, TiedOutputHead
 from quantlab.vocabulary import find_vocabulary
 
@@ -197,6 +198,8 @@ def _add_errors(rows: list[LayerRow], model: nn.Module, reference: nn.Module, na
     references = dict(reference.named_modules())
     for row in console.bar(rows, "comparing layers"):
         original = references.get(row.name)
+        if original is not None and is_quantizable_linear(original):
+            original = as_linear(original)  # GPT-2's `Conv1D`: its `[out, in]` weight
         if not isinstance(original, nn.Linear) or list(original.weight.shape) != row.shape:
             raise QuantlabError(
                 f"{name} has no {row.shape[0]}x{row.shape[1]} Linear layer {row.name!r}: "

@@ -43,6 +43,7 @@ from quantlab.config import QuantlabConfig, transformers_name
 from quantlab.errors import QuantlabError, UnknownMethodError
 from quantlab.integrations.chunked_loss import use_chunked_loss
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.kinds import is_transposed_linear, linear_weight
 from quantlab.nn.quantized_embedding import QuantizedTable
 from quantlab.nn.quantized_experts import PROJECTIONS, QuantizedExperts, stored_name
 from quantlab.plan import QuantizationPlan, build_plan, empty_layers, quantize_loaded
@@ -161,6 +162,7 @@ class QuantlabHfQuantizer(HfQuantizer):
         self.errors: list[QuantlabError] = []
         self.plan: QuantizationPlan | None = None  # built from the model before its weights load
         self.companion_conversions: list[WeightConverter] = []  # experts' per-expert scales and zero points
+        self.transposed: set[str] = set()  # layers whose checkpoint weight is `[in, out]` (GPT-2's Conv1D)
 
     def param_needs_quantization(self, model: torch.nn.Module, param_name: str, **kwargs: Any) -> bool:
         if self.pre_quantized:
@@ -182,6 +184,7 @@ class QuantlabHfQuantizer(HfQuantizer):
             self.plan.warn()
         if self.calibrates_after_loading:
             return
+        self.transposed = {name for name, module in model.named_modules() if is_transposed_linear(module)}
         empty_layers(model, self.plan)
         if self.pre_quantized:
             self._verify_files(model)
@@ -261,7 +264,8 @@ class QuantizeOnLoad(ConversionOps):
         stored = None
         if not self.hf_quantizer.errors:
             try:
-                stored = _quantize_one(module, tensor_name, weight, layer_name)
+                transposed = layer_name in self.hf_quantizer.transposed
+                stored = _quantize_one(module, tensor_name, linear_weight(weight, transposed), layer_name)
             except QuantlabError as error:
                 self.hf_quantizer.errors.append(error)
         release_mapped_tensor(weight)  # its checkpoint pages would otherwise stay resident until the end

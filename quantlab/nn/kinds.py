@@ -1,34 +1,70 @@
 """Which module kinds quantlab quantizes, and how it names the weights of the kinds it does not.
 
-A module is a quantizable Linear layer when it is an `nn.Linear` whose forward is `x W^T + b`:
-`nn.Linear` itself, a subclass that keeps its forward, or a subclass registered here as computing
-the same (transformers' `FalconLinear`). Every other weight of two or more dimensions that a plan
-leaves in float is described by `unhandled_kind`, so a report can name it rather than skip it in
-silence: a Linear subclass with a forward of its own, GPT-2's `Conv1D`, or a 3-D parameter
-(transformers 5 stores a mixture of experts' projections as one `[experts, out, in]` tensor).
+A module is a quantizable Linear layer when it computes `x W^T + b`: `nn.Linear` itself, a subclass
+that keeps its forward, a subclass registered here as computing the same (transformers' `FalconLinear`),
+or a class registered as storing `W` transposed, `[in, out]` (transformers' `Conv1D`, GPT-2's projections).
+A transposed layer is quantized as the Linear layer of `W`: `as_linear` views it as one and
+`linear_weight` turns its checkpoint tensor into `W`, so this module alone knows the transpose.
+Every other weight of two or more dimensions that a plan leaves in float is described by
+`unhandled_kind`, so a report can name it rather than skip it in silence: a Linear subclass with a
+forward of its own, or a 3-D parameter (transformers 5 stores a mixture of experts' projections as one
+`[experts, out, in]` tensor).
 """
 
+import torch
 from torch import nn
 
 # Linear subclasses whose own forward computes exactly `x W^T + b`, by "module.QualifiedName".
 _SAME_AS_LINEAR: set[str] = {"transformers.models.falcon.modeling_falcon.FalconLinear"}
+# Classes computing `x W + b` with `weight` `[in, out]` and `bias` `[out]` (or None), by "module.QualifiedName".
+_TRANSPOSED: set[str] = {"transformers.pytorch_utils.Conv1D"}
 
 
-def register_linear_kind(cls: type[nn.Linear]) -> type[nn.Linear]:
-    """Declare that the `nn.Linear` subclass `cls` computes `x W^T + b`, so its layers are quantized
-    like `nn.Linear` (a decorator; a subclass that keeps `nn.Linear.forward` needs no registration)."""
-    if not (isinstance(cls, type) and issubclass(cls, nn.Linear)):
-        raise TypeError(f"register_linear_kind takes an nn.Linear subclass, not {cls!r}")
-    _SAME_AS_LINEAR.add(_qualified(cls))
+def register_linear_kind(cls: type[nn.Module], transposed: bool = False) -> type[nn.Module]:
+    """Declare that layers of `cls` are quantized like `nn.Linear` (a decorator; a subclass that keeps
+    `nn.Linear.forward` needs no registration): an `nn.Linear` subclass whose forward computes `x W^T + b`,
+    or, with `transposed`, a module computing `x W + b` from its `weight` `[in, out]` and `bias`."""
+    base = nn.Module if transposed else nn.Linear
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        what = "an nn.Module class" if transposed else "an nn.Linear subclass"
+        raise TypeError(f"register_linear_kind takes {what}, not {cls!r}")
+    (_TRANSPOSED if transposed else _SAME_AS_LINEAR).add(_qualified(cls))
     return cls
 
 
 def is_quantizable_linear(module: nn.Module) -> bool:
     """Whether `module` is a Linear layer quantlab's quantized layers can stand in for."""
+    if is_transposed_linear(module):
+        return True
     if not isinstance(module, nn.Linear):
         return False
     cls = type(module)
     return cls is nn.Linear or cls.forward is nn.Linear.forward or _qualified(cls) in _SAME_AS_LINEAR
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """Whether `module` is a registered Linear layer storing its weight `[in, out]` (GPT-2's `Conv1D`)."""
+    return _qualified(type(module)) in _TRANSPOSED
+
+
+def linear_weight(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The `[out, in]` weight `W` of a quantizable layer's `weight` tensor (a view); the inverse too, as
+    transposing twice is the identity: a `[out, in]` weight in the layout the layer stores."""
+    return weight.T if transposed else weight
+
+
+def as_linear(module: nn.Module) -> nn.Linear:
+    """`module` (a quantizable Linear layer) as an `nn.Linear` computing the same: itself, or for a transposed
+    layer one sharing its weight (`W` as a view of the `[in, out]` tensor) and its bias, so writing either
+    layer's weight writes both."""
+    if not is_transposed_linear(module):
+        return module
+    weight = linear_weight(module.weight.data, transposed=True)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+    if module.bias is not None:
+        linear.bias = module.bias
+    return linear
 
 
 def unhandled_kind(module: nn.Module, attribute: str, dimensions: int) -> str:

@@ -16,6 +16,7 @@ from quantlab.config import QuantlabConfig
 from quantlab.errors import ConfigError, QuantizationError
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.kinds import (
+    as_linear,
     fused_experts_shape,
     is_fused_experts,
     is_quantizable_linear,
@@ -52,8 +53,9 @@ def build_plan(model: nn.Module, config: QuantlabConfig, modules: list[str] | No
                 full = f"{name}.{projection}"
                 layers[full] = PlannedLayer.make(full, inputs, outputs, config, module_class, name in calibrated, count)
         elif name in names:
+            linear = as_linear(module)
             layers[name] = PlannedLayer.make(
-                name, module.in_features, module.out_features, config, module_class, name in calibrated
+                name, linear.in_features, linear.out_features, config, module_class, name in calibrated
             )
     tables = _tables(model, config)
     return QuantizationPlan(
@@ -120,7 +122,7 @@ def _check_rotated_layers(model: nn.Module, config: QuantlabConfig, names: list[
         )
     for name in rotated:
         try:
-            rotation_block(model.get_submodule(name).in_features, config.rotation_blocks)
+            rotation_block(as_linear(model.get_submodule(name)).in_features, config.rotation_blocks)
         except ConfigError as error:
             raise ConfigError(f"{config.method}: {name}: {error}") from None
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from quantlab.calibration.blocks import BlockWeights
 from quantlab.nn import QuantizedLinear
+from quantlab.nn.kinds import is_transposed_linear, linear_weight
 from quantlab.nn.quantized_experts import PROJECTIONS, QuantizedExperts
 from quantlab.streaming.partial import PartialOutput, ResumeError
 from quantlab.streaming.skeleton import StreamedWeights, assign, stored_entries
@@ -93,7 +94,7 @@ class StreamedBlocks(ReadBlocks):
             relative = layer.removeprefix(f"{name}.")
             quantized = shell_block.get_submodule(relative) if relative != layer else None
             if isinstance(quantized, QuantizedLinear) and attribute == "weight":
-                value = self._dequantized(quantized, layer)
+                value = linear_weight(self._dequantized(quantized, layer), is_transposed_linear(owner))
             elif isinstance(quantized, QuantizedExperts) and attribute in PROJECTIONS:
                 value = self._dequantized_experts(quantized, layer, attribute)
             else:

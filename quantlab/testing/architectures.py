@@ -34,6 +34,15 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64, "num_key_value_heads": None, "intermediate_size": None},
     "gpt_neox": {"num_key_value_heads": None},
     "falcon": {"num_key_value_heads": None, "intermediate_size": None, "new_decoder_architecture": False},
+    # GPT2Config maps hidden_size, num_hidden_layers, num_attention_heads and max_position_embeddings to its n_embd,
+    # n_layer, n_head and n_positions; its projections are `Conv1D` layers, `c_attn` fusing queries, keys and values.
+    "gpt2": {
+        "num_key_value_heads": None,
+        "intermediate_size": None,
+        "n_inner": 128,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     "mixtral": {"num_local_experts": 4},
     "qwen2_moe": {**_MOE, "shared_expert_intermediate_size": 64},
     "qwen3_moe": {**_MOE, "head_dim": 16},

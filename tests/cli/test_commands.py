@@ -130,6 +130,22 @@ def test_inspect_lists_layers_with_their_relative_error(cli, quantized_llama, ll
     assert layers["lm_head"]["method"] == "float" and layers["lm_head"]["relative_error"] == 0.0
 
 
+def test_inspect_compares_gpt2s_conv1d_layers_with_their_float_weights(cli, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from quantlab.methods.custom_bits import CustomBitsConfig
+    from quantlab.testing.architectures import tiny_causal_lm
+
+    tiny_causal_lm("gpt2").save_pretrained(tmp_path / "float")
+    config = CustomBitsConfig(bits=4, group_size=32)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config).save_pretrained(tmp_path / "q")
+    result = cli.run("inspect", tmp_path / "q", "--reference", tmp_path / "float", "--json")
+    assert result.returncode == 0, result.stderr
+    layers = {layer["name"]: layer for layer in result.json()["layers"]}
+    assert layers["transformer.h.0.attn.c_attn"]["shape"] == [192, 64]
+    assert all(0.01 < layers[f"transformer.h.1.{name}"]["relative_error"] < 0.3 for name in ("attn.c_proj", "mlp.c_fc"))
+
+
 def test_inspect_finds_the_reference_in_the_quantize_report(cli, quantized_llama, llama_dir: Path) -> None:
     result = cli.run("inspect", quantized_llama.output, "--reference", "--json")
     assert result.returncode == 0, result.stderr

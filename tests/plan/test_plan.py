@@ -125,12 +125,26 @@ def test_a_linear_subclass_with_its_own_forward_is_named_until_registered():
     assert list(build_plan(nn.Sequential(PlainLinear(64, 64)), CustomBitsConfig(group_size=32)).layers) == ["0"]
 
 
-def test_gpt2_is_refused_in_one_line_naming_conv1d():
+def test_gpt2s_conv1d_layers_are_planned_as_linear_layers_of_their_transposed_weights():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    plan = build_plan(model, CustomBitsConfig(group_size=32))
+    assert not plan.unhandled() and plan.quantized_share() == 1.0
+    shapes = {name: (layer.out_features, layer.in_features) for name, layer in plan.layers.items()}
+    assert shapes == {
+        "transformer.h.0.attn.c_attn": (96, 32), "transformer.h.0.attn.c_proj": (32, 32),
+        "transformer.h.0.mlp.c_fc": (128, 32), "transformer.h.0.mlp.c_proj": (32, 128),
+    }  # fmt: skip
+
+
+def test_a_model_with_no_layer_to_quantize_is_refused_in_one_line_naming_its_kind():
+    class ScaledLinear(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LeftInFloatWarning)
-        with pytest.raises(QuantizationError, match=r"Conv1D layers, which no quantized module handles"):
-            quantlab.quantize(model, CustomBitsConfig(group_size=32))
+        with pytest.raises(QuantizationError, match=r"ScaledLinear layers, which no quantized module handles"):
+            quantlab.quantize(nn.Sequential(ScaledLinear(64, 64)), CustomBitsConfig(group_size=32))
 
 
 def test_the_plan_is_saved_in_dict_form():

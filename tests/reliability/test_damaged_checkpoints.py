@@ -135,13 +135,14 @@ def test_switches_must_be_booleans(value):
         quantlab.NF4Config(double_quant=value)
 
 
-def test_a_gpt2_model_is_refused_not_left_in_float(tmp_path):
+def test_a_gpt2_model_is_quantized_not_left_in_float(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
 
-    from quantlab.errors import QuantizationError
-
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(tmp_path)
-    with pytest.raises(QuantizationError, match="Conv1D layers"):
-        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantlab.NF4Config())
-    with pytest.raises(QuantizationError, match="Conv1D layers"):
-        quantlab.quantize(AutoModelForCausalLM.from_pretrained(tmp_path), quantlab.NF4Config())
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantlab.NF4Config())
+    converted = quantlab.quantize(AutoModelForCausalLM.from_pretrained(tmp_path), quantlab.NF4Config(), progress=False)
+    for model in (loaded, converted):
+        assert not any(isinstance(module, Conv1D) for module in model.modules())
+    state = converted.state_dict()
+    assert all(torch.equal(tensor, state[name]) for name, tensor in loaded.state_dict().items())

@@ -20,6 +20,7 @@ from quantlab.streaming.blocks import REST
 from quantlab.streaming.partial import PartialOutput, ResumeError, interrupted_runs
 from quantlab.streaming.quantize import quantize_checkpoint
 from quantlab.testing import byte_tokenizer, tiny_llama, tiny_llama_checkpoint
+from quantlab.testing.architectures import tiny_causal_lm
 
 CALIBRATION = {"calibration_samples": 8, "calibration_seq_len": 32}
 CASES = {
@@ -144,6 +145,28 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(case, stop_after
     assert any(f"{finished} part(s) finished" in note for note in notes), notes
     _same_checkpoint(straight, output)
     assert interrupted_runs(output) == []
+
+
+@pytest.fixture(scope="module")
+def gpt2_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-2 (its projections `Conv1D` layers, weights stored `[in, out]`) saved with a tokenizer."""
+    folder = tmp_path_factory.mktemp("gpt2")
+    tiny_causal_lm("gpt2").save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case", ["rtn", "gptq"])
+def test_gpt2_streams_to_the_in_memory_checkpoint_and_resumes_exactly(case, gpt2_source, tmp_path, monkeypatch):
+    expected = _in_memory(gpt2_source, CASES[case], tmp_path / "in-memory")
+    _same_checkpoint(expected, _streamed(gpt2_source, CASES[case], tmp_path / "streamed"))
+    output = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, "transformer.h.0")
+        with pytest.raises(_Stop):
+            _streamed(gpt2_source, CASES[case], output)
+    _streamed(gpt2_source, CASES[case], output, resume=True)  # block 0 read back into its `Conv1D` layers
+    _same_checkpoint(expected, output)
 
 
 def test_resume_refuses_other_options_in_one_line(sources, tmp_path, monkeypatch):
