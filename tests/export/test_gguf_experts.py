@@ -141,7 +141,7 @@ def _spread_model(model_type: str):
     return AutoModelForCausalLM.from_config(_config(model_type, initializer_range=0.1)).eval()
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3", "mistral"])
 def test_llama_cpp_computes_the_float_model_from_a_float32_file(tmp_path, model_type) -> None:
     """Every tensor in F32: llama.cpp's graph (routing, renormalization, shared expert, q/k norms, rotary layout)
     gives transformers' logits up to its float16 KV cache; a wrong name, order or routing rule would not."""

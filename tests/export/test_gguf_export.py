@@ -229,7 +229,7 @@ def test_existing_target_is_refused(tmp_path) -> None:
 
 
 def test_unknown_architecture_names_the_supported_ones(tmp_path) -> None:
-    with pytest.raises(GGUFExportError, match="supported model types: llama, mixtral, qwen2"):
+    with pytest.raises(GGUFExportError, match="supported model types: llama, mistral, mixtral, qwen2"):
         to_gguf(tiny_bert(), tmp_path / "bert.gguf", tokenizer=byte_tokenizer())
     assert not (tmp_path / "bert.gguf").exists()
 

@@ -1,7 +1,7 @@
 """The transformers causal LMs llama.cpp runs that the GGUF export knows: their GGUF architecture,
 hyperparameter keys and tensor names, as llama.cpp's own converter (`convert_hf_to_gguf.py`) writes them.
 
-- `llama` (Llama 2/3, SmolLM2, ..., and Mixtral, whose experts llama.cpp's `llama` graph runs):
+- `llama` (Llama 2/3, SmolLM2, ..., Mistral, and Mixtral, whose experts llama.cpp's `llama` graph runs):
   rotary embedding on interleaved pairs in llama.cpp, so the rows of the q and k projections are
   permuted from transformers' half-split layout (`rope_rows`).
 - `qwen2`, `qwen3`: the same block with the half-split (NeoX) rotary layout, no permutation; Qwen2
@@ -39,6 +39,7 @@ ARCHITECTURES = {
     architecture.model_type: architecture
     for architecture in (
         Architecture("llama", "llama", rope_permuted=True, writes_vocab_size=True),
+        Architecture("llama", "mistral", rope_permuted=True, writes_vocab_size=True),
         Architecture("llama", "mixtral", rope_permuted=True, writes_vocab_size=True, normalizes_top_k=True),
         Architecture("qwen2", "qwen2", rope_permuted=False, writes_vocab_size=False),
         Architecture("qwen3", "qwen3", rope_permuted=False, writes_vocab_size=False),
