@@ -20,6 +20,7 @@ PROMPT = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64]])
 CONFIGS = {
     "rtn": {"bits": 4, "group_size": 32},
     "gptq": {"bits": 4, "group_size": 32, "solver": "gptq", "calibration_samples": 4, "calibration_seq_len": 32},
+    "awq": {"bits": 3, "group_size": 32, "awq": True, "calibration_samples": 4, "calibration_seq_len": 32},
 }
 
 
