@@ -1,5 +1,5 @@
 """compressed-tensors export: quantlab's codes as a checkpoint transformers loads with the compressed-tensors
-package, in a process that never imports quantlab, with quantlab's logits."""
+package, in a process that never imports quantlab, with quantlab's logits, across the architecture matrix."""
 
 import json
 import os
@@ -19,7 +19,7 @@ from quantlab.formats import grouping
 from quantlab.interop import compressed_tensors as ct
 from quantlab.nn.quantized_experts import QuantizedExperts
 from quantlab.testing import tiny_llama
-from quantlab.testing.architectures import tiny_causal_lm
+from quantlab.testing.architectures import ARCHITECTURES, tiny_causal_lm
 from quantlab.testing.models import tiny_qwen2
 from quantlab.workflows.quantize import quantize_to_checkpoint
 
@@ -332,3 +332,36 @@ def test_experts_transformers_cannot_load_are_refused_in_one_line(tmp_path, buil
         to_compressed_tensors(build(), tmp_path / "out")
     assert "\n" not in str(caught.value) and str(caught.value).startswith("model.layers.0.mlp.experts")
     assert list(tmp_path.iterdir()) == []
+
+
+# -- the architecture matrix --------------------------------------------------------------------------------
+
+REFUSED = {  # the architectures whose checkpoints transformers cannot load, and why
+    "gpt2": r"transformer\.h\.0\.attn\.c_attn and 7 more .*builds .* as a Conv1D",
+    "falcon": r"a falcon model cannot be written as compressed-tensors: transformers' Falcon initializes",
+}
+
+
+def _matrix_model(model_type: str):
+    # DeepSeek-V3's kv_b_proj reads 16 inputs: one group per row there (integer grids store no padded groups)
+    options = {f"model.layers.{i}.self_attn.kv_b_proj": {"group_size": None} for i in range(2)}
+    config = quantlab.CustomBitsConfig(
+        bits=4, group_size=32, symmetric=True, layer_options=options if model_type == "deepseek_v3" else None
+    )
+    return quantlab.quantize(tiny_causal_lm(model_type), config, progress=False)
+
+
+@pytest.mark.subprocess
+def test_every_loadable_architecture_loads_without_quantlab_with_quantlab_logits(tmp_path) -> None:
+    model_types = [model_type for model_type in ARCHITECTURES if model_type not in REFUSED]
+    results = load_without_quantlab([exported(_matrix_model(name), tmp_path / name) for name in model_types])
+    for model_type, result in zip(model_types, results, strict=True):
+        assert result["relative"] <= RELATIVE, (model_type, result)
+        assert result["unequal"] == [], (model_type, result)
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_architectures_transformers_cannot_load_are_refused(model_type, tmp_path) -> None:
+    with pytest.raises(CompressedTensorsExportError, match=REFUSED[model_type]):
+        to_compressed_tensors(_matrix_model(model_type), tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -26,6 +26,12 @@ from quantlab.utils.atomic import atomic_directory, check_replaceable
 FORMAT_VERSION = "0.20.0"
 MAX_SHARD_SIZE = "5GB"
 
+# Model types whose compressed-tensors checkpoints transformers cannot load, and why (measured).
+UNLOADABLE = {
+    "falcon": "transformers' Falcon initializes every FalconLinear's weight while loading, and compressed-tensors "
+    "has replaced that weight by packed codes (AttributeError: 'FalconLinear' object has no attribute 'weight')",
+}
+
 
 @dataclass(frozen=True)
 class ExportedLayer:
@@ -84,7 +90,9 @@ def to_compressed_tensors(
     rotated = rotated_layers(model)
     if rotated:
         raise CompressedTensorsExportError(refusal(rotated, "compressed-tensors"))
+    _check_model_type_loads(model)
     converted = _Converted.of(model)
+    _check_layers_load_as_linear(model, converted)
     if not converted.schemes:
         raise CompressedTensorsExportError(
             "the model has no quantized Linear layer; quantize it (custom_bits 4-bit or int8) before exporting"
@@ -256,6 +264,33 @@ def _rows(grid: IntegerGrid, rows: slice) -> IntegerGrid:
     """The output rows `rows` of a grid (the gate or the up half of a fused projection): codes, scales, zero points."""
     zero = None if grid.zero is None else grid.zero[rows]
     return dataclasses.replace(grid, codes=grid.codes[rows], scale=grid.scale[rows], zero=zero)
+
+
+def _check_model_type_loads(model: nn.Module) -> None:
+    model_type = getattr(model.config, "model_type", None)
+    if model_type in UNLOADABLE:
+        raise CompressedTensorsExportError(
+            f"a {model_type} model cannot be written as compressed-tensors: {UNLOADABLE[model_type]}; "
+            f"export it to ONNX or keep quantlab's own checkpoint"
+        )
+
+
+def _check_layers_load_as_linear(model: nn.Module, converted: _Converted) -> None:
+    """Refuse quantized layers that the model's class builds as something other than an `nn.Linear` (GPT-2's
+    `Conv1D`): transformers' compressed-tensors loader replaces Linear modules only and would leave such a layer
+    with random weights, silently."""
+    experts = {name for family in converted.experts for name in family}
+    with torch.device("meta"):
+        skeleton = type(model)(copy.deepcopy(model.config))
+    built = {name: type(skeleton.get_submodule(name)) for name in converted.schemes if name not in experts}
+    other = [name for name, kind in built.items() if not issubclass(kind, nn.Linear)]
+    if other:
+        kind = built[other[0]].__name__
+        more = f" and {len(other) - 1} more" if len(other) > 1 else ""
+        raise CompressedTensorsExportError(
+            f"{other[0]}{more} cannot be written as compressed-tensors: transformers builds {other[0]} as a {kind}, "
+            f"and its compressed-tensors loader quantizes nn.Linear layers only; export the model to ONNX"
+        )
 
 
 def _check_experts_loadable(converted: _Converted) -> None:
