@@ -42,8 +42,8 @@ from quantlab.assets.text import read_text
 from quantlab.eval import perplexity
 from quantlab.eval.perplexity import token_ids
 from quantlab.export import OnnxCausalLM, to_onnx
-from quantlab.export.ort_quantize import quantize_dynamic_int8
-from quantlab.export.saving import stored_bytes
+from quantlab.export.onnx.ort_quantize import quantize_dynamic_int8
+from quantlab.export.onnx.saving import stored_bytes
 
 PROMPTS = [
     "The capital of France is",

@@ -15,13 +15,13 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "ExportError": "quantlab.export.errors",
-    "LayerLowering": "quantlab.export.lowering",
-    "OnnxCausalLM": "quantlab.export.runtime",
-    "OnnxExport": "quantlab.export.exporter",
-    "register_onnx_lowering": "quantlab.export.lowering",
+    "ExportError": "quantlab.export.onnx.errors",
+    "LayerLowering": "quantlab.export.onnx.lowering",
+    "OnnxCausalLM": "quantlab.export.onnx.runtime",
+    "OnnxExport": "quantlab.export.onnx.exporter",
+    "register_onnx_lowering": "quantlab.export.onnx.lowering",
     "to_compressed_tensors": "quantlab.export.compressed_tensors",
-    "to_onnx": "quantlab.export.exporter",
+    "to_onnx": "quantlab.export.onnx.exporter",
 }
 
 __all__ = [

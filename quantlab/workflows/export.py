@@ -59,7 +59,7 @@ def export_onnx(
     import torch
 
     from quantlab.export import to_onnx
-    from quantlab.export.saving import data_file
+    from quantlab.export.onnx.saving import data_file
     from quantlab.loading import load
     from quantlab.utils.atomic import check_not_input
 

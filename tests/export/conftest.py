@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from quantlab.export.lower import lowering_for
-from quantlab.export.lowering import LayerLowering
+from quantlab.export.onnx.lower_graph import lowering_for
+from quantlab.export.onnx.lowering import LayerLowering
 from quantlab.nn import QuantizedLinear
 from quantlab.replacement import quantized_experts, quantized_layers
 

@@ -14,8 +14,8 @@ from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 import quantlab
-from quantlab.export.lower import lower_placeholders
-from quantlab.export.placeholder import DOMAIN, EXPERTS_OP_TYPE, dense_routing
+from quantlab.export.onnx.lower_graph import lower_placeholders
+from quantlab.export.onnx.placeholder import DOMAIN, EXPERTS_OP_TYPE, dense_routing
 from quantlab.nn.quantized_experts import QuantizedExperts
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOKENS = 4, 64, 96, 7

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import quantlab
-from quantlab.export import layouts
-from quantlab.export.lowering import LayerLowering
+from quantlab.export.onnx import layouts
+from quantlab.export.onnx.lowering import LayerLowering
 from quantlab.formats import grouping, nf4, packing
 from quantlab.methods.custom_bits import CustomBitsLinear
 from quantlab.methods.int8 import Int8Linear

@@ -5,7 +5,8 @@ import onnxruntime as ort
 import torch
 
 import quantlab
-from quantlab.export import saving, to_onnx
+from quantlab.export import to_onnx
+from quantlab.export.onnx import saving
 from quantlab.testing import tiny_bert
 
 

@@ -87,8 +87,8 @@ def test_plugin_layout_exports_to_onnx(bits, operator):
     ort = pytest.importorskip("onnxruntime", reason="needs quantlab[onnx]")
     import onnx_ir as ir
 
-    from quantlab.export.lower import lowering_for
-    from quantlab.export.lowering import LayerLowering
+    from quantlab.export.onnx.lower_graph import lowering_for
+    from quantlab.export.onnx.lowering import LayerLowering
 
     layer = plugin_layer(bits)
     x = ir.val("x", ir.DataType.FLOAT, ir.Shape(["rows", layer.in_features]))

@@ -239,7 +239,7 @@ def test_onnx_export_gathers_the_stored_codes(tied, bits, codes, tmp_path):
     import onnx_ir as ir
 
     from quantlab.export import to_onnx
-    from quantlab.export.runtime import OnnxCausalLM
+    from quantlab.export.onnx.runtime import OnnxCausalLM
 
     config = quantlab.NF4Config(embedding_bits=bits)
     model = quantlab.quantize(tiny_llama(tie_word_embeddings=tied), config)

@@ -12,7 +12,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from quantlab.export.errors import ExportError
+from quantlab.export.onnx.errors import ExportError
 
 _PAST_PREFIX = "past_key_values."
 _PRESENT_PREFIX = "present."

@@ -3,7 +3,7 @@
 Each quantized layer is swapped, for the duration of the export, for a module calling the
 custom op `quantlab_export::quantized_linear(x, layer, out_features)`. The exporter translates
 it into a node `quantlab.export::QuantizedLinear(x) {layer=...}`: no weight enters the traced
-graph, and the exporter's optimizer cannot constant-fold what it does not know. `lower.py`
+graph, and the exporter's optimizer cannot constant-fold what it does not know. `lower_graph.py`
 then replaces each placeholder by the layer's onnxruntime operators.
 
 A mixture of experts' `QuantizedExperts` is swapped for `QuantizedExpertsPlaceholder`, whose two

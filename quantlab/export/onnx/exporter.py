@@ -2,7 +2,7 @@
 
 The model is traced by `torch.onnx.export(dynamo=True)` with each quantized layer replaced
 by a placeholder node; the placeholders are then lowered to onnxruntime's low-bit operators
-fed with the layers' own codes and scales (see `builtin_lowerings.py` for the table). The
+fed with the layers' own codes and scales (see `codec_lowerings.py` for the table). The
 graph has dynamic batch and sequence axes, and optionally past key values. A mixture of
 experts' quantized projections (`QuantizedExperts`) are lowered expert by expert the same way,
 every expert computing every token (see `experts.py`); the router is exported as transformers
@@ -26,14 +26,14 @@ import torch
 from torch import nn
 
 import quantlab
-from quantlab.export import placeholder
-from quantlab.export.errors import ExportError
-from quantlab.export.experts import expert_layer, projection_names
-from quantlab.export.lower import lower_placeholders, operator_counts
-from quantlab.export.lowering import lowering_for
-from quantlab.export.saving import check_output, save_model, staged_output, stored_bytes
-from quantlab.export.tracking import ModuleTracker, module_of_failed_node, short_reason
-from quantlab.export.wrappers import ExportSpec, build_spec
+from quantlab.export.onnx import placeholder
+from quantlab.export.onnx.errors import ExportError
+from quantlab.export.onnx.expert_lowering import expert_layer, projection_names
+from quantlab.export.onnx.lower_graph import lower_placeholders, operator_counts
+from quantlab.export.onnx.lowering import lowering_for
+from quantlab.export.onnx.saving import check_output, save_model, staged_output, stored_bytes
+from quantlab.export.onnx.tracking import ModuleTracker, module_of_failed_node, short_reason
+from quantlab.export.onnx.wrappers import ExportSpec, build_spec
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_embedding import QuantizedTable
 from quantlab.nn.quantized_experts import PROJECTIONS, QuantizedExperts
@@ -129,7 +129,7 @@ def _write(model: ir.Model, path: Path, ort_dynamic_int8: bool) -> Counter:
     if not ort_dynamic_int8:
         save_model(model, path)
         return operator_counts(model)
-    from quantlab.export.ort_quantize import quantize_dynamic_int8  # imports onnxruntime.quantization: only here
+    from quantlab.export.onnx.ort_quantize import quantize_dynamic_int8  # imports onnxruntime.quantization: only here
 
     float_path = path.parent / ("float-" + path.name)
     save_model(model, float_path)

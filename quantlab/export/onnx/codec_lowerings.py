@@ -22,8 +22,8 @@ weight on every call unless activations may be int8 (`to_onnx(accuracy_level=4)`
 
 import torch
 
-from quantlab.export import layouts
-from quantlab.export.lowering import LayerLowering, lower_dequantized, register_grid_lowering
+from quantlab.export.onnx import layouts
+from quantlab.export.onnx.lowering import LayerLowering, lower_dequantized, register_grid_lowering
 from quantlab.formats.nf4 import NF4_LEVELS
 from quantlab.nn import QuantizedLinear
 

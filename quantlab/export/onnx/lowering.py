@@ -3,7 +3,7 @@
 The exported graph holds a placeholder node per quantized layer (see `placeholder.py`); a
 lowering replaces it by onnxruntime operators fed with the layer's own codes and scales.
 A layer is lowered by the lowering its codec names (`Codec.onnx_lowering`: "integer-grid",
-"level-table"; `builtin_lowerings.py`), which reads bits, group size, zero points and levels
+"level-table"; `codec_lowerings.py`), which reads bits, group size, zero points and levels
 from `layer.layout`; a codec that names none gets the fallback `lower_dequantized` (its float
 weight and a MatMul), so a layer of any registered codec exports. A plugin may still override
 that for its classes with `register_onnx_lowering(MyLinear)` (looked up first, along the class's
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 import torch
 
-from quantlab.export.errors import ExportError
-from quantlab.export.layouts import Bnb4Weight, NBitsWeight
+from quantlab.export.onnx.errors import ExportError
+from quantlab.export.onnx.layouts import Bnb4Weight, NBitsWeight
 from quantlab.nn import QuantizedLinear, rotation
 from quantlab.nn.layouts import declared_layout
 

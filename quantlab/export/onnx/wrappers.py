@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from quantlab.export.errors import ExportError
+from quantlab.export.onnx.errors import ExportError
 
 CAUSAL_LM = "causal-lm"
 ENCODER = "encoder"

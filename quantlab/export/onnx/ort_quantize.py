@@ -15,7 +15,7 @@ from pathlib import Path
 
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
-from quantlab.export.saving import EXTERNAL_DATA_THRESHOLD, stored_bytes
+from quantlab.export.onnx.saving import EXTERNAL_DATA_THRESHOLD, stored_bytes
 
 
 def quantize_dynamic_int8(float_model: Path, output: Path) -> None:

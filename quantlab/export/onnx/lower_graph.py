@@ -4,11 +4,11 @@ from collections import Counter
 
 import onnx_ir as ir
 
-from quantlab.export import builtin_lowerings  # noqa: F401  (registers the built-in lowerings)
-from quantlab.export.errors import ExportError
-from quantlab.export.experts import lower_experts, projection_names
-from quantlab.export.lowering import MS_DOMAIN, LayerLowering, lowering_for
-from quantlab.export.placeholder import DOMAIN, EXPERTS_OP_TYPE, OP_TYPE
+from quantlab.export.onnx import codec_lowerings  # noqa: F401  (registers the built-in lowerings)
+from quantlab.export.onnx.errors import ExportError
+from quantlab.export.onnx.expert_lowering import lower_experts, projection_names
+from quantlab.export.onnx.lowering import MS_DOMAIN, LayerLowering, lowering_for
+from quantlab.export.onnx.placeholder import DOMAIN, EXPERTS_OP_TYPE, OP_TYPE
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_experts import QuantizedExperts
 

@@ -17,8 +17,8 @@ one static graph whose every matmul multiplies by a layer's own low-bit codes.
 import onnx_ir as ir
 import torch
 
-from quantlab.export.errors import ExportError
-from quantlab.export.lowering import LayerLowering, lowering_for
+from quantlab.export.onnx.errors import ExportError
+from quantlab.export.onnx.lowering import LayerLowering, lowering_for
 from quantlab.nn import QuantizedLinear
 from quantlab.nn.quantized_experts import PROJECTIONS, QuantizedExperts
 
