@@ -26,7 +26,7 @@ from _common import cpu_line, environment, format_table, fp32_linear_rate, linea
 
 import quantlab
 from quantlab.assets.models import smollm2_dir
-from quantlab.calibration import calibration_windows, reconstruction
+from quantlab.calibration import block_training, calibration_windows
 
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_scaled_dot_product")
 
@@ -48,7 +48,7 @@ class StepClock:
         self.runs: list[float] = []
         self.profile_step = profile_step
         self.profile: list[tuple[str, float]] = []
-        self._originals = {name: getattr(reconstruction._Training, name) for name in ("_step_error", "_pass", "run")}
+        self._originals = {name: getattr(block_training._Training, name) for name in ("_step_error", "_pass", "run")}
 
     def __enter__(self) -> "StepClock":
         clock, originals = self, self._originals
@@ -75,14 +75,14 @@ class StepClock:
 
             return wrapper
 
-        reconstruction._Training._step_error = step_error
-        reconstruction._Training._pass = timed("_pass", self.passes)
-        reconstruction._Training.run = timed("run", self.runs)
+        block_training._Training._step_error = step_error
+        block_training._Training._pass = timed("_pass", self.passes)
+        block_training._Training.run = timed("run", self.runs)
         return self
 
     def __exit__(self, *exc) -> None:
         for name, original in self._originals.items():
-            setattr(reconstruction._Training, name, original)
+            setattr(block_training._Training, name, original)
 
     def other_per_step(self) -> float:
         """Seconds a step spends outside its forward and backward: the optimizer, projections, snapshots."""

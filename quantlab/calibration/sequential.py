@@ -9,7 +9,7 @@ the error of every block before it. Per block:
    statistics (layers reading the same input, q/k/v or gate/up, share one);
 3. each selected Linear layer is solved and replaced by the method's quantized layer;
    a block-wise solver (`reconstruct`) then trains the block's layers jointly on its outputs
-   (`quantlab.calibration.reconstruction`);
+   (`quantlab.calibration.block_training`);
 4. a second pass computes the block's outputs with the quantized weights.
 
 Peak memory is the float model (one block of it when streamed: `quantlab.streaming`), plus the
@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from quantlab import distributed
 from quantlab.calibration.awq import scale_block
+from quantlab.calibration.block_training import BlockReconstruction
 from quantlab.calibration.blocks import (
     Activations,
     BlockInputs,
@@ -37,7 +38,6 @@ from quantlab.calibration.blocks import (
     run_block_on_batches,
 )
 from quantlab.calibration.experts import fuse_experts, starving_slices, unfuse_experts, warn_data_free_experts
-from quantlab.calibration.reconstruction import BlockReconstruction
 from quantlab.calibration.solving import quantize_layers
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantizationError

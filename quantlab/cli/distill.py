@@ -9,7 +9,7 @@ into it at the end). DIR is the run folder (log, checkpoints, report); the stude
 import argparse
 
 from quantlab.cli.console import Console, add_output_options, disk_size, seconds
-from quantlab.cli.evaluation import add_eval_arguments, text_from_args
+from quantlab.cli.eval_flags import add_eval_arguments, text_from_args
 from quantlab.cli.options import finite_float
 from quantlab.cli.training_flags import add_training_flags, print_report, resolve_training_flags
 from quantlab.workflows.distill import DistillReport, distill_model

@@ -11,7 +11,7 @@ import argparse
 from dataclasses import asdict
 
 from quantlab.cli.console import Console, add_output_options, bits_summary, disk_size, key_value_table, seconds
-from quantlab.cli.evaluation import add_text_options, text_from_args
+from quantlab.cli.eval_flags import add_text_options, text_from_args
 from quantlab.workflows.evaluate import EvalReport, evaluate_checkpoint
 
 

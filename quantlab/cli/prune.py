@@ -15,7 +15,7 @@ import argparse
 
 from quantlab.cli.console import Console, add_output_options, disk_size, seconds
 from quantlab.cli.distill import add_distillation_arguments, distillation_config
-from quantlab.cli.evaluation import add_eval_arguments, text_from_args
+from quantlab.cli.eval_flags import add_eval_arguments, text_from_args
 from quantlab.cli.options import add_model_argument, finite_float
 from quantlab.cli.training_flags import add_training_flags, print_report, resolve_training_flags
 from quantlab.workflows.prune import PruneReport, prune_model

@@ -13,7 +13,7 @@ import argparse
 
 from quantlab.cli.console import Console, add_output_options, disk_size, mebibytes, seconds
 from quantlab.cli.distill import add_embedding_weight_flag
-from quantlab.cli.evaluation import add_eval_arguments, text_from_args
+from quantlab.cli.eval_flags import add_eval_arguments, text_from_args
 from quantlab.cli.options import (
     add_method_argument,
     add_model_argument,

@@ -18,7 +18,7 @@ from quantlab.cli.console import (
     mebibytes,
     seconds,
 )
-from quantlab.cli.evaluation import add_eval_arguments, text_from_args
+from quantlab.cli.eval_flags import add_eval_arguments, text_from_args
 from quantlab.cli.options import (
     add_method_argument,
     add_model_argument,

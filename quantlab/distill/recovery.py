@@ -11,7 +11,7 @@ from torch import nn
 
 from quantlab.distill.student import freeze_embeddings
 from quantlab.distill.trainer import DistillationTrainer
-from quantlab.prune.masking import masked_layers
+from quantlab.prune.layer_masks import masked_layers
 from quantlab.prune.schedule import KeepMasks
 from quantlab.training.data import CausalLMCollator
 from quantlab.training.trainer import Trainer

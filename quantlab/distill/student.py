@@ -12,7 +12,7 @@ from torch import nn
 from quantlab.distill.trainer import DistillationTrainer
 from quantlab.errors import QuantlabError
 from quantlab.loading import quantization_method_of
-from quantlab.prune.masking import attach_mask, mask_of, masked_layers
+from quantlab.prune.layer_masks import attach_mask, mask_of, masked_layers
 from quantlab.training.data import CausalLMCollator
 from quantlab.training.lora import add_lora
 from quantlab.training.merge import merge_to_float, merge_to_quantized

@@ -22,7 +22,7 @@ from quantlab.distill.config import DistillationConfig
 from quantlab.distill.hidden import HiddenStateProjection
 from quantlab.distill.loss import HIDDEN_PROJECTION, TEACHER, distillation_loss
 from quantlab.errors import QuantlabError
-from quantlab.prune.masking import masked_layers
+from quantlab.prune.layer_masks import masked_layers
 from quantlab.prune.schedule import KeepMasks
 from quantlab.training.trainer import Trainer
 

@@ -16,8 +16,8 @@ model's codes compactly.
 """
 
 from quantlab.prune.codes import CodeLayout
-from quantlab.prune.masking import apply_masks, attach_mask, make_permanent, mask_gradients, mask_of, masked_layers
-from quantlab.prune.masks import cubic_sparsity, global_magnitude_masks, magnitude_mask, nm_mask
+from quantlab.prune.layer_masks import apply_masks, attach_mask, make_permanent, mask_gradients, mask_of, masked_layers
+from quantlab.prune.mask_rules import cubic_sparsity, global_magnitude_masks, magnitude_mask, nm_mask
 from quantlab.prune.patterns import PruningError, SparsityPattern, check_sparsity, parse_pattern
 from quantlab.prune.schedule import GradualPruning, KeepMasks, masked_fraction
 from quantlab.prune.storage import (

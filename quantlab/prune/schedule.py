@@ -23,8 +23,8 @@ from transformers import TrainerCallback
 
 from quantlab.errors import ConfigError
 from quantlab.prune.bitmask import pack_bits, unpack_bits
-from quantlab.prune.masking import apply_masks, attach_mask, mask_of, masked_layers
-from quantlab.prune.masks import cubic_sparsity
+from quantlab.prune.layer_masks import apply_masks, attach_mask, mask_of, masked_layers
+from quantlab.prune.mask_rules import cubic_sparsity
 from quantlab.prune.patterns import SparsityPattern, check_sparsity, parse_pattern
 from quantlab.prune.unstructured import SCOPES, prune
 

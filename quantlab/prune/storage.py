@@ -22,7 +22,7 @@ lists the encoded tensors (`quantlab_sparse`: format version, shapes, dtypes, la
 `load_sparse(dir)` decodes the file into the state dict `save_pretrained` would have written
 and hands it to `from_pretrained(None, config=..., state_dict=...)`, so loading takes the
 usual path (tied weights, dtype, quantized layers on the pre-quantized path); float layers
-get their masks back (`quantlab.prune.masking`), ready for `KeepMasks` during fine-tuning.
+get their masks back (`quantlab.prune.layer_masks`), ready for `KeepMasks` during fine-tuning.
 `load_sparse(dir, quantization_config=quantlab.NF4Config())` quantizes while loading, and
 `save_sparse` of the result writes a sparse and quantized checkpoint.
 
@@ -47,7 +47,7 @@ from quantlab.formats import fast_path, grouping, packing
 from quantlab.nn import QuantizedLinear
 from quantlab.prune.bitmask import pack_bits, unpack_bits
 from quantlab.prune.codes import CodeLayout, code_layout
-from quantlab.prune.masking import attach_mask
+from quantlab.prune.layer_masks import attach_mask
 from quantlab.utils.atomic import atomic_directory
 
 SPARSE_WEIGHTS_FILE = "model.sparse.safetensors"

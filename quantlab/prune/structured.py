@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from quantlab.nn import QuantizedLinear
-from quantlab.prune.masking import attach_mask, mask_of
+from quantlab.prune.layer_masks import attach_mask, mask_of
 from quantlab.prune.patterns import PruningError, check_sparsity
 
 _MLP = ("gate_proj", "up_proj", "down_proj")

@@ -1,7 +1,7 @@
 """One-shot magnitude pruning, unstructured (per layer or global) and N:M.
 
 The weights stay dense in memory with zeros where pruned, and each layer keeps its mask
-(`quantlab.prune.masking`) so fine-tuning can hold the pattern. Storage shrinks on save
+(`quantlab.prune.layer_masks`) so fine-tuning can hold the pattern. Storage shrinks on save
 (`quantlab.prune.storage.save_sparse`); for layers that shrink in memory and run faster, see
 `quantlab.prune.structured`.
 """
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from quantlab.errors import ConfigError
-from quantlab.prune.masking import attach_mask, mask_of
-from quantlab.prune.masks import global_magnitude_masks, magnitude_mask, nm_mask
+from quantlab.prune.layer_masks import attach_mask, mask_of
+from quantlab.prune.mask_rules import global_magnitude_masks, magnitude_mask, nm_mask
 from quantlab.prune.patterns import SparsityPattern, parse_pattern, resolve_sparsity
 from quantlab.prune.targets import prunable_layers
 

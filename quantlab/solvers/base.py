@@ -103,7 +103,7 @@ class Solver(ABC):
     """Chooses codes on a layout's grid. Subclasses set `name`; calibrated ones `needs_calibration`.
 
     `refines_blocks`: after the per-layer `solve`, the calibration schedule trains each block's
-    layers jointly on the block's outputs (`quantlab.calibration.reconstruction`).
+    layers jointly on the block's outputs (`quantlab.calibration.block_training`).
     """
 
     name: ClassVar[str]

@@ -8,7 +8,7 @@ arXiv 2308.13137: learnable weight clipping), EfficientQAT's Block-AP (Chen et a
 2407.11062: weights and scales trained block by block).
 
 This solver's per-layer step is its `start` solver (GPTQ by default); the calibration schedule
-(`quantlab.calibration.reconstruction`) then trains every quantized layer of the block at once
+(`quantlab.calibration.block_training`) then trains every quantized layer of the block at once
 through a straight-through fake quantizer on the layer's own storage format
 (`quantlab.nn.fake_quant`: rounding offsets, scales, zero points), minimising the squared error of
 the block's output on mini-batches of the calibration windows, keeps the best step, and stores

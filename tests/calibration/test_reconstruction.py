@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import quantlab
+from quantlab.calibration.block_training import BlockReconstruction
 from quantlab.calibration.blocks import BlockInputs, find_blocks, first_block_inputs, run_block
-from quantlab.calibration.reconstruction import BlockReconstruction
 from quantlab.errors import ConfigError
 from quantlab.methods.custom_bits import CustomBitsLinear
 from quantlab.nn import fake_quant
@@ -277,7 +277,7 @@ def test_the_command_line_refuses_bad_options_in_one_line(tmp_path, capsys):
 
 
 def test_windows_of_a_batch_keep_their_own_keyword_arguments():
-    from quantlab.calibration.reconstruction import _select
+    from quantlab.calibration.block_training import _select
 
     hidden = torch.arange(4 * 3 * 2.0).view(4, 3, 2)
     kwargs = {"mask": torch.arange(4.0).view(4, 1), "shared": (torch.ones(1, 3), None), "flag": True}
@@ -288,7 +288,7 @@ def test_windows_of_a_batch_keep_their_own_keyword_arguments():
 
 
 def test_windows_of_several_batches_are_merged_into_one():
-    from quantlab.calibration.reconstruction import _merged
+    from quantlab.calibration.block_training import _merged
 
     first, second = torch.arange(24.0).view(4, 3, 2), 100 + torch.arange(12.0).view(2, 3, 2)
     targets = [-first, -second]
@@ -317,7 +317,7 @@ def test_windows_of_several_batches_are_merged_into_one():
 
 def test_a_merged_step_has_the_gradients_of_the_batch_by_batch_step(monkeypatch):
     """Windows from several batches through the block at once: the same loss and gradients as one batch at a time."""
-    from quantlab.calibration import reconstruction
+    from quantlab.calibration import block_training
 
     config = quantlab.CustomBitsConfig(bits=3, group_size=32, symmetric=True)
     block, batches, layers, state = _block_setup(config)
@@ -329,14 +329,14 @@ def test_a_merged_step_has_the_gradients_of_the_batch_by_batch_step(monkeypatch)
     }
     windows = [(0, 5), (1, 2), (0, 1), (1, 7)]
     parts = [(batches[b], state._targets[b], [w for c, w in windows if c == b]) for b in (0, 1)]
-    assert reconstruction._merged(parts) is not None  # the calibration batches' keyword arguments merge
+    assert block_training._merged(parts) is not None  # the calibration batches' keyword arguments merge
     results = []
     for merge in (True, False):
         if not merge:
-            monkeypatch.setattr(reconstruction, "_merged", lambda parts: None)
+            monkeypatch.setattr(block_training, "_merged", lambda parts: None)
         rotations = {name: 0 for name in quantizers}
-        with reconstruction._frozen(block), reconstruction._swapped(block, quantizers, rotations):
-            training = reconstruction._Training(block, quantizers, batches, state._targets, state.options)
+        with block_training._frozen(block), block_training._swapped(block, quantizers, rotations):
+            training = block_training._Training(block, quantizers, batches, state._targets, state.options)
             for q in quantizers.values():
                 q.zero_grad(set_to_none=True)
             total = training._step_error(windows)

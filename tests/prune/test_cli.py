@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from quantlab.cli.main import main
 from quantlab.prune import load_sparse, masked_layers
-from quantlab.prune.masks import follows_nm
+from quantlab.prune.mask_rules import follows_nm
 
 TRAIN = ["--max-seq-length", "32", "--batch-size", "2", "--learning-rate", "1e-3"]
 EVAL = ["--eval-seq-len", "64", "--eval-windows", "2"]

@@ -15,7 +15,7 @@ from quantlab.prune import (
     nm_mask,
     parse_pattern,
 )
-from quantlab.prune.masks import follows_nm, smallest_k_mask
+from quantlab.prune.mask_rules import follows_nm, smallest_k_mask
 from quantlab.prune.patterns import resolve_sparsity
 
 

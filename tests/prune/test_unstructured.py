@@ -6,7 +6,7 @@ import torch
 import quantlab
 from quantlab.errors import ConfigError
 from quantlab.prune import PruningError, make_permanent, mask_of, masked_layers, prunable_layers, prune
-from quantlab.prune.masks import follows_nm
+from quantlab.prune.mask_rules import follows_nm
 from quantlab.testing import tiny_llama
 
 
