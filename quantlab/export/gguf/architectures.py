@@ -4,11 +4,27 @@ hyperparameter keys and tensor names, as llama.cpp's own converter (`convert_hf_
 - `llama` (Llama 2/3, SmolLM2, ..., Mistral, and Mixtral, whose experts llama.cpp's `llama` graph runs):
   rotary embedding on interleaved pairs in llama.cpp, so the rows of the q and k projections are
   permuted from transformers' half-split layout (`rope_rows`).
+- `granite`: the Llama block and layout with four scalars (`embedding_scale`, `residual_scale`,
+  `attention.scale`, `logit_scale`: transformers' embedding, residual and attention multipliers and
+  the divisor of the logits).
 - `qwen2`, `qwen3`: the same block with the half-split (NeoX) rotary layout, no permutation; Qwen2
   has q/k/v biases, Qwen3 RMS norms on each head's queries and keys (`attn_q_norm`, `attn_k_norm`).
-- `qwen2moe`, `qwen3moe`: those blocks with a mixture of experts: a float router (`ffn_gate_inp`),
-  the experts' projections as 3-D tensors (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`,
-  `[experts, out, in]`), and Qwen2-MoE's shared expert (`*_shexp`) with its sigmoid gate.
+- `phi3`: half-split rotary layout, queries, keys and values fused in one projection (`attn_qkv`,
+  rows q, k, v) and the MLP's gate and up in one (`ffn_up`, gate the first half).
+- `gemma2`, `gemma3` (transformers' `gemma3_text`): half-split rotary layout, a norm after the
+  attention and after the MLP too (`post_attention_norm`, `post_ffw_norm`), every RMS norm scaling
+  by `1 + weight` (the file holds `1 + weight`, as llama.cpp multiplies by the weight), soft-capped
+  attention and logits (Gemma 2), per-head q/k norms (Gemma 3), sliding-window attention on a fixed
+  pattern of layers.
+- `olmo2`: half-split rotary layout, norms after the attention and the MLP only, q/k norms over the
+  whole projection.
+- `qwen2moe`, `qwen3moe`, `olmoe`: mixtures of experts: a float router (`ffn_gate_inp`), the experts'
+  projections as 3-D tensors (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`, `[experts, out, in]`),
+  and Qwen2-MoE's shared expert (`*_shexp`) with its sigmoid gate; OLMoE's blocks are OLMo 2's q/k
+  norms with pre-norms.
+
+Settings llama.cpp's graph of an architecture cannot express (another query scale, sliding-window
+pattern or routing rule) are refused in one line rather than written as a file computing another model.
 """
 
 import math
@@ -26,13 +42,19 @@ class Architecture:
     """One architecture: `name` is GGUF's `general.architecture`; `model_type` is transformers'.
 
     `normalizes_top_k` (mixtures of experts): whether llama.cpp's graph of `name` renormalizes the
-    routed experts' weights to sum to one; the transformers config must route the same way."""
+    routed experts' weights to sum to one; the transformers config must route the same way.
+    `expert_width`: the config attribute holding the experts' MLP width when it is not `intermediate_size`.
+    `post_norms`: `post_attention_layernorm` normalizes the attention's output (Gemma 2/3, OLMo 2),
+    not the MLP's input. `norm_offset`: what the file adds to every norm's weight (Gemma: 1)."""
 
     name: str
     model_type: str
     rope_permuted: bool  # q/k rows in llama.cpp's interleaved rotary layout
     writes_vocab_size: bool
     normalizes_top_k: bool | None = None  # None: not a mixture of experts
+    expert_width: str | None = None
+    post_norms: bool = False
+    norm_offset: float = 0.0
 
 
 ARCHITECTURES = {
@@ -43,8 +65,32 @@ ARCHITECTURES = {
         Architecture("llama", "mixtral", rope_permuted=True, writes_vocab_size=True, normalizes_top_k=True),
         Architecture("qwen2", "qwen2", rope_permuted=False, writes_vocab_size=False),
         Architecture("qwen3", "qwen3", rope_permuted=False, writes_vocab_size=False),
-        Architecture("qwen2moe", "qwen2_moe", rope_permuted=False, writes_vocab_size=False, normalizes_top_k=False),
-        Architecture("qwen3moe", "qwen3_moe", rope_permuted=False, writes_vocab_size=False, normalizes_top_k=True),
+        Architecture(
+            "qwen2moe",
+            "qwen2_moe",
+            rope_permuted=False,
+            writes_vocab_size=False,
+            normalizes_top_k=False,
+            expert_width="moe_intermediate_size",
+        ),
+        Architecture(
+            "qwen3moe",
+            "qwen3_moe",
+            rope_permuted=False,
+            writes_vocab_size=False,
+            normalizes_top_k=True,
+            expert_width="moe_intermediate_size",
+        ),
+        Architecture("olmoe", "olmoe", rope_permuted=False, writes_vocab_size=False, normalizes_top_k=False),
+        Architecture("granite", "granite", rope_permuted=True, writes_vocab_size=True),
+        Architecture("phi3", "phi3", rope_permuted=False, writes_vocab_size=False),
+        Architecture(
+            "gemma2", "gemma2", rope_permuted=False, writes_vocab_size=False, post_norms=True, norm_offset=1.0
+        ),
+        Architecture(
+            "gemma3", "gemma3_text", rope_permuted=False, writes_vocab_size=False, post_norms=True, norm_offset=1.0
+        ),
+        Architecture("olmo2", "olmo2", rope_permuted=False, writes_vocab_size=False, post_norms=True),
     )
 }
 
@@ -57,10 +103,14 @@ _MODULE_NAMES = [
     (r"model\.layers\.(\d+)\.self_attn\.q_proj", r"blk.\1.attn_q"),
     (r"model\.layers\.(\d+)\.self_attn\.k_proj", r"blk.\1.attn_k"),
     (r"model\.layers\.(\d+)\.self_attn\.v_proj", r"blk.\1.attn_v"),
+    (r"model\.layers\.(\d+)\.self_attn\.qkv_proj", r"blk.\1.attn_qkv"),
     (r"model\.layers\.(\d+)\.self_attn\.o_proj", r"blk.\1.attn_output"),
     (r"model\.layers\.(\d+)\.self_attn\.q_norm", r"blk.\1.attn_q_norm"),
     (r"model\.layers\.(\d+)\.self_attn\.k_norm", r"blk.\1.attn_k_norm"),
     (r"model\.layers\.(\d+)\.post_attention_layernorm", r"blk.\1.ffn_norm"),
+    (r"model\.layers\.(\d+)\.pre_feedforward_layernorm", r"blk.\1.ffn_norm"),
+    (r"model\.layers\.(\d+)\.post_feedforward_layernorm", r"blk.\1.post_ffw_norm"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_up_proj", r"blk.\1.ffn_up"),
     (r"model\.layers\.(\d+)\.mlp\.gate_proj", r"blk.\1.ffn_gate"),
     (r"model\.layers\.(\d+)\.mlp\.up_proj", r"blk.\1.ffn_up"),
     (r"model\.layers\.(\d+)\.mlp\.down_proj", r"blk.\1.ffn_down"),
@@ -71,7 +121,10 @@ _MODULE_NAMES = [
     (r"model\.layers\.(\d+)\.mlp\.shared_expert\.down_proj", r"blk.\1.ffn_down_shexp"),
     (r"model\.layers\.(\d+)\.mlp\.shared_expert_gate", r"blk.\1.ffn_gate_inp_shexp"),
 ]
+# ... and where a norm follows the attention (`Architecture.post_norms`), the names that differ
+_POST_NORM_NAMES = [(r"model\.layers\.(\d+)\.post_attention_layernorm", r"blk.\1.post_attention_norm")]
 _COMPILED = [(re.compile(pattern + r"$"), name) for pattern, name in _MODULE_NAMES]
+_POST_NORM_COMPILED = [(re.compile(pattern + r"$"), name) for pattern, name in _POST_NORM_NAMES]
 
 # Matrices llama.cpp's converter keeps in float32 (routers: a rounded router picks other experts), and
 # the ones it stores as a vector (Qwen2-MoE's shared-expert gate, `[1, hidden]` in transformers).
@@ -96,6 +149,9 @@ def architecture_of(model: Any) -> Architecture:
         )
     if architecture.normalizes_top_k is not None:
         _check_routing(architecture, config)
+    check = _CHECKS.get(architecture.name)
+    if check is not None:
+        check(config)
     return architecture
 
 
@@ -116,10 +172,83 @@ def _check_routing(architecture: Architecture, config: Any) -> None:
         )
 
 
-def gguf_name(module_name: str) -> str | None:
-    """The GGUF name of a module's tensors (`blk.0.attn_q`; `blk.0.ffn_{}_exps` for a block's experts, `{}`
-    standing for gate, up or down), or None for a module GGUF has no tensor for."""
-    for pattern, name in _COMPILED:
+def _check_olmoe(config: Any) -> None:
+    """llama.cpp's olmoe graph has no clamp of the queries, keys and values (OLMo 1's `clip_qkv`), and its key
+    norm is as wide as the hidden state: as many key/value heads as query heads."""
+    if getattr(config, "clip_qkv", None) is not None:
+        raise GGUFExportError(
+            f"llama.cpp's olmoe graph does not clip queries, keys and values; this model has clip_qkv={config.clip_qkv}"
+        )
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if kv_heads != config.num_attention_heads:
+        raise GGUFExportError(
+            f"llama.cpp's olmoe graph needs as many key/value heads as query heads ({config.num_attention_heads}); "
+            f"this model has {kv_heads}"
+        )
+
+
+def _check_phi3(config: Any) -> None:
+    """llama.cpp runs Phi-3 with full attention: a sliding window shorter than the context is refused."""
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < config.max_position_embeddings:
+        raise GGUFExportError(
+            f"llama.cpp's phi3 graph ignores the sliding window; this model attends over {window} tokens of its "
+            f"{config.max_position_embeddings}, so the file would compute another model on longer inputs"
+        )
+
+
+def _check_gemma2(config: Any) -> None:
+    """Gemma 2 in llama.cpp: both soft-caps always applied (50 and 30 when the file has none)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, key, None) is None:
+            raise GGUFExportError(f"llama.cpp's gemma2 graph always soft-caps; this model has {key}=None")
+    _check_gemma_attention("gemma2", config, period=2, layers_27b=46)
+
+
+def _check_gemma3(config: Any) -> None:
+    """Gemma 3 in llama.cpp: causal, no attention soft-cap, the sliding layers' rotary never scaled."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise GGUFExportError(
+            f"llama.cpp's gemma3 graph has no attention soft-cap; this model has "
+            f"attn_logit_softcapping={config.attn_logit_softcapping}"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise GGUFExportError("llama.cpp's gemma3 graph is causal; this model has use_bidirectional_attention=True")
+    local = _rope_parameters(config, "sliding_attention")
+    if local.get("rope_type", "default") != "default":
+        raise GGUFExportError(
+            f"llama.cpp's gemma3 graph never scales the sliding-window layers' rotary; this model's is {local}"
+        )
+    _check_gemma_attention("gemma3", config, period=6, layers_27b=62)
+
+
+def _check_gemma_attention(name: str, config: Any, period: int, layers_27b: int) -> None:
+    """llama.cpp's Gemma graphs fix two things a config may set otherwise: the query scale,
+    `1/sqrt(head_dim)` (`1/sqrt(hidden / heads)` at the 27B model's block count), and which layers
+    attend through the sliding window (which they need): all but every `period`-th."""
+    if not getattr(config, "sliding_window", None):
+        raise GGUFExportError(f"llama.cpp's {name} graph needs the sliding layers' window; this model has none")
+    layers = config.num_hidden_layers
+    scalar = config.hidden_size // config.num_attention_heads if layers == layers_27b else head_dim(config)
+    if float(config.query_pre_attn_scalar) != float(scalar):
+        raise GGUFExportError(
+            f"llama.cpp's {name} graph scales queries by 1/sqrt({scalar}) for this model; its config has "
+            f"query_pre_attn_scalar={config.query_pre_attn_scalar}"
+        )
+    expected = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
+    layer_types = list(getattr(config, "layer_types", None) or expected)
+    if layer_types != expected:
+        raise GGUFExportError(
+            f"llama.cpp's {name} graph uses a full-attention layer every {period} layers, the others sliding; "
+            f"this model has layer_types={layer_types}"
+        )
+
+
+def gguf_name(module_name: str, architecture: Architecture) -> str | None:
+    """The GGUF name of a module's tensors in `architecture` (`blk.0.attn_q`; `blk.0.ffn_{}_exps` for a block's
+    experts, `{}` standing for gate, up or down), or None for a module GGUF has no tensor for."""
+    names = _POST_NORM_COMPILED + _COMPILED if architecture.post_norms else _COMPILED
+    for pattern, name in names:
         if pattern.match(module_name):
             return pattern.sub(name, module_name)
     return None
@@ -162,28 +291,73 @@ def write_hyperparameters(writer: Any, architecture: Architecture, config: Any) 
     if architecture.writes_vocab_size:
         writer.add_vocab_size(config.vocab_size)
     dim = head_dim(config)
-    writer.add_rope_dimension_count(dim)
+    writer.add_rope_dimension_count(_rotary_dim(rope, config))
     if dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(dim)
         writer.add_value_length(dim)
     if architecture.normalizes_top_k is not None:
-        _write_experts(writer, config)
+        _write_experts(writer, architecture, config)
+    keys = _KEYS.get(architecture.name)
+    if keys is not None:
+        keys(writer, config)
     return _rope_scaling(writer, architecture, rope, config)
 
 
-def _write_experts(writer: Any, config: Any) -> None:
+def _rotary_dim(rope: dict[str, Any], config: Any) -> int:
+    """How many of each head's dimensions rotate (Phi-3's `partial_rotary_factor` may leave some out)."""
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    return int(head_dim(config) * float(factor))
+
+
+def _write_experts(writer: Any, architecture: Architecture, config: Any) -> None:
     """The mixture-of-experts keys: how many experts, how many each token uses, their MLP widths."""
     writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    if getattr(config, "moe_intermediate_size", None):
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if architecture.expert_width and getattr(config, architecture.expert_width, None):
+        writer.add_expert_feed_forward_length(getattr(config, architecture.expert_width))
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
-def _rope_parameters(config: Any) -> dict[str, Any]:
-    """transformers' rotary settings: `rope_parameters`, or the older `rope_theta` and `rope_scaling`."""
+def _granite_keys(writer: Any, config: Any) -> None:
+    """Granite's multipliers: llama.cpp scales the embeddings, both residual branches of each block and the
+    attention scores by them (the attention's in place of `1/sqrt(head_dim)`), and divides the logits."""
+    writer.add_embedding_scale(float(config.embedding_multiplier))
+    writer.add_residual_scale(float(config.residual_multiplier))
+    writer.add_attention_scale(float(config.attention_multiplier))
+    writer.add_logit_scale(float(config.logits_scaling))
+
+
+def _phi3_keys(writer: Any, config: Any) -> None:
+    """Phi-3's sliding window (0: none; llama.cpp reads the key, runs full attention) and the context its
+    rotary scaling starts from."""
+    writer.add_sliding_window(int(getattr(config, "sliding_window", None) or 0))
+    original = getattr(config, "original_max_position_embeddings", None)
+    if original:
+        writer.add_rope_scaling_orig_ctx_len(int(original))
+
+
+def _gemma2_keys(writer: Any, config: Any) -> None:
+    """Gemma 2's soft-caps of the attention scores and the logits, and its sliding window."""
+    writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
+    writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+    writer.add_sliding_window(int(config.sliding_window))
+
+
+def _gemma3_keys(writer: Any, config: Any) -> None:
+    """Gemma 3's sliding window, the sliding layers' rotary base and the logits' soft-cap, if any."""
+    writer.add_sliding_window(int(config.sliding_window))
+    writer.add_rope_freq_base_swa(float(_rope_parameters(config, "sliding_attention").get("rope_theta", 10000.0)))
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+
+
+def _rope_parameters(config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
+    """transformers' rotary settings: `rope_parameters` (those of `layer_type` where they differ by layer type,
+    as Gemma 3's do), or the older `rope_theta` and `rope_scaling`."""
     parameters = dict(getattr(config, "rope_parameters", None) or {})
+    if isinstance(parameters.get(layer_type), dict):
+        return dict(parameters[layer_type])
     if not parameters:
         parameters = dict(getattr(config, "rope_scaling", None) or {})
         if getattr(config, "rope_theta", None) is not None:
@@ -226,3 +400,8 @@ def llama3_rope_factors(rope: dict[str, Any], config: Any) -> torch.Tensor:
             smooth = (context / wavelength - low) / (high - low)
             factors.append(1 / ((1 - smooth) / factor + smooth))
     return torch.tensor(factors, dtype=torch.float32)
+
+
+# Refusals and hyperparameter keys of single architectures (by GGUF name)
+_CHECKS = {"olmoe": _check_olmoe, "phi3": _check_phi3, "gemma2": _check_gemma2, "gemma3": _check_gemma3}
+_KEYS = {"granite": _granite_keys, "phi3": _phi3_keys, "gemma2": _gemma2_keys, "gemma3": _gemma3_keys}

@@ -1,5 +1,8 @@
-"""`to_gguf`: a Llama-family, Qwen2/3 or mixture-of-experts causal LM, float or quantized by quantlab, as one GGUF
-file for llama.cpp."""
+"""`to_gguf`: a causal LM llama.cpp runs, float or quantized by quantlab, as one GGUF file for llama.cpp.
+
+Supported transformers model types (`architectures.ARCHITECTURES`): llama, mistral, mixtral, qwen2, qwen3,
+qwen2_moe, qwen3_moe, olmoe, granite, phi3, gemma2, gemma3_text and olmo2; any other is refused in one line.
+"""
 
 import math
 import os

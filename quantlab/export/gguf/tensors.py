@@ -6,7 +6,8 @@ is decoded back (`gguf.quants.dequantize`) and compared with quantlab's dequanti
 "exact" is checked, not assumed. Any other matrix (float, or codes no GGUF type holds) is
 re-quantized from its float values into the fallback type: by default Q8_0 for the embedding
 table and the output head and F16 for the other matrices; norms and biases are F32, as
-llama.cpp's converter writes them; routers stay F32, as the converter keeps them.
+llama.cpp's converter writes them (Gemma's norms as `1 + weight`, what llama.cpp multiplies by);
+routers stay F32, as the converter keeps them.
 
 A mixture of experts' fused projections (`QuantizedExperts`, or transformers' float experts module)
 become llama.cpp's 3-D `ffn_gate_exps`, `ffn_up_exps` and `ffn_down_exps` `[experts, out, in]`:
@@ -88,7 +89,7 @@ def model_tensors(model: nn.Module, architecture: Architecture, fallback_type: s
         own = {name: p for name, p in module.named_parameters(recurse=False) if p is not None}
         if not own and not quantized and not experts:
             continue
-        base = architectures.gguf_name(module_name)
+        base = architectures.gguf_name(module_name, architecture)
         if base is None or experts != ("{}" in base):
             raise GGUFExportError(
                 f"{module_name} ({type(module).__name__}) has no tensor in the GGUF {architecture.name} architecture; "
@@ -123,6 +124,8 @@ def model_tensors(model: nn.Module, architecture: Architecture, fallback_type: s
             if tensor.dim() != 1:
                 raise GGUFExportError(f"{module_name}.{name}: a {tensor.dim()}-D tensor here has no GGUF counterpart")
             values = _rows(tensor.detach().float().cpu(), order if name == "bias" else None)
+            if name == "weight" and architecture.norm_offset and base.endswith("norm"):
+                values = values + architecture.norm_offset
             tensors.append(_requantized(f"{base}.{name}", module_name, values, "F32", "float", ""))
     return tensors
 
