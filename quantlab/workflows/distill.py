@@ -4,11 +4,12 @@ The teacher (float, quantized or sparse checkpoint) runs frozen; the student lea
 `alpha * T^2 * KL + (1 - alpha) * CE` (see `quantlab.distill.DistillationConfig`): all its weights
 but the embeddings, or LoRA adapters (`lora_r`, required for a quantized student, merged into it
 at the end). A sparse student (written by the prune workflow) keeps its masks and is saved
-sparse. The run folder holds the log, checkpoints and report; the student goes to `final/`.
+sparse. The run folder holds the log, checkpoints and report; the student goes to `final/`. Loading,
+training text, evaluation and saving: the teacher-student run `quantlab.workflows.teacher_student`
+(shared with `quantlab qat`).
 """
 
 import os
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,7 +19,8 @@ from quantlab.training import FINAL_DIR
 from quantlab.workflows.notes import Notify, notifier
 from quantlab.workflows.outputs import write_report
 from quantlab.workflows.runs import TrainingRun
-from quantlab.workflows.text import EvaluationText, measure_perplexity
+from quantlab.workflows.teacher_student import TrainingInputs, train_against_teacher
+from quantlab.workflows.text import EvaluationText
 
 
 @dataclass
@@ -90,36 +92,31 @@ def _distill(
     progress: bool,
     note: Notify,
 ) -> DistillReport:
-    from quantlab.distill import check_student, check_vocabularies, distill
-    from quantlab.saving import save_model
+    from quantlab.distill import check_student, distill
 
-    output = run.output_dir
     check_student(opened_student.config, lora_r)
-    teacher_tokenizer, student_tokenizer = opened_teacher.tokenizer(), opened_student.tokenizer()
-    tokenizer = student_tokenizer or teacher_tokenizer
-    note(f"loading the teacher {opened_teacher.folder} and the student {opened_student.folder}")
-    teacher, student = opened_teacher.load_checkpoint(), opened_student.load_checkpoint()
-    check_vocabularies(teacher, student, teacher_tokenizer, student_tokenizer)
-    perplexity = {}
-    if text is not None:
-        note(f"measuring perplexity on {text.describe()}")
-        perplexity = {
-            name: measure_perplexity(model, tokenizer, text, progress)
-            for name, model in (("teacher", teacher), ("before", student))
-        }
-    data = run.training_data(tokenizer)
-    started = time.perf_counter()
-    windows = data.eval_windows if run.eval_steps and run.eval_windows else None
-    training_args = run.training_arguments(progress, eval_steps=run.eval_steps if windows is not None else 0)
-    student, losses = distill(
-        student, teacher, training_args, data.train, tokenizer, lora_r=lora_r, distillation=distillation,
-        eval_windows=windows, teacher_tokenizer=teacher_tokenizer, resume_from_checkpoint=run.resume_from_checkpoint,
-    )  # fmt: skip
-    train_seconds = time.perf_counter() - started
-    del teacher
-    if text is not None:
-        perplexity["after"] = measure_perplexity(student, tokenizer, text, progress)
-    save_model(student, tokenizer, output / FINAL_DIR, protect=[opened_teacher.folder, opened_student.folder])
+    if not opened_student.is_causal_lm:
+        raise QuantlabError(
+            f"{opened_student.source} is not a causal LM: distill trains next-token prediction; train an encoder "
+            f"against its float model with `quantlab qat`"
+        )
+
+    def train(inputs: TrainingInputs) -> tuple[Any, list[float]]:
+        return distill(
+            inputs.student,
+            inputs.teacher,
+            inputs.arguments,
+            inputs.examples,
+            inputs.tokenizer,
+            lora_r=lora_r,
+            distillation=distillation,
+            eval_windows=inputs.held_out,
+            teacher_tokenizer=inputs.teacher_tokenizer,
+            resume_from_checkpoint=run.resume_from_checkpoint,
+        )
+
+    outcome = train_against_teacher(opened_teacher, opened_student, run, train, text, progress, note)
+    losses, scores, output = outcome.result, outcome.scores, run.output_dir
     report = DistillReport(
         command="distill",
         teacher=str(opened_teacher.source),
@@ -132,11 +129,11 @@ def _distill(
         embedding_weight=distillation.embedding_weight,
         lora_r=lora_r,
         loss=losses[-1] if losses else None,
-        train_seconds=train_seconds,
+        train_seconds=outcome.train_seconds,
         size_bytes=weights_size(output / FINAL_DIR),
-        perplexity_teacher=perplexity.get("teacher"),
-        perplexity_before=perplexity.get("before"),
-        perplexity_after=perplexity.get("after"),
+        perplexity_teacher=scores.perplexity.get("teacher"),
+        perplexity_before=scores.perplexity.get("before"),
+        perplexity_after=scores.perplexity.get("after"),
         evaluation_text=text.describe() if text else None,
     )
     write_report(output, report.as_dict())

@@ -7,21 +7,14 @@ default the float model the quantized checkpoint's `quantlab_report.json` record
 Trainer, then are written back as ordinary codes: `output_dir/final` is a checkpoint of the same
 format and size that `from_pretrained` reloads. The run folder holds the log, checkpoints and report.
 
-Training text: the bundled WikiText-2 slice after the perplexity harness's 16 x 512 evaluation
-tokens (from token 8,192 on), whatever `--eval-windows` says, or the run's `data` file.
-
-An encoder (a sentence-embedding model: no language-modelling head) trains the same way against
-the cosine distance of its last hidden states (`quantlab.distill.EncoderDistillationLoss`), on
-one example a line of text: on the bundled slice the lines after the first 256 (those encoders
-are evaluated on), or every line of the `data` file. Its evaluation is the mean cosine of its
-sentence embeddings with the teacher's on the first 256 lines of the evaluation text
-(`quantlab.eval.embeddings`), before and after.
+Training text, evaluation and saving: the teacher-student run `quantlab.workflows.teacher_student` (shared
+with `quantlab distill`). An encoder (a sentence-embedding model: no language-modelling head) trains the same
+way against the cosine distance of its last hidden states (`quantlab.distill.EncoderDistillationLoss`).
 """
 
 import json
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +28,8 @@ from quantlab.workflows.notes import DEFAULT_MODEL_NOTE, Notify, notifier
 from quantlab.workflows.outputs import REPORT_FILE, write_report
 from quantlab.workflows.runs import TrainingRun, TrainingRunError
 from quantlab.workflows.stats import peak_memory_bytes
-from quantlab.workflows.text import EvaluationText, measure_perplexity
+from quantlab.workflows.teacher_student import TrainingInputs, train_against_teacher
+from quantlab.workflows.text import EvaluationText
 
 START_CONFIG = "start_config.json"  # inside the run folder: the options the start was quantized with
 START_DIR = "start"  # inside the run folder: the float model quantized with the given config, trained from
@@ -233,50 +227,27 @@ def _train(
     progress: bool,
     note: Notify,
 ) -> QATReport:
-    from quantlab.distill import check_vocabularies
     from quantlab.distill.teacher import HELD_DTYPES, hold_linear_weights_in
-    from quantlab.eval.embeddings import position_limit
     from quantlab.eval.size import stored_bits_per_weight
     from quantlab.qat import train_quantized
-    from quantlab.saving import save_model
     from quantlab.streaming.reader import CheckpointReader
-    from quantlab.training.encoder_data import encoder_examples
-    from quantlab.utils.model_kind import is_language_model
 
+    def hold_teacher(teacher: Any) -> None:
+        if teacher_weights != "float32":
+            with CheckpointReader(opened_teacher.folder) as reader:
+                hold_linear_weights_in(teacher, HELD_DTYPES[teacher_weights], reader)
+
+    def train(inputs: TrainingInputs) -> tuple[Any, Any]:
+        result = train_quantized(
+            inputs.student, inputs.teacher, inputs.arguments, inputs.examples, inputs.tokenizer, options=options,
+            distillation=distillation, eval_windows=inputs.held_out, teacher_tokenizer=inputs.teacher_tokenizer,
+            resume_from_checkpoint=run.resume_from_checkpoint,
+        )
+        return inputs.student, result
+
+    outcome = train_against_teacher(opened_teacher, opened_student, run, train, text, progress, note, hold_teacher)
+    result, scores = outcome.result, outcome.scores
     output = run.output_dir
-    teacher_tokenizer, student_tokenizer = opened_teacher.tokenizer(), opened_student.tokenizer()
-    tokenizer = student_tokenizer or teacher_tokenizer
-    note(f"loading the float teacher {opened_teacher.source} and the quantized student {opened_student.source}")
-    teacher, student = opened_teacher.load_checkpoint(), opened_student.load_checkpoint()
-    check_vocabularies(teacher, student, teacher_tokenizer, student_tokenizer)
-    language_model = is_language_model(student)
-    if tokenizer is None:
-        raise TrainingRunError("training needs the model's tokenizer, and the model folder has none")
-    if teacher_weights != "float32":
-        with CheckpointReader(opened_teacher.folder) as reader:
-            hold_linear_weights_in(teacher, HELD_DTYPES[teacher_weights], reader)
-    scores = Scores(teacher, tokenizer, text, language_model, progress)
-    if text is not None:
-        note(f"measuring {'perplexity' if language_model else 'embedding cosine to the teacher'} on "
-             f"{scores.describe()}")  # fmt: skip
-        scores.measure("before", student)
-    if language_model:
-        data = training_data(run, tokenizer)
-        train, windows = data.train, data.eval_windows if run.eval_steps and run.eval_windows else None
-    else:
-        length = min(run.max_seq_length, position_limit(student))  # a line is cut to what the encoder reads
-        train, windows = encoder_examples(tokenizer, run.documents(), length), None
-    training_args = run.training_arguments(progress, eval_steps=run.eval_steps if windows is not None else 0)
-    started = time.perf_counter()
-    result = train_quantized(
-        student, teacher, training_args, train, tokenizer, options=options, distillation=distillation,
-        eval_windows=windows, teacher_tokenizer=teacher_tokenizer, resume_from_checkpoint=run.resume_from_checkpoint,
-    )  # fmt: skip
-    train_seconds = time.perf_counter() - started
-    del teacher
-    if text is not None:
-        scores.measure("after", student)
-    save_model(student, tokenizer, output / FINAL_DIR, protect=[opened_teacher.folder, opened_student.folder])
     return QATReport(
         command="qat",
         model=str(opened_student.source),
@@ -290,7 +261,7 @@ def _train(
         teacher_weights=teacher_weights,
         predicted_peak_memory_bytes=result.predicted_peak.total,
         steps=run.max_steps,
-        learning_rate=training_args.learning_rate,
+        learning_rate=outcome.training_args.learning_rate,
         max_offset=options.max_offset,
         learn_scales=options.learn_scales,
         scale_lr_ratio=options.scale_lr_ratio,
@@ -301,11 +272,11 @@ def _train(
         embedding_weight=distillation.embedding_weight,
         loss_first=result.losses[0] if result.losses else None,
         loss_last=result.losses[-1] if result.losses else None,
-        train_seconds=train_seconds,
+        train_seconds=outcome.train_seconds,
         step_seconds_median=_steady_step_seconds(result.step_seconds),
         peak_memory_bytes=peak_memory_bytes(),
         size_bytes=weights_size(output / FINAL_DIR),
-        bits_per_quantized_weight=stored_bits_per_weight(student),
+        bits_per_quantized_weight=stored_bits_per_weight(outcome.student),
         perplexity_teacher=scores.perplexity.get("teacher"),
         perplexity_before=scores.perplexity.get("before"),
         perplexity_after=scores.perplexity.get("after"),
@@ -319,52 +290,3 @@ def _steady_step_seconds(seconds: list[float]) -> float | None:
     """The median step time after the first (which also warms up the allocator and the kernels)."""
     steady = seconds[1:] or seconds
     return statistics.median(steady) if steady else None
-
-
-class Scores:
-    """The evaluation of a run: perplexity (a causal LM; the teacher's too) or the mean cosine of the
-    sentence embeddings with the teacher's (an encoder), by moment ("teacher", "before", "after")."""
-
-    def __init__(self, teacher: Any, tokenizer: Any, text: EvaluationText | None, language_model: bool,
-                 progress: bool) -> None:  # fmt: skip
-        self.tokenizer, self.text, self.language_model, self.progress = tokenizer, text, language_model, progress
-        self.perplexity: dict[str, float] = {}
-        self.cosine: dict[str, float] = {}
-        self.lines: list[str] = []
-        self.reference = None
-        if text is None:
-            return
-        if language_model:
-            self.perplexity["teacher"] = measure_perplexity(teacher, tokenizer, text, progress)
-        else:
-            from quantlab.eval.embeddings import evaluation_lines, sentence_embeddings
-
-            self.lines = evaluation_lines(text.text)
-            self.reference = sentence_embeddings(teacher, tokenizer, self.lines)
-
-    def measure(self, moment: str, student: Any) -> None:
-        if self.language_model:
-            self.perplexity[moment] = measure_perplexity(student, self.tokenizer, self.text, self.progress)
-            return
-        from quantlab.eval.embeddings import embedding_cosines, sentence_embeddings
-
-        student.eval()
-        embeddings = sentence_embeddings(student, self.tokenizer, self.lines)
-        self.cosine[moment] = float(embedding_cosines(embeddings, self.reference).mean())
-
-    def describe(self) -> str:
-        if self.language_model or self.text is None:
-            return self.text.describe() if self.text is not None else ""
-        return f"the first {len(self.lines)} non-empty lines of {self.text.source}"
-
-
-def training_data(run: TrainingRun, tokenizer: Any) -> Any:
-    """The run's examples and held-out windows; on the bundled text the examples always start after the
-    harness's evaluation tokens (16 x 512), even when the run holds out fewer."""
-    from quantlab.calibration.data import EVAL_SEQ_LEN, EVAL_TOKENS, EVAL_WINDOWS
-    from quantlab.training import causal_lm_data
-
-    data = run.training_data(tokenizer)
-    if run.data is None and run.eval_windows * run.eval_seq_len < EVAL_TOKENS:
-        data.train = causal_lm_data(tokenizer, None, run.max_seq_length, EVAL_WINDOWS, EVAL_SEQ_LEN).train
-    return data

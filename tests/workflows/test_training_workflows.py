@@ -9,6 +9,7 @@ import quantlab
 from quantlab.errors import QuantlabError
 from quantlab.prune import load_sparse, masked_layers
 from quantlab.testing import tiny_llama, tiny_llama_checkpoint
+from quantlab.testing.models import tiny_bert
 from quantlab.workflows import TrainingRun
 from quantlab.workflows.distill import distill_model
 from quantlab.workflows.finetune import FinetuneError, LoraOptions, finetune
@@ -54,6 +55,14 @@ def test_distill_trains_the_student_and_reports(llama_dir: Path, tmp_path: Path)
     assert report.output == str(tmp_path / "run" / "final")
     assert (tmp_path / "run" / "final" / "config.json").is_file()
     assert json.loads((tmp_path / "run" / "quantlab_report.json").read_text())["student"] == str(student)
+
+
+def test_distill_refuses_an_encoder_student(tmp_path: Path) -> None:
+    encoder = tmp_path / "bert"
+    tiny_bert().save_pretrained(encoder)
+    with pytest.raises(QuantlabError, match=r"is not a causal LM: distill trains next-token prediction.*quantlab qat"):
+        distill_model(encoder, encoder, TrainingRun(tmp_path / "run", {"max_steps": 1, **TRAIN}, **SHORT))
+    assert not (tmp_path / "run" / "final").exists()
 
 
 def test_finetune_trains_adapters_on_a_quantized_base(llama_dir: Path, tmp_path: Path) -> None:
