@@ -1,6 +1,7 @@
 """Command-line flags: those generated from a method's config dataclass, and the arguments commands share.
 
-Every option of a method's config (`config_class.option_names()`) becomes one flag:
+Every option of a method's config (`config_class.option_names()`) becomes one flag (and every field of
+another options dataclass, `add_dataclass_flags`, such as QAT's):
 `group_size` → `--group-size`, typed from its annotation. A plugin method gets its flags
 without any change here. Flags depend on `--method`, so a command that takes method options
 calls `add_method_argument(parser)`; `quantlab.cli.main` reads `--method` from the command
@@ -22,7 +23,7 @@ import math
 import types
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from quantlab.config import QuantlabConfig
 from quantlab.errors import QuantlabError
@@ -32,6 +33,7 @@ from quantlab.registry import get_method, list_methods
 METHOD_MARKER = "takes_method_options"
 _DEST_PREFIX = "method_option."
 _NONE_WORDS = ("none", "channel")
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,12 +126,17 @@ _PARSERS: dict[str, Callable[[OptionSpec, str], Any]] = {
 
 def option_specs(config_class: type[QuantlabConfig]) -> list[OptionSpec]:
     """The flags of every option of `config_class`: the method's own first, then those all methods share."""
-    hints = _type_hints(config_class)
-    fields = {field.name: field for field in dataclasses.fields(config_class)}
     shared = set(QuantlabConfig.option_names())
     names = config_class.option_names()
+    return field_specs(config_class, [name for name in names if name not in shared] + [n for n in names if n in shared])
+
+
+def field_specs(dataclass: type, names: Sequence[str] | None = None) -> list[OptionSpec]:
+    """The flags of the fields `names` (default: every field) of a dataclass, in that order."""
+    hints = _type_hints(dataclass)
+    fields = {field.name: field for field in dataclasses.fields(dataclass)}
     specs = []
-    for name in [name for name in names if name not in shared] + [name for name in names if name in shared]:
+    for name in names if names is not None else list(fields):
         field = fields[name]
         kind, optional, choices = _classify(hints.get(name, field.type))
         specs.append(
@@ -233,12 +240,25 @@ def add_method_options(parser: argparse.ArgumentParser, method_name: str) -> Non
             ) from error
 
 
-def _add_flag(group: argparse._ArgumentGroup, spec: OptionSpec) -> None:
+def add_dataclass_flags(group: argparse._ArgumentGroup, dataclass: type, prefix: str) -> None:
+    """One flag per field of `dataclass` (typed and documented by the field), its value kept under `prefix`;
+    `dataclass_from_args` builds the instance from the flags given, the dataclass's defaults for the rest."""
+    for spec in field_specs(dataclass):
+        _add_flag(group, spec, prefix)
+
+
+def dataclass_from_args(dataclass: type[T], args: argparse.Namespace, prefix: str) -> T:
+    """The `dataclass` built from the flags `add_dataclass_flags` added under `prefix` that were given."""
+    given = {name.removeprefix(prefix): value for name, value in vars(args).items() if name.startswith(prefix)}
+    return dataclass(**given)
+
+
+def _add_flag(group: argparse._ArgumentGroup, spec: OptionSpec, prefix: str = _DEST_PREFIX) -> None:
     shown_default = "none" if spec.default is None else spec.default
     if isinstance(shown_default, list):
         shown_default = ",".join(shown_default) or "''"
     text = f"{spec.help or spec.describe_type()} (default: {shown_default})"
-    dest = _DEST_PREFIX + spec.name
+    dest = prefix + spec.name
     if spec.is_switch:
         group.add_argument(
             spec.flag, action=argparse.BooleanOptionalAction, dest=dest, default=argparse.SUPPRESS, help=text

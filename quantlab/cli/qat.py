@@ -15,14 +15,19 @@ from quantlab.cli.console import Console, add_output_options, disk_size, mebibyt
 from quantlab.cli.distill import add_embedding_weight_flag
 from quantlab.cli.eval_flags import add_eval_arguments, text_from_args
 from quantlab.cli.options import (
+    add_dataclass_flags,
     add_method_argument,
     add_model_argument,
     add_preset_argument,
     config_from_args,
+    dataclass_from_args,
     finite_float,
 )
 from quantlab.cli.training_flags import add_training_flags, print_report, resolve_training_flags
+from quantlab.qat.options import QATOptions
 from quantlab.workflows.qat import QATReport, qat_model
+
+_QAT_OPTION = "qat_option."  # where the flags of QATOptions' fields keep their values
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -44,51 +49,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     group = parser.add_argument_group("quantization-aware training")
     group.add_argument(
-        "--train",
-        choices=["auto", "weights", "grids"],
-        default="auto",
-        help="weights: every weight through a fake quantizer (the codes move; about 25 bytes a weight); grids: "
-        "the codes frozen, only scales and zero points trained (1 byte a weight); auto (default): weights "
-        "where that fits in the memory available, else grids",
-    )
-    group.add_argument(
         "--teacher-weights",
         choices=["float32", "bfloat16"],
         default="float32",
         help="dtype the teacher's Linear weights are held in; bfloat16 halves the teacher's memory and still "
         "computes in float32 (default: float32)",
     )
-    group.add_argument(
-        "--max-offset",
-        type=finite_float,
-        metavar="F",
-        help="bound of each weight's move in grid steps (default: none, the latent weights train)",
-    )
-    group.add_argument(
-        "--learn-scales",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also train each group's scale and zero point (default: on)",
-    )
-    group.add_argument(
-        "--scale-lr-ratio",
-        type=finite_float,
-        default=0.2,
-        metavar="F",
-        help="the scales' learning rate as a multiple of --learning-rate (default: 0.2)",
-    )
-    group.add_argument(
-        "--norm-lr-ratio",
-        type=finite_float,
-        metavar="F",
-        help="also train the normalization layers' float weights at F x --learning-rate (default: frozen)",
-    )
-    group.add_argument(
-        "--embedding-lr-ratio",
-        type=finite_float,
-        metavar="F",
-        help="also train the float token embedding tables and output head at F x --learning-rate (default: frozen)",
-    )
+    add_dataclass_flags(group, QATOptions, _QAT_OPTION)
     group.add_argument(
         "--alpha",
         type=finite_float,
@@ -108,13 +75,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from quantlab.distill import DistillationConfig
-    from quantlab.qat import QATOptions
 
     console = Console.from_args(args)
     training_run = resolve_training_flags(args, "qat")
-    options = QATOptions(train=args.train, max_offset=args.max_offset, learn_scales=args.learn_scales,
-                         scale_lr_ratio=args.scale_lr_ratio, norm_lr_ratio=args.norm_lr_ratio,
-                         embedding_lr_ratio=args.embedding_lr_ratio)  # fmt: skip
+    options = dataclass_from_args(QATOptions, args, _QAT_OPTION)
     distillation = DistillationConfig(alpha=args.alpha, temperature=args.temperature,
                                       embedding_weight=args.embedding_weight)  # fmt: skip
     config = config_from_args(args) if args.method is not None or args.preset is not None else None

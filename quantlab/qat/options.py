@@ -1,6 +1,8 @@
 """`QATOptions`: what a quantization-aware training run trains in each quantized layer, checked once."""
 
 import dataclasses
+from dataclasses import field
+from typing import Literal
 
 from quantlab.errors import ConfigError
 
@@ -32,12 +34,31 @@ class QATOptions:
     they cost 12 bytes a table entry (gradient and two Adam moments).
     """
 
-    train: str = "auto"
-    max_offset: float | None = None
-    learn_scales: bool = True
-    scale_lr_ratio: float = 0.2
-    norm_lr_ratio: float | None = None
-    embedding_lr_ratio: float | None = None
+    train: Literal["auto", "weights", "grids"] = field(
+        default="auto",
+        metadata={
+            "help": "weights: every weight through a fake quantizer (the codes move; about 25 bytes a weight); "
+            "grids: the codes frozen, only scales, zero points and tables trained (1 byte a weight); auto: "
+            "weights where that fits in the memory available, else grids"
+        },
+    )
+    max_offset: float | None = field(
+        default=None, metadata={"help": "bound of each weight's move in grid steps (none: the latent weights train)"}
+    )
+    learn_scales: bool = field(default=True, metadata={"help": "also train each group's scale and zero point"})
+    scale_lr_ratio: float = field(
+        default=0.2, metadata={"help": "the scales' learning rate as a multiple of --learning-rate"}
+    )
+    norm_lr_ratio: float | None = field(
+        default=None,
+        metadata={"help": "also train the normalization layers' float weights at this multiple of --learning-rate"},
+    )
+    embedding_lr_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": "also train the float token embedding tables and output head at this multiple of --learning-rate"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.train not in TRAINED:

@@ -175,3 +175,31 @@ def test_method_help_lists_that_methods_flags(capsys: pytest.CaptureFixture[str]
     assert "custom_bits options" in shown
     assert "--group-size INT|none" in shown
     assert "--symmetric, --no-symmetric" in shown
+
+
+@dataclasses.dataclass(frozen=True)
+class _ToyOptions:
+    mode: Literal["a", "b"] = dataclasses.field(default="a", metadata={"help": "which mode"})
+    bound: float | None = None
+    switch: bool = True
+
+
+def test_an_options_dataclass_gives_its_flags_and_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    options.add_dataclass_flags(parser.add_argument_group("toy"), _ToyOptions, "toy.")
+    assert options.dataclass_from_args(_ToyOptions, parser.parse_args([]), "toy.") == _ToyOptions()
+    given = parser.parse_args(["--mode", "b", "--bound", "none", "--no-switch"])
+    assert options.dataclass_from_args(_ToyOptions, given, "toy.") == _ToyOptions("b", None, False)
+    assert "which mode (default: a)" in " ".join(parser.format_help().split())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mode", "c"])
+
+
+def test_qat_takes_every_qat_option_as_a_flag_with_its_default() -> None:
+    from quantlab.qat import QATOptions
+
+    command = ["qat", "--max-steps", "1", "-o", "out"]
+    assert options.dataclass_from_args(QATOptions, parse(command), "qat_option.") == QATOptions()
+    given = parse([*command, "--train", "weights", "--no-learn-scales", "--max-offset", "0.5", "--norm-lr-ratio", "1"])
+    expected = QATOptions(train="weights", learn_scales=False, max_offset=0.5, norm_lr_ratio=1.0)
+    assert options.dataclass_from_args(QATOptions, given, "qat_option.") == expected
