@@ -26,6 +26,7 @@ from quantlab.formats.codec import (
     TensorSpec,
     register_codec,
 )
+from quantlab.utils.compile_constants import constant_result
 
 if TYPE_CHECKING:
     from quantlab.formats.layout import StorageLayout
@@ -56,7 +57,7 @@ def levels(device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def dynamic_map() -> tuple[float, ...]:
     """The signed dynamic 8-bit map of Dettmers (arXiv 1511.04561), as bitsandbytes builds it.
 

@@ -58,3 +58,32 @@ def test_a_block_of_zeros_keeps_absmax_zero_and_decodes_to_zeros(torch_quantize)
     stored = torch_quantize(layout, torch.zeros(2, 64))
     assert torch.equal(stored["weight_absmax"], torch.zeros(2, 2))
     assert torch.equal(layout.dequantize(stored), torch.zeros(2, 64))
+
+
+def test_constant_result_marks_as_torch_compiler_marks():
+    """`constant_result` (on `dynamic_map`) sets what `torch.compiler.assume_constant_result` sets."""
+    from quantlab.utils.compile_constants import constant_result
+
+    def probe() -> int:
+        return 0
+
+    def ours() -> int:
+        return 0
+
+    assert torch.compiler.assume_constant_result(probe) is probe and constant_result(ours) is ours
+    assert vars(probe) == vars(ours) == {"_dynamo_marked_constant": True}
+    assert {name: value for name, value in vars(nf4.dynamic_map).items() if name.startswith("_dynamo")} == vars(probe)
+
+
+def test_importing_quantlab_does_not_import_torch_dynamo():
+    """Unless a package transformers imports does (hqq, the `compare` extra): hidden here."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.util, sys; find = importlib.util.find_spec; "
+        "importlib.util.find_spec = lambda name, *rest: None if name.split('.')[0] == 'hqq' else find(name, *rest); "
+        "import quantlab; print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

@@ -24,6 +24,7 @@ import torch
 
 from quantlab.formats.layout import parse_descriptor
 from quantlab.kernels.cpu import extension, native
+from quantlab.utils.compile_constants import constant_result
 
 WeightArguments = tuple
 
@@ -68,7 +69,7 @@ def group_arguments(modules: list[torch.nn.Module]) -> tuple:
     return (biases, descriptors.pop(), *(list(column) for column in zip(*tensors, strict=True)))
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def available() -> bool:
     """True when `linear_op` runs the native kernels here (building the extension on first use).
 

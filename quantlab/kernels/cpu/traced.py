@@ -15,9 +15,10 @@ import torch
 from quantlab.formats.layout import parse_descriptor
 from quantlab.kernels.cpu import native, ops
 from quantlab.kernels.cpu.weights import describe_arguments
+from quantlab.utils.compile_constants import constant_result
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def available() -> bool:
     """True when the C library is loaded: a constant to torch.compile (dynamo would trace the loading)."""
     return native.library() is not None
