@@ -239,8 +239,15 @@ def _train(
 
     def train(inputs: TrainingInputs) -> tuple[Any, Any]:
         result = train_quantized(
-            inputs.student, inputs.teacher, inputs.arguments, inputs.examples, inputs.tokenizer, options=options,
-            distillation=distillation, eval_windows=inputs.held_out, teacher_tokenizer=inputs.teacher_tokenizer,
+            inputs.student,
+            inputs.teacher,
+            inputs.arguments,
+            inputs.examples,
+            inputs.tokenizer,
+            options=options,
+            distillation=distillation,
+            eval_windows=inputs.held_out,
+            teacher_tokenizer=inputs.teacher_tokenizer,
             resume_from_checkpoint=run.resume_from_checkpoint,
         )
         return inputs.student, result
