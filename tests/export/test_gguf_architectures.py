@@ -1,7 +1,8 @@
-"""`to_gguf` on OLMoE, Granite, Phi-3, Gemma 2, Gemma 3 and OLMo 2: llama.cpp itself (llama-cpp-python) computes
-transformers' logits from a float32 file and quantlab's from a 4-bit one, every quantized Linear's codes land in
-the file unchanged, Gemma's norms are stored as `1 + weight`, and settings llama.cpp's graphs cannot express are
-refused in one line, writing nothing."""
+"""`to_gguf` on OLMoE, Granite, Phi-3, Gemma 2, Gemma 3, OLMo 2, GPT-2, GPT-NeoX, Falcon and DeepSeek V3: llama.cpp
+itself (llama-cpp-python) computes transformers' logits from a float32 file and quantlab's from a 4-bit one, every
+quantized Linear's codes land in the file unchanged (in llama.cpp's row order where it reorders a fused projection),
+Gemma's norms are stored as `1 + weight`, and settings llama.cpp's graphs cannot express are refused in one line,
+writing nothing."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,13 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import quantlab  # noqa: E402
 from quantlab.export.gguf import GGUFExportError, to_gguf  # noqa: E402
-from quantlab.export.gguf.architectures import architecture_of, gguf_name, rope_rows  # noqa: E402
+from quantlab.export.gguf.architectures import (  # noqa: E402
+    architecture_of,
+    fused_qkv_rows,
+    gguf_name,
+    permutation,
+    rope_rows,
+)
 from quantlab.nn import QuantizedLinear  # noqa: E402
 from quantlab.testing.architectures import tiny_config  # noqa: E402
 from quantlab.testing.tokenizer import byte_tokenizer  # noqa: E402
@@ -23,7 +30,18 @@ SYMMETRIC_4 = quantlab.CustomBitsConfig(bits=4, group_size=32, symmetric=True, s
 # the table stays float, written in F32.
 LINEARS_ONLY = quantlab.CustomBitsConfig(bits=4, group_size=32, symmetric=True, scale_dtype="float16")
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 100, 101, 102, 33, 34, 35, 36, 37]
-MODEL_TYPES = ["olmoe", "granite", "phi3", "gemma2", "gemma3_text", "olmo2"]
+MODEL_TYPES = [
+    "olmoe",
+    "granite",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "olmo2",
+    "gpt2",
+    "gpt_neox",
+    "falcon",
+    "deepseek_v3",
+]
 
 # What each tiny config needs for llama.cpp's graph (anything else is refused, see the last tests), and settings
 # that make the graph's own features show within the 16-token prompt.
@@ -37,6 +55,8 @@ _FOR_LLAMA_CPP = {
     },
     "gemma2": {"query_pre_attn_scalar": 16, "sliding_window": 4},  # llama.cpp scales queries by 1/sqrt(head_dim)
     "gemma3_text": {"query_pre_attn_scalar": 16, "sliding_window": 4},
+    # a latent of 32 fills Q4_0's blocks of 32, so kv_b_proj's codes land unchanged (16 is re-quantized, see below)
+    "deepseek_v3": {"kv_lora_rank": 32},
 }
 # Variants that reach further parts of the graphs.
 _VARIANTS = {
@@ -63,6 +83,30 @@ _VARIANTS = {
         "gemma2",
         {"num_hidden_layers": 46, "head_dim": 32, "layer_types": ["sliding_attention", "full_attention"] * 23},
     ),
+    "gpt2-untied": ("gpt2", {"tie_word_embeddings": False}),
+    "gpt_neox-sequential": ("gpt_neox", {"use_parallel_residual": False}),
+    # one key/value head per query head, interleaved per head as GPT-NeoX's; and Falcon 40B's grouped layout
+    "falcon-per-head": ("falcon", {"multi_query": False}),
+    "falcon-grouped": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    # experts chosen within the best 2 of 4 groups (the router's correction bias, drawn, changes which)
+    "deepseek_v3-groups": ("deepseek_v3", {"n_group": 4, "topk_group": 2}),
+    "deepseek_v3-unnormalized": ("deepseek_v3", {"norm_topk_prob": False}),
+    "deepseek_v3-yarn": (
+        "deepseek_v3",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            }
+        },
+    ),
+    "deepseek_v3-no-q-lora": ("deepseek_v3", {"q_lora_rank": None}),
 }
 
 
@@ -74,9 +118,17 @@ def _config(model_type: str, **overrides):
 
 
 def _spread_model(model_type: str, **overrides):
-    """A seeded float model with weights spread wide enough (0.1) for its most likely tokens to be clear."""
+    """A seeded float model with weights spread wide enough (0.1; GPT-2, whose initialization narrows its output
+    projections, 0.15) for its most likely tokens to be clear, and DeepSeek's router correction bias (zero when
+    initialized) drawn, so that it changes which experts are chosen."""
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(_config(model_type, initializer_range=0.1, **overrides)).eval()
+    spread = 0.15 if model_type == "gpt2" else 0.1
+    model = AutoModelForCausalLM.from_config(_config(model_type, initializer_range=spread, **overrides)).eval()
+    generator = torch.Generator().manual_seed(3)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.rand(buffer.shape, generator=generator) * 0.1)
+    return model
 
 
 def _llama_cpp_logits(path) -> np.ndarray:
@@ -88,11 +140,12 @@ def _llama_cpp_logits(path) -> np.ndarray:
     return logits
 
 
-def _quantized(model_type: str):
+def _quantized(model_type: str, **overrides):
     """The spread model quantized to 4-bit symmetric g32, and the fallback type its float tables need (F32 for
-    Gemma's, which stay float; Q8_0 tables from int8 codes otherwise)."""
+    Gemma's, which stay float; Q8_0 tables from int8 codes otherwise; GPT-2's position table is F32 always)."""
     gemma = model_type.startswith("gemma")
-    model = quantlab.quantize(_spread_model(model_type), LINEARS_ONLY if gemma else SYMMETRIC_4, progress=False)
+    config = LINEARS_ONLY if gemma else SYMMETRIC_4
+    model = quantlab.quantize(_spread_model(model_type, **overrides), config, progress=False)
     return model, "F32" if gemma else None
 
 
@@ -142,11 +195,13 @@ def test_llama_cpp_runs_the_quantized_model_and_agrees_with_quantlab(tmp_path, m
     assert (theirs.argmax(-1) == ours.argmax(-1))[clear].all()
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", [*MODEL_TYPES, "falcon-grouped"])
 def test_each_quantized_linears_codes_are_written_unchanged(tmp_path, model_type) -> None:
-    """Every quantized Linear (Phi-3's fused `qkv_proj` and `gate_up_proj` too) decodes from the file to quantlab's
-    weight, in llama.cpp's row order (Granite's q/k rows interleaved for its rotary layout)."""
-    model, fallback = _quantized(model_type)
+    """Every quantized Linear (Phi-3's fused `qkv_proj` and `gate_up_proj` too, GPT-2's Conv1D layers) decodes from
+    the file to quantlab's weight, in llama.cpp's row order (Granite's q/k rows interleaved for its rotary layout,
+    GPT-NeoX's and Falcon's fused rows regrouped as queries, keys, values)."""
+    model_type, overrides = _VARIANTS.get(model_type, (model_type, {}))
+    model, fallback = _quantized(model_type, **overrides)
     to_gguf(model, tmp_path / "tiny.gguf", tokenizer=byte_tokenizer(), fallback_type=fallback)
     tensors = _read(tmp_path / "tiny.gguf")
     architecture = architecture_of(model)
@@ -156,10 +211,9 @@ def test_each_quantized_linears_codes_are_written_unchanged(tmp_path, model_type
     for module_name, module in linears:
         base = gguf_name(module_name, architecture)
         expected = module.dequantize_weight(torch.float32)
-        if architecture.rope_permuted and base.endswith(".attn_q"):
-            expected = expected[rope_rows(expected.shape[0], config.num_attention_heads)]
-        if architecture.rope_permuted and base.endswith(".attn_k"):
-            expected = expected[rope_rows(expected.shape[0], config.num_key_value_heads)]
+        order = permutation(architecture, config, base, expected.shape[0])
+        if order is not None:
+            expected = expected[order]
         kind, values = tensors[base + ".weight"]
         assert kind == "Q4_0" and np.array_equal(values, expected.numpy()), module_name
 
@@ -205,6 +259,31 @@ def test_architecture_keys_are_written(tmp_path) -> None:
         "gemma3_text": {"gemma3.attention.sliding_window": 4, "gemma3.rope.freq_base_swa": 10000.0},
         "phi3": {"phi3.attention.sliding_window": 0, "phi3.rope.scaling.original_context_length": 4096},
         "olmoe": {"olmoe.expert_count": 4, "olmoe.expert_used_count": 2, "olmoe.feed_forward_length": 128},
+        "gpt2": {
+            "gpt2.feed_forward_length": 128,
+            "gpt2.context_length": 128,
+            "gpt2.attention.layer_norm_epsilon": 1e-5,
+        },
+        "gpt_neox": {
+            "gptneox.use_parallel_residual": True,
+            "gptneox.rope.dimension_count": 4,  # a quarter of each 16-wide head rotates
+            "gptneox.attention.layer_norm_epsilon": 1e-5,
+        },
+        "falcon": {"falcon.attention.head_count_kv": 1, "falcon.feed_forward_length": 256},
+        "deepseek_v3": {
+            "deepseek2.leading_dense_block_count": 1,
+            "deepseek2.attention.q_lora_rank": 32,
+            "deepseek2.attention.kv_lora_rank": 32,
+            "deepseek2.attention.key_length": 16,
+            "deepseek2.attention.value_length": 16,
+            "deepseek2.attention.head_count_kv": 4,
+            "deepseek2.rope.dimension_count": 8,
+            "deepseek2.expert_shared_count": 1,
+            "deepseek2.expert_weights_scale": 2.5,
+            "deepseek2.expert_weights_norm": True,
+            "deepseek2.expert_gating_func": 2,  # sigmoid
+            "deepseek2.expert_group_count": 1,
+        },
     }
     for model_type, keys in expected.items():
         path = tmp_path / f"{model_type}.gguf"
@@ -214,6 +293,41 @@ def test_architecture_keys_are_written(tmp_path) -> None:
             assert fields[key].contents() == pytest.approx(value), key
     olmoe = gguf.GGUFReader(tmp_path / "olmoe.gguf").fields
     assert "olmoe.expert_feed_forward_length" not in olmoe  # OLMoE's experts are intermediate_size wide
+    assert gguf.GGUFReader(tmp_path / "falcon.gguf").fields["falcon.tensor_data_layout"].contents() == "jploski"
+    deepseek = gguf.GGUFReader(tmp_path / "deepseek_v3.gguf").fields
+    assert "deepseek2.attention.key_length_mla" not in deepseek  # per-head keys and values: `attn_kv_b` decompresses
+
+
+def test_fused_rows_are_regrouped_as_queries_keys_values() -> None:
+    """Heads of one row each: GPT-NeoX interleaves q, k, v per head; Falcon groups each key/value head's queries
+    before it; llama.cpp reads every query, then every key, then every value."""
+    assert fused_qkv_rows(6, groups=2, dim=1).tolist() == [0, 3, 1, 4, 2, 5]  # q0 k0 v0 q1 k1 v1
+    assert fused_qkv_rows(8, groups=2, dim=1).tolist() == [0, 1, 4, 5, 2, 6, 3, 7]  # q0 q1 k0 v0 q2 q3 k1 v1
+    assert fused_qkv_rows(12, groups=1, dim=2).tolist() == list(range(12))  # multi-query: already in order
+    assert rope_rows(4, heads=1).tolist() == [0, 2, 1, 3]
+
+
+def test_gpt2_position_table_stays_float32(tmp_path) -> None:
+    """The learned positions stay F32 whatever the fallback type, as llama.cpp's converter keeps them."""
+    model, _ = _quantized("gpt2")
+    result = to_gguf(model, tmp_path / "tiny.gguf", tokenizer=byte_tokenizer(), fallback_type="Q8_0")
+    kind, values = _read(tmp_path / "tiny.gguf")["position_embd.weight"]
+    assert kind == "F32" and np.array_equal(values, model.transformer.wpe.weight.detach().numpy())
+    assert result.requantized == []
+
+
+def test_deepseek_latent_narrower_than_a_block_is_requantized_and_reported(tmp_path) -> None:
+    """A latent of 16 (`kv_b_proj`'s input) has no whole Q4_0 block: those matrices are written from quantlab's
+    dequantized weights in F16 and reported, the rest from their codes; llama.cpp still runs the file."""
+    model, _ = _quantized("deepseek_v3", kv_lora_rank=16)
+    result = to_gguf(model, tmp_path / "tiny.gguf", tokenizer=byte_tokenizer())
+    assert [tensor.name for tensor in result.requantized] == ["blk.0.attn_kv_b.weight", "blk.1.attn_kv_b.weight"]
+    assert all(
+        tensor.type == "F16" and "do not split into the 32-weight blocks" in tensor.reason
+        for tensor in result.requantized
+    )
+    error, _, _ = _relative_error(model, tmp_path / "tiny.gguf")
+    assert error < 0.1
 
 
 @pytest.mark.parametrize(
@@ -243,6 +357,28 @@ def test_architecture_keys_are_written(tmp_path) -> None:
             },
             r"never scales the sliding-window layers' rotary",
         ),
+        ("gpt2", {"activation_function": "relu"}, r"gpt2 graph's MLP computes GELU; .*activation_function='relu'"),
+        ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, r"scales attention scores by 1/sqrt\(head_dim\) only"),
+        ("gpt_neox", {"hidden_act": "silu"}, r"gptneox graph's MLP computes GELU; this model has hidden_act='silu'"),
+        ("gpt_neox", {"attention_bias": False}, r"gptneox graph needs the attention's biases"),
+        ("falcon", {"alibi": True}, r"falcon graph has rotary positions, not ALiBi"),
+        ("falcon", {"parallel_attn": False}, r"falcon graph runs attention and MLP in parallel"),
+        ("falcon", {"bias": True}, r"falcon graph has no biases on its projections"),
+        ("deepseek_v3", {"rope_interleave": False}, r"deepseek2 graph rotates interleaved pairs"),
+        (
+            "deepseek_v3",
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                    "mscale": 0.707,
+                    "mscale_all_dim": 1.0,
+                }
+            },
+            r"only when mscale equals mscale_all_dim; this model has mscale=0.707",
+        ),
     ],
     ids=[
         "olmoe-renormalized",
@@ -256,6 +392,15 @@ def test_architecture_keys_are_written(tmp_path) -> None:
         "gemma3-softcap",
         "gemma3-bidirectional",
         "gemma3-scaled-local-rope",
+        "gpt2-relu",
+        "gpt2-inverse-layer-scale",
+        "gpt_neox-silu",
+        "gpt_neox-no-attention-bias",
+        "falcon-alibi",
+        "falcon-sequential",
+        "falcon-bias",
+        "deepseek_v3-half-split-rope",
+        "deepseek_v3-yarn-mscale",
     ],
 )
 def test_settings_llama_cpp_cannot_express_are_refused(tmp_path, model_type, overrides, message) -> None:
@@ -266,11 +411,12 @@ def test_settings_llama_cpp_cannot_express_are_refused(tmp_path, model_type, ove
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("model_type", ["opt", "gpt_neox", "falcon"])
-def test_other_model_types_are_refused_in_one_line_naming_the_supported_ones(tmp_path, model_type) -> None:
+def test_other_model_types_are_refused_in_one_line_naming_the_supported_ones(tmp_path) -> None:
+    model_type = "opt"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
-    with pytest.raises(GGUFExportError, match=r"supported model types: .*olmoe, granite, phi3, gemma2") as refusal:
+    supported = r"supported model types: .*olmoe, granite, phi3, gemma2, .*gpt2, gpt_neox, falcon, deepseek_v3"
+    with pytest.raises(GGUFExportError, match=supported) as refusal:
         to_gguf(model, tmp_path / "tiny.gguf", tokenizer=byte_tokenizer())
     assert "\n" not in str(refusal.value) and f"a {model_type} model cannot be written as GGUF" in str(refusal.value)
     assert not list(tmp_path.iterdir())

@@ -1,5 +1,6 @@
-"""GGUF export: a Llama-family (Mistral, Granite), Qwen2/3, Phi-3, Gemma 2/3, OLMo 2 or mixture-of-experts
-causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) as one file llama.cpp runs, quantlab's codes kept (the experts' too).
+"""GGUF export: a Llama-family (Mistral, Granite), Qwen2/3, Phi-3, Gemma 2/3, OLMo 2, GPT-2, GPT-NeoX, Falcon or
+mixture-of-experts causal LM (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek V3) as one file llama.cpp runs,
+quantlab's codes kept (the experts' too; fused projections' rows reordered whole, as llama.cpp reads them).
 
 `to_gguf(model, path, tokenizer=...)` writes every quantized layer whose codes a GGUF block type
 holds exactly (symmetric 4-bit → Q4_0, int8 / symmetric 8-bit → Q8_0, 4-bit with zero points →

@@ -1,5 +1,6 @@
-"""The transformers causal LMs llama.cpp runs that the GGUF export knows: their GGUF architecture,
-hyperparameter keys and tensor names, as llama.cpp's own converter (`convert_hf_to_gguf.py`) writes them.
+"""The transformers causal LMs llama.cpp runs that the GGUF export knows: their GGUF architecture, tensor names and
+row orders, as llama.cpp's own converter (`convert_hf_to_gguf.py`) writes them (hyperparameter keys:
+`hyperparameters`; settings refused: `refusals`).
 
 - `llama` (Llama 2/3, SmolLM2, ..., Mistral, and Mixtral, whose experts llama.cpp's `llama` graph runs):
   rotary embedding on interleaved pairs in llama.cpp, so the rows of the q and k projections are
@@ -22,12 +23,27 @@ hyperparameter keys and tensor names, as llama.cpp's own converter (`convert_hf_
   projections as 3-D tensors (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`, `[experts, out, in]`),
   and Qwen2-MoE's shared expert (`*_shexp`) with its sigmoid gate; OLMoE's blocks are OLMo 2's q/k
   norms with pre-norms.
+- `gpt2`: LayerNorms with biases, a learned position table (`position_embd`, F32 as the converter keeps it),
+  queries, keys and values fused (`attn_qkv`, rows q, k, v), a GELU MLP; transformers' `Conv1D` layers store
+  `W` transposed, so a float one is written as `W` (a quantized one already holds `W`'s rows).
+- `gptneox`: LayerNorms with biases, partial rotary in the half-split layout, parallel or sequential residual,
+  and the fused projection's rows, which transformers interleaves per head (q, k, v of head 0, then of
+  head 1, ...), reordered to all queries, then keys, then values (`fused_qkv_rows`): whole rows move, codes
+  stay exact.
+- `falcon`: one or two LayerNorms before attention and MLP running in parallel (`attn_norm`, `attn_norm_2`),
+  half-split rotary, and the fused projection's key/value groups (each group's queries, then its key and
+  value) reordered to all queries, keys, values (the converter's `jploski` layout).
+- `deepseek2` (transformers' `deepseek_v3`): multi-head latent attention (`attn_q_a`, `attn_q_b`,
+  `attn_kv_a_mqa` and their norms) decompressed by `attn_kv_b` as transformers stores it, the layout
+  llama.cpp runs as per-head attention: the converter's MLA-cache layout instead splits it into `attn_k_b`,
+  transposed, whose codes would be grouped along the other axis, so quantlab keeps `attn_kv_b` and its
+  codes. Dense first blocks, then routed experts with shared ones (`*_shexp`), routed by sigmoid scores
+  plus a correction bias (`exp_probs_b`, F32) within the best groups.
 
 Settings llama.cpp's graph of an architecture cannot express (another query scale, sliding-window
 pattern or routing rule) are refused in one line rather than written as a file computing another model.
 """
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +51,8 @@ from typing import Any
 import torch
 
 from quantlab.export.gguf.errors import GGUFExportError
+from quantlab.export.gguf.hyperparameters import falcon_kv_heads, head_dim
+from quantlab.export.gguf.refusals import refuse_unexpressible
 
 
 @dataclass(frozen=True)
@@ -45,16 +63,18 @@ class Architecture:
     routed experts' weights to sum to one; the transformers config must route the same way.
     `expert_width`: the config attribute holding the experts' MLP width when it is not `intermediate_size`.
     `post_norms`: `post_attention_layernorm` normalizes the attention's output (Gemma 2/3, OLMo 2),
-    not the MLP's input. `norm_offset`: what the file adds to every norm's weight (Gemma: 1)."""
+    not the MLP's input. `norm_offset`: what the file adds to every norm's weight (Gemma: 1).
+    `names`: which table of module names the model's modules follow (`MODULE_NAMES`)."""
 
     name: str
     model_type: str
     rope_permuted: bool  # q/k rows in llama.cpp's interleaved rotary layout
     writes_vocab_size: bool
-    normalizes_top_k: bool | None = None  # None: not a mixture of experts
+    normalizes_top_k: bool | None = None  # None: not a mixture of experts, or routing keys of its own
     expert_width: str | None = None
     post_norms: bool = False
     norm_offset: float = 0.0
+    names: str = "llama"
 
 
 ARCHITECTURES = {
@@ -91,45 +111,97 @@ ARCHITECTURES = {
             "gemma3", "gemma3_text", rope_permuted=False, writes_vocab_size=False, post_norms=True, norm_offset=1.0
         ),
         Architecture("olmo2", "olmo2", rope_permuted=False, writes_vocab_size=False, post_norms=True),
+        Architecture("gpt2", "gpt2", rope_permuted=False, writes_vocab_size=False, names="gpt2"),
+        Architecture("gptneox", "gpt_neox", rope_permuted=False, writes_vocab_size=False, names="gptneox"),
+        Architecture("falcon", "falcon", rope_permuted=False, writes_vocab_size=False, names="falcon"),
+        Architecture("deepseek2", "deepseek_v3", rope_permuted=False, writes_vocab_size=True),
     )
 }
 
-# transformers module name → GGUF tensor name (without the `.weight` / `.bias` suffix)
-_MODULE_NAMES = [
-    (r"model\.embed_tokens", "token_embd"),
-    (r"model\.norm", "output_norm"),
-    (r"lm_head", "output"),
-    (r"model\.layers\.(\d+)\.input_layernorm", r"blk.\1.attn_norm"),
-    (r"model\.layers\.(\d+)\.self_attn\.q_proj", r"blk.\1.attn_q"),
-    (r"model\.layers\.(\d+)\.self_attn\.k_proj", r"blk.\1.attn_k"),
-    (r"model\.layers\.(\d+)\.self_attn\.v_proj", r"blk.\1.attn_v"),
-    (r"model\.layers\.(\d+)\.self_attn\.qkv_proj", r"blk.\1.attn_qkv"),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj", r"blk.\1.attn_output"),
-    (r"model\.layers\.(\d+)\.self_attn\.q_norm", r"blk.\1.attn_q_norm"),
-    (r"model\.layers\.(\d+)\.self_attn\.k_norm", r"blk.\1.attn_k_norm"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm", r"blk.\1.ffn_norm"),
-    (r"model\.layers\.(\d+)\.pre_feedforward_layernorm", r"blk.\1.ffn_norm"),
-    (r"model\.layers\.(\d+)\.post_feedforward_layernorm", r"blk.\1.post_ffw_norm"),
-    (r"model\.layers\.(\d+)\.mlp\.gate_up_proj", r"blk.\1.ffn_up"),
-    (r"model\.layers\.(\d+)\.mlp\.gate_proj", r"blk.\1.ffn_gate"),
-    (r"model\.layers\.(\d+)\.mlp\.up_proj", r"blk.\1.ffn_up"),
-    (r"model\.layers\.(\d+)\.mlp\.down_proj", r"blk.\1.ffn_down"),
-    (r"model\.layers\.(\d+)\.mlp\.gate", r"blk.\1.ffn_gate_inp"),
-    (r"model\.layers\.(\d+)\.mlp\.experts", r"blk.\1.ffn_{}_exps"),
-    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.gate_proj", r"blk.\1.ffn_gate_shexp"),
-    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.up_proj", r"blk.\1.ffn_up_shexp"),
-    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.down_proj", r"blk.\1.ffn_down_shexp"),
-    (r"model\.layers\.(\d+)\.mlp\.shared_expert_gate", r"blk.\1.ffn_gate_inp_shexp"),
-]
+_BLOCK = r"model\.layers\.(\d+)\."
+# transformers module name → GGUF tensor name (without the `.weight` / `.bias` suffix), per table of names
+MODULE_NAMES = {
+    "llama": [
+        (r"model\.embed_tokens", "token_embd"),
+        (r"model\.norm", "output_norm"),
+        (r"lm_head", "output"),
+        (_BLOCK + r"input_layernorm", r"blk.\1.attn_norm"),
+        (_BLOCK + r"self_attn\.q_proj", r"blk.\1.attn_q"),
+        (_BLOCK + r"self_attn\.k_proj", r"blk.\1.attn_k"),
+        (_BLOCK + r"self_attn\.v_proj", r"blk.\1.attn_v"),
+        (_BLOCK + r"self_attn\.qkv_proj", r"blk.\1.attn_qkv"),
+        (_BLOCK + r"self_attn\.o_proj", r"blk.\1.attn_output"),
+        (_BLOCK + r"self_attn\.q_norm", r"blk.\1.attn_q_norm"),
+        (_BLOCK + r"self_attn\.k_norm", r"blk.\1.attn_k_norm"),
+        (_BLOCK + r"self_attn\.q_a_proj", r"blk.\1.attn_q_a"),
+        (_BLOCK + r"self_attn\.q_a_layernorm", r"blk.\1.attn_q_a_norm"),
+        (_BLOCK + r"self_attn\.q_b_proj", r"blk.\1.attn_q_b"),
+        (_BLOCK + r"self_attn\.kv_a_proj_with_mqa", r"blk.\1.attn_kv_a_mqa"),
+        (_BLOCK + r"self_attn\.kv_a_layernorm", r"blk.\1.attn_kv_a_norm"),
+        (_BLOCK + r"self_attn\.kv_b_proj", r"blk.\1.attn_kv_b"),
+        (_BLOCK + r"post_attention_layernorm", r"blk.\1.ffn_norm"),
+        (_BLOCK + r"pre_feedforward_layernorm", r"blk.\1.ffn_norm"),
+        (_BLOCK + r"post_feedforward_layernorm", r"blk.\1.post_ffw_norm"),
+        (_BLOCK + r"mlp\.gate_up_proj", r"blk.\1.ffn_up"),
+        (_BLOCK + r"mlp\.gate_proj", r"blk.\1.ffn_gate"),
+        (_BLOCK + r"mlp\.up_proj", r"blk.\1.ffn_up"),
+        (_BLOCK + r"mlp\.down_proj", r"blk.\1.ffn_down"),
+        (_BLOCK + r"mlp\.gate", r"blk.\1.ffn_gate_inp"),
+        (_BLOCK + r"mlp\.experts", r"blk.\1.ffn_{}_exps"),
+        (_BLOCK + r"mlp\.shared_experts?\.gate_proj", r"blk.\1.ffn_gate_shexp"),
+        (_BLOCK + r"mlp\.shared_experts?\.up_proj", r"blk.\1.ffn_up_shexp"),
+        (_BLOCK + r"mlp\.shared_experts?\.down_proj", r"blk.\1.ffn_down_shexp"),
+        (_BLOCK + r"mlp\.shared_expert_gate", r"blk.\1.ffn_gate_inp_shexp"),
+    ],
+    "gpt2": [
+        (r"transformer\.wte", "token_embd"),
+        (r"transformer\.wpe", "position_embd"),
+        (r"transformer\.ln_f", "output_norm"),
+        (r"lm_head", "output"),
+        (r"transformer\.h\.(\d+)\.ln_1", r"blk.\1.attn_norm"),
+        (r"transformer\.h\.(\d+)\.attn\.c_attn", r"blk.\1.attn_qkv"),
+        (r"transformer\.h\.(\d+)\.attn\.c_proj", r"blk.\1.attn_output"),
+        (r"transformer\.h\.(\d+)\.ln_2", r"blk.\1.ffn_norm"),
+        (r"transformer\.h\.(\d+)\.mlp\.c_fc", r"blk.\1.ffn_up"),
+        (r"transformer\.h\.(\d+)\.mlp\.c_proj", r"blk.\1.ffn_down"),
+    ],
+    "gptneox": [
+        (r"gpt_neox\.embed_in", "token_embd"),
+        (r"gpt_neox\.final_layer_norm", "output_norm"),
+        (r"lm_head|embed_out", "output"),
+        (r"gpt_neox\.layers\.(\d+)\.input_layernorm", r"blk.\1.attn_norm"),
+        (r"gpt_neox\.layers\.(\d+)\.attention\.query_key_value", r"blk.\1.attn_qkv"),
+        (r"gpt_neox\.layers\.(\d+)\.attention\.dense", r"blk.\1.attn_output"),
+        (r"gpt_neox\.layers\.(\d+)\.post_attention_layernorm", r"blk.\1.ffn_norm"),
+        (r"gpt_neox\.layers\.(\d+)\.mlp\.dense_h_to_4h", r"blk.\1.ffn_up"),
+        (r"gpt_neox\.layers\.(\d+)\.mlp\.dense_4h_to_h", r"blk.\1.ffn_down"),
+    ],
+    "falcon": [
+        (r"transformer\.word_embeddings", "token_embd"),
+        (r"transformer\.ln_f", "output_norm"),
+        (r"lm_head", "output"),
+        (r"transformer\.h\.(\d+)\.(input_layernorm|ln_attn)", r"blk.\1.attn_norm"),
+        (r"transformer\.h\.(\d+)\.ln_mlp", r"blk.\1.attn_norm_2"),
+        (r"transformer\.h\.(\d+)\.self_attention\.query_key_value", r"blk.\1.attn_qkv"),
+        (r"transformer\.h\.(\d+)\.self_attention\.dense", r"blk.\1.attn_output"),
+        (r"transformer\.h\.(\d+)\.mlp\.dense_h_to_4h", r"blk.\1.ffn_up"),
+        (r"transformer\.h\.(\d+)\.mlp\.dense_4h_to_h", r"blk.\1.ffn_down"),
+    ],
+}
 # ... and where a norm follows the attention (`Architecture.post_norms`), the names that differ
-_POST_NORM_NAMES = [(r"model\.layers\.(\d+)\.post_attention_layernorm", r"blk.\1.post_attention_norm")]
-_COMPILED = [(re.compile(pattern + r"$"), name) for pattern, name in _MODULE_NAMES]
+_POST_NORM_NAMES = [(_BLOCK + r"post_attention_layernorm", r"blk.\1.post_attention_norm")]
+_COMPILED = {
+    table: [(re.compile(f"(?:{pattern})$"), name) for pattern, name in names] for table, names in MODULE_NAMES.items()
+}
 _POST_NORM_COMPILED = [(re.compile(pattern + r"$"), name) for pattern, name in _POST_NORM_NAMES]
 
-# Matrices llama.cpp's converter keeps in float32 (routers: a rounded router picks other experts), and
-# the ones it stores as a vector (Qwen2-MoE's shared-expert gate, `[1, hidden]` in transformers).
-FLOAT32_MATRICES = (".ffn_gate_inp", ".ffn_gate_inp_shexp")
+# Matrices llama.cpp's converter keeps in float32 (routers: a rounded router picks other experts; GPT-2's position
+# table), and the ones it stores as a vector (Qwen2-MoE's shared-expert gate, `[1, hidden]` in transformers).
+FLOAT32_MATRICES = ("ffn_gate_inp", "ffn_gate_inp_shexp", "position_embd")
 VECTORS = (".ffn_gate_inp_shexp",)
+# Buffers a module holds that the file needs, by buffer name → GGUF name within the module's block: DeepSeek's
+# router adds `e_score_correction_bias` to its scores to choose experts.
+BUFFERS = {"e_score_correction_bias": "exp_probs_b.bias"}
 
 # The experts' projections in GGUF (`{}` of `ffn_{}_exps`): each names the fused parameter it is cut from
 # and which half of its rows (gate and up share `gate_up_proj`: gate the first half, up the second).
@@ -137,7 +209,8 @@ EXPERT_PROJECTIONS = (("gate", "gate_up_proj", 0), ("up", "gate_up_proj", 1), ("
 
 
 def architecture_of(model: Any) -> Architecture:
-    """The architecture of a transformers causal LM; GGUFExportError naming the supported ones otherwise."""
+    """The architecture of a transformers causal LM; GGUFExportError naming the supported ones otherwise, or the
+    setting its llama.cpp graph cannot express."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     architecture = ARCHITECTURES.get(model_type)
@@ -147,111 +220,25 @@ def architecture_of(model: Any) -> Architecture:
             f"a {model_type or type(model).__name__} model cannot be written as GGUF; supported model types: "
             f"{supported}"
         )
-    if architecture.normalizes_top_k is not None:
-        _check_routing(architecture, config)
-    check = _CHECKS.get(architecture.name)
-    if check is not None:
-        check(config)
+    refuse_unexpressible(architecture, config)
     return architecture
-
-
-def _check_routing(architecture: Architecture, config: Any) -> None:
-    """Refuse a mixture of experts that llama.cpp's graph would route differently from transformers."""
-    normalizes = getattr(config, "norm_topk_prob", True)  # Mixtral always renormalizes
-    if bool(normalizes) != architecture.normalizes_top_k:
-        raise GGUFExportError(
-            f"llama.cpp's {architecture.name} graph {'always' if architecture.normalizes_top_k else 'never'} "
-            f"renormalizes the routed experts' weights, but this model's config has norm_topk_prob={normalizes}: "
-            f"the file would compute another model"
-        )
-    dense = list(getattr(config, "mlp_only_layers", None) or [])
-    if int(getattr(config, "decoder_sparse_step", 1) or 1) != 1 or dense:
-        raise GGUFExportError(
-            f"llama.cpp's {architecture.name} graph needs experts in every block; this model has dense MLP blocks "
-            f"(mlp_only_layers={dense}, decoder_sparse_step={getattr(config, 'decoder_sparse_step', 1)})"
-        )
-
-
-def _check_olmoe(config: Any) -> None:
-    """llama.cpp's olmoe graph has no clamp of the queries, keys and values (OLMo 1's `clip_qkv`), and its key
-    norm is as wide as the hidden state: as many key/value heads as query heads."""
-    if getattr(config, "clip_qkv", None) is not None:
-        raise GGUFExportError(
-            f"llama.cpp's olmoe graph does not clip queries, keys and values; this model has clip_qkv={config.clip_qkv}"
-        )
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if kv_heads != config.num_attention_heads:
-        raise GGUFExportError(
-            f"llama.cpp's olmoe graph needs as many key/value heads as query heads ({config.num_attention_heads}); "
-            f"this model has {kv_heads}"
-        )
-
-
-def _check_phi3(config: Any) -> None:
-    """llama.cpp runs Phi-3 with full attention: a sliding window shorter than the context is refused."""
-    window = getattr(config, "sliding_window", None)
-    if window is not None and window < config.max_position_embeddings:
-        raise GGUFExportError(
-            f"llama.cpp's phi3 graph ignores the sliding window; this model attends over {window} tokens of its "
-            f"{config.max_position_embeddings}, so the file would compute another model on longer inputs"
-        )
-
-
-def _check_gemma2(config: Any) -> None:
-    """Gemma 2 in llama.cpp: both soft-caps always applied (50 and 30 when the file has none)."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, key, None) is None:
-            raise GGUFExportError(f"llama.cpp's gemma2 graph always soft-caps; this model has {key}=None")
-    _check_gemma_attention("gemma2", config, period=2, layers_27b=46)
-
-
-def _check_gemma3(config: Any) -> None:
-    """Gemma 3 in llama.cpp: causal, no attention soft-cap, the sliding layers' rotary never scaled."""
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise GGUFExportError(
-            f"llama.cpp's gemma3 graph has no attention soft-cap; this model has "
-            f"attn_logit_softcapping={config.attn_logit_softcapping}"
-        )
-    if getattr(config, "use_bidirectional_attention", False):
-        raise GGUFExportError("llama.cpp's gemma3 graph is causal; this model has use_bidirectional_attention=True")
-    local = _rope_parameters(config, "sliding_attention")
-    if local.get("rope_type", "default") != "default":
-        raise GGUFExportError(
-            f"llama.cpp's gemma3 graph never scales the sliding-window layers' rotary; this model's is {local}"
-        )
-    _check_gemma_attention("gemma3", config, period=6, layers_27b=62)
-
-
-def _check_gemma_attention(name: str, config: Any, period: int, layers_27b: int) -> None:
-    """llama.cpp's Gemma graphs fix two things a config may set otherwise: the query scale,
-    `1/sqrt(head_dim)` (`1/sqrt(hidden / heads)` at the 27B model's block count), and which layers
-    attend through the sliding window (which they need): all but every `period`-th."""
-    if not getattr(config, "sliding_window", None):
-        raise GGUFExportError(f"llama.cpp's {name} graph needs the sliding layers' window; this model has none")
-    layers = config.num_hidden_layers
-    scalar = config.hidden_size // config.num_attention_heads if layers == layers_27b else head_dim(config)
-    if float(config.query_pre_attn_scalar) != float(scalar):
-        raise GGUFExportError(
-            f"llama.cpp's {name} graph scales queries by 1/sqrt({scalar}) for this model; its config has "
-            f"query_pre_attn_scalar={config.query_pre_attn_scalar}"
-        )
-    expected = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
-    layer_types = list(getattr(config, "layer_types", None) or expected)
-    if layer_types != expected:
-        raise GGUFExportError(
-            f"llama.cpp's {name} graph uses a full-attention layer every {period} layers, the others sliding; "
-            f"this model has layer_types={layer_types}"
-        )
 
 
 def gguf_name(module_name: str, architecture: Architecture) -> str | None:
     """The GGUF name of a module's tensors in `architecture` (`blk.0.attn_q`; `blk.0.ffn_{}_exps` for a block's
     experts, `{}` standing for gate, up or down), or None for a module GGUF has no tensor for."""
-    names = _POST_NORM_COMPILED + _COMPILED if architecture.post_norms else _COMPILED
+    names = _COMPILED[architecture.names]
+    if architecture.post_norms:
+        names = _POST_NORM_COMPILED + names
     for pattern, name in names:
         if pattern.match(module_name):
             return pattern.sub(name, module_name)
     return None
+
+
+def is_float32(gguf_base: str) -> bool:
+    """Whether the matrix `gguf_base` stays float32 in the file whatever the fallback type."""
+    return gguf_base.rpartition(".")[2] in FLOAT32_MATRICES
 
 
 def rope_rows(rows: int, heads: int) -> torch.Tensor:
@@ -261,8 +248,28 @@ def rope_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, 2, half).transpose(1, 2).reshape(-1)
 
 
+def fused_qkv_rows(rows: int, groups: int, dim: int) -> torch.Tensor:
+    """The row order llama.cpp reads a fused projection in (every query head, then every key head, then every value
+    head) from transformers' `groups` groups of heads of `dim` rows, each group its queries, then one key head and
+    one value head (Falcon's key/value groups; GPT-NeoX's heads, one query each). Whole rows move: codes and scales
+    stay exact."""
+    heads = torch.arange(rows).reshape(groups, rows // groups // dim, dim)
+    return torch.cat([heads[:, :-2].reshape(-1), heads[:, -2].reshape(-1), heads[:, -1].reshape(-1)])
+
+
+def _gptneox_groups(config: Any) -> int:
+    return config.num_attention_heads
+
+
+# Architectures whose fused projection transformers stores in groups (by GGUF name) → how many groups
+_QKV_GROUPS = {"gptneox": _gptneox_groups, "falcon": falcon_kv_heads}
+
+
 def permutation(architecture: Architecture, config: Any, gguf_base: str, rows: int) -> torch.Tensor | None:
-    """The rows to gather from a q/k projection (weight or bias) of `architecture`, or None to keep the order."""
+    """The rows to gather from a q/k projection or a fused one (weight or bias) of `architecture`, or None to
+    keep the order."""
+    if gguf_base.endswith(".attn_qkv") and architecture.name in _QKV_GROUPS:
+        return fused_qkv_rows(rows, _QKV_GROUPS[architecture.name](config), head_dim(config))
     if not architecture.rope_permuted:
         return None
     if gguf_base.endswith(".attn_q"):
@@ -270,138 +277,3 @@ def permutation(architecture: Architecture, config: Any, gguf_base: str, rows: i
     if gguf_base.endswith(".attn_k"):
         return rope_rows(rows, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     return None
-
-
-def head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def write_hyperparameters(writer: Any, architecture: Architecture, config: Any) -> dict[str, torch.Tensor]:
-    """Add the architecture's hyperparameter keys to `writer`; returns the extra tensors they need
-    (Llama 3's `rope_freqs`)."""
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    rope = _rope_parameters(config)
-    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    if architecture.writes_vocab_size:
-        writer.add_vocab_size(config.vocab_size)
-    dim = head_dim(config)
-    writer.add_rope_dimension_count(_rotary_dim(rope, config))
-    if dim != config.hidden_size // config.num_attention_heads:
-        writer.add_key_length(dim)
-        writer.add_value_length(dim)
-    if architecture.normalizes_top_k is not None:
-        _write_experts(writer, architecture, config)
-    keys = _KEYS.get(architecture.name)
-    if keys is not None:
-        keys(writer, config)
-    return _rope_scaling(writer, architecture, rope, config)
-
-
-def _rotary_dim(rope: dict[str, Any], config: Any) -> int:
-    """How many of each head's dimensions rotate (Phi-3's `partial_rotary_factor` may leave some out)."""
-    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
-    return int(head_dim(config) * float(factor))
-
-
-def _write_experts(writer: Any, architecture: Architecture, config: Any) -> None:
-    """The mixture-of-experts keys: how many experts, how many each token uses, their MLP widths."""
-    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    if architecture.expert_width and getattr(config, architecture.expert_width, None):
-        writer.add_expert_feed_forward_length(getattr(config, architecture.expert_width))
-    if getattr(config, "shared_expert_intermediate_size", None):
-        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-
-
-def _granite_keys(writer: Any, config: Any) -> None:
-    """Granite's multipliers: llama.cpp scales the embeddings, both residual branches of each block and the
-    attention scores by them (the attention's in place of `1/sqrt(head_dim)`), and divides the logits."""
-    writer.add_embedding_scale(float(config.embedding_multiplier))
-    writer.add_residual_scale(float(config.residual_multiplier))
-    writer.add_attention_scale(float(config.attention_multiplier))
-    writer.add_logit_scale(float(config.logits_scaling))
-
-
-def _phi3_keys(writer: Any, config: Any) -> None:
-    """Phi-3's sliding window (0: none; llama.cpp reads the key, runs full attention) and the context its
-    rotary scaling starts from."""
-    writer.add_sliding_window(int(getattr(config, "sliding_window", None) or 0))
-    original = getattr(config, "original_max_position_embeddings", None)
-    if original:
-        writer.add_rope_scaling_orig_ctx_len(int(original))
-
-
-def _gemma2_keys(writer: Any, config: Any) -> None:
-    """Gemma 2's soft-caps of the attention scores and the logits, and its sliding window."""
-    writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
-    writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
-    writer.add_sliding_window(int(config.sliding_window))
-
-
-def _gemma3_keys(writer: Any, config: Any) -> None:
-    """Gemma 3's sliding window, the sliding layers' rotary base and the logits' soft-cap, if any."""
-    writer.add_sliding_window(int(config.sliding_window))
-    writer.add_rope_freq_base_swa(float(_rope_parameters(config, "sliding_attention").get("rope_theta", 10000.0)))
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
-
-
-def _rope_parameters(config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
-    """transformers' rotary settings: `rope_parameters` (those of `layer_type` where they differ by layer type,
-    as Gemma 3's do), or the older `rope_theta` and `rope_scaling`."""
-    parameters = dict(getattr(config, "rope_parameters", None) or {})
-    if isinstance(parameters.get(layer_type), dict):
-        return dict(parameters[layer_type])
-    if not parameters:
-        parameters = dict(getattr(config, "rope_scaling", None) or {})
-        if getattr(config, "rope_theta", None) is not None:
-            parameters["rope_theta"] = config.rope_theta
-    return parameters
-
-
-def _rope_scaling(writer: Any, architecture: Architecture, rope: dict[str, Any], config: Any) -> dict:
-    import gguf
-
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return {}
-    if kind == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(rope["factor"]))
-        return {}
-    if kind == "llama3" and architecture.name == "llama":
-        return {"rope_freqs.weight": llama3_rope_factors(rope, config)}
-    raise GGUFExportError(
-        f"rotary scaling {kind!r} is not written to GGUF by quantlab; supported: default, linear, llama3 (llama)"
-    )
-
-
-def llama3_rope_factors(rope: dict[str, Any], config: Any) -> torch.Tensor:
-    """Llama 3.1's per-frequency rotary scaling, the `rope_freqs` tensor llama.cpp reads."""
-    dim = head_dim(config)
-    base = float(rope.get("rope_theta", 10000.0))
-    factor = float(rope.get("factor", 8.0))
-    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
-    context = float(rope.get("original_max_position_embeddings", 8192))
-    factors = []
-    for frequency in (1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)).tolist():
-        wavelength = 2 * math.pi / frequency
-        if wavelength < context / high:
-            factors.append(1.0)
-        elif wavelength > context / low:
-            factors.append(factor)
-        else:
-            smooth = (context / wavelength - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32)
-
-
-# Refusals and hyperparameter keys of single architectures (by GGUF name)
-_CHECKS = {"olmoe": _check_olmoe, "phi3": _check_phi3, "gemma2": _check_gemma2, "gemma3": _check_gemma3}
-_KEYS = {"granite": _granite_keys, "phi3": _phi3_keys, "gemma2": _gemma2_keys, "gemma3": _gemma3_keys}

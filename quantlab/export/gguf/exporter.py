@@ -1,7 +1,9 @@
 """`to_gguf`: a causal LM llama.cpp runs, float or quantized by quantlab, as one GGUF file for llama.cpp.
 
 Supported transformers model types (`architectures.ARCHITECTURES`): llama, mistral, mixtral, qwen2, qwen3,
-qwen2_moe, qwen3_moe, olmoe, granite, phi3, gemma2, gemma3_text and olmo2; any other is refused in one line.
+qwen2_moe, qwen3_moe, olmoe, granite, phi3, gemma2, gemma3_text, olmo2, gpt2, gpt_neox, falcon and deepseek_v3;
+any other is refused in one line, as is a setting llama.cpp's graph of the architecture cannot express
+(`refusals`). The hyperparameter keys are `hyperparameters`' and the tensors `tensors`'.
 """
 
 import math
@@ -15,6 +17,7 @@ from torch import nn
 
 from quantlab.export.gguf import architectures
 from quantlab.export.gguf.errors import GGUFExportError, require_gguf
+from quantlab.export.gguf.hyperparameters import write_hyperparameters
 from quantlab.export.gguf.tensors import GGUFTensor, extra_tensors, model_tensors
 from quantlab.export.gguf.vocabulary import vocabulary
 from quantlab.nn.rotation import refusal, rotated_layers
@@ -96,7 +99,7 @@ def to_gguf(
     writer = _writer_class(gguf)(None, architecture.name)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name or Path(getattr(config, "_name_or_path", "") or path.stem).name or path.stem)
-    tensors += extra_tensors(architectures.write_hyperparameters(writer, architecture, config))
+    tensors += extra_tensors(write_hyperparameters(writer, architecture, config))
     file_type = _file_type(tensors)
     writer.add_file_type(int(gguf.LlamaFileType[file_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

@@ -7,7 +7,9 @@ is decoded back (`gguf.quants.dequantize`) and compared with quantlab's dequanti
 re-quantized from its float values into the fallback type: by default Q8_0 for the embedding
 table and the output head and F16 for the other matrices; norms and biases are F32, as
 llama.cpp's converter writes them (Gemma's norms as `1 + weight`, what llama.cpp multiplies by);
-routers stay F32, as the converter keeps them.
+routers and GPT-2's position table stay F32, as the converter keeps them, and DeepSeek's router
+brings its correction bias (`exp_probs_b`, a buffer). A float `Conv1D` (GPT-2), which stores `W`
+transposed, is written as `W`; a quantized one already holds `W`'s rows.
 
 A mixture of experts' fused projections (`QuantizedExperts`, or transformers' float experts module)
 become llama.cpp's 3-D `ffn_gate_exps`, `ffn_up_exps` and `ffn_down_exps` `[experts, out, in]`:
@@ -28,7 +30,7 @@ from quantlab.export.gguf.blocks import pack
 from quantlab.export.gguf.errors import GGUFExportError, require_gguf
 from quantlab.formats.codec import GGUFBlocks, NotExactInGGUF
 from quantlab.nn import QuantizedLinear, TiedOutputHead
-from quantlab.nn.kinds import is_fused_experts
+from quantlab.nn.kinds import is_fused_experts, is_transposed_linear, linear_weight
 from quantlab.nn.quantized_embedding import QuantizedTable
 from quantlab.nn.quantized_experts import QuantizedExperts
 
@@ -98,17 +100,16 @@ def model_tensors(model: nn.Module, architecture: Architecture, fallback_type: s
         if experts:
             tensors += expert_tensors(base, module_name, module, fallback_type or MATRIX_FALLBACK)
             continue
-        matrix = module.weight if isinstance(module, (nn.Linear, nn.Embedding)) else None
-        if matrix is None and getattr(own.get("weight"), "ndim", 0) == 2:
-            matrix = own["weight"]  # a router holding its Linear weight itself
+        matrix = _float_matrix(module, own)
         if matrix is not None and matrix.data_ptr() in seen:
             continue  # the output head tied to the float embedding table: written once
         if matrix is not None:
             seen.add(matrix.data_ptr())
-        rows = getattr(module, "out_features", None) or getattr(module, "num_embeddings", 0)
+        rows = getattr(module, "out_features", None) or getattr(module, "num_embeddings", None)
+        rows = rows or (0 if matrix is None else matrix.shape[0])  # a Conv1D's or a router's
         order = architectures.permutation(architecture, config, base, rows)
         fallback = fallback_type or (TABLE_FALLBACK if base in _TABLES else MATRIX_FALLBACK)
-        if base.endswith(architectures.FLOAT32_MATRICES):
+        if architectures.is_float32(base):
             fallback = "F32"
         if base.endswith(architectures.VECTORS):
             values = module.dequantize_weight(torch.float32) if quantized else matrix.detach().float()
@@ -127,7 +128,32 @@ def model_tensors(model: nn.Module, architecture: Architecture, fallback_type: s
             if name == "weight" and architecture.norm_offset and base.endswith("norm"):
                 values = values + architecture.norm_offset
             tensors.append(_requantized(f"{base}.{name}", module_name, values, "F32", "float", ""))
+        tensors += _buffer_tensors(base, module_name, module)
     return tensors
+
+
+def _float_matrix(module: nn.Module, own: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """A float layer's `[out, in]` weight (a view): a Linear's or an embedding table's, a transposed Linear's
+    (GPT-2's `Conv1D` stores `[in, out]`), or a router's own 2-D weight; None for anything else."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        return module.weight
+    if is_transposed_linear(module):
+        return linear_weight(module.weight, transposed=True)
+    if getattr(own.get("weight"), "ndim", 0) == 2:
+        return own["weight"]  # a router holding its Linear weight itself
+    return None
+
+
+def _buffer_tensors(base: str, module_name: str, module: nn.Module) -> list[GGUFTensor]:
+    """The buffers of `module` the file needs (`architectures.BUFFERS`), in F32, named within its block."""
+    block = base.rpartition(".")[0]
+    return [
+        _requantized(
+            f"{block}.{architectures.BUFFERS[name]}", module_name, buffer.detach().float().cpu(), "F32", "float", ""
+        )
+        for name, buffer in module.named_buffers(recurse=False)
+        if name in architectures.BUFFERS
+    ]
 
 
 def extra_tensors(extra: dict[str, torch.Tensor]) -> list[GGUFTensor]:
