@@ -6,6 +6,8 @@ gguf` and `quantlab export compressed-tensors`, and the logits of the same token
 - llama.cpp (llama-cpp-python, the `peers` extra) on the GGUF file: the same codes, but llama.cpp rounds the
   activations to 8 bits per block of 32 before its Q4_0/Q8_0 products, so its logits differ by that rounding;
   a routing decision near a tie can then pick another expert for a token, which moves that token further,
+- llama.cpp on the same weights decoded to float32 (an F32 file): its float graph without the activation
+  rounding, which tells how much of the Q4_0 file's difference that rounding is,
 - transformers in a process that never imports quantlab (`QUANTLAB_AUTOLOAD=0`), loading the compressed-tensors
   folder with the `compressed-tensors` package: the same weights, float arithmetic, so equal up to float sums.
 
@@ -71,6 +73,25 @@ def llama_cpp_logits(path: Path, ids: np.ndarray, threads: int) -> np.ndarray | 
     return logits
 
 
+def dequantized_file_logits(folder: Path, ids: np.ndarray, scratch: Path, threads: int) -> np.ndarray | None:
+    """llama.cpp's logits on the quantized checkpoint's own weights, decoded to float32 and written as an F32 file:
+    the same numbers as the Q4_0 file without its 8-bit activation rounding, so the difference of the two
+    comparisons is that rounding (and the experts it makes the router pick), the rest llama.cpp's float graph."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import quantlab
+    from quantlab.export.gguf import to_gguf
+
+    model = quantlab.dequantize(AutoModelForCausalLM.from_pretrained(folder).eval())
+    path = scratch / "dequantized.gguf"
+    to_gguf(model, path, tokenizer=AutoTokenizer.from_pretrained(folder), fallback_type="F32")
+    del model
+    try:
+        return llama_cpp_logits(path, ids, threads)
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def transformers_logits(folder: Path, ids: np.ndarray, scratch: Path) -> np.ndarray:
     """The compressed-tensors folder loaded by transformers in a fresh process without quantlab."""
     np.save(scratch / "ids.npy", ids)
@@ -115,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         theirs = llama_cpp_logits(scratch / "model.gguf", ids, args.threads)
         if theirs is not None:
             results["llama.cpp"] = agreement(ours, theirs)
+            float32 = dequantized_file_logits(quantized, ids, scratch, args.threads)
+            results["llama.cpp, the same weights as an F32 file"] = agreement(ours, float32)
         results["transformers without quantlab"] = agreement(ours, transformers_logits(scratch / "ct", ids, scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
