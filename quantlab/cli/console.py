@@ -20,6 +20,14 @@ T = TypeVar("T")
 QUIETED_LOGGERS = ("bitsandbytes",)
 
 
+def quiet_import_chatter() -> None:
+    """Keep the libraries' import-time warnings off the command's stderr (every command imports them while its
+    parser is built): bitsandbytes, on CPUs with AVX-512 BF16, tells how to download an optional kernel from a
+    model hub, which a quantlab command neither uses nor may reach; an error stays one line."""
+    for name in QUIETED_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     parser.add_argument(

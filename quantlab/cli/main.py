@@ -26,7 +26,7 @@ from typing import Any
 
 from quantlab import distributed
 from quantlab.cli import options
-from quantlab.cli.console import Console
+from quantlab.cli.console import Console, quiet_import_chatter
 from quantlab.errors import QuantlabError
 
 # Module names under quantlab.cli, in the order `quantlab --help` lists them; a new command adds its module here.
@@ -79,6 +79,7 @@ def build_parser(prog: str = "quantlab") -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, prog: str = "quantlab") -> int:
     """Run one quantlab command; returns the exit code (0 success, 2 user error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_import_chatter()
     try:
         args = parse(argv, prog)
     except SystemExit as exit:  # --help, --version
