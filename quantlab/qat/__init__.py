@@ -15,20 +15,29 @@ float teacher on transformers' Trainer, and is written back as stored codes and 
 for bit to what the fake quantizer computed.
 """
 
-from quantlab.qat.options import QATOptions
-from quantlab.qat.run import QATResult, train_quantized
-from quantlab.qat.swap import SwappedLayer, fake_quantize, float_linear_weights, write_back
-from quantlab.qat.trainer import ProjectQuantizers, QATTrainer, parameter_groups
+import importlib
+from typing import Any
 
-__all__ = [
-    "ProjectQuantizers",
-    "QATOptions",
-    "QATResult",
-    "QATTrainer",
-    "SwappedLayer",
-    "fake_quantize",
-    "float_linear_weights",
-    "parameter_groups",
-    "train_quantized",
-    "write_back",
-]
+# name -> the module defining it, imported on first use: the command line reads `QATOptions` to build its flags
+# without importing the trainer (transformers' Trainer and PEFT: over a second).
+_EXPORTS = {
+    "ProjectQuantizers": "quantlab.qat.trainer",
+    "QATOptions": "quantlab.qat.options",
+    "QATResult": "quantlab.qat.run",
+    "QATTrainer": "quantlab.qat.trainer",
+    "SwappedLayer": "quantlab.qat.swap",
+    "fake_quantize": "quantlab.qat.swap",
+    "float_linear_weights": "quantlab.qat.swap",
+    "parameter_groups": "quantlab.qat.trainer",
+    "train_quantized": "quantlab.qat.run",
+    "write_back": "quantlab.qat.swap",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
