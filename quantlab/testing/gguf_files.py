@@ -134,3 +134,15 @@ def gguf_layout(path: Path) -> GGUFLayout:
         ggml_type = n_dims + 4 + 8 * len(tensor.shape)
         tensors[tensor.name] = TensorLayout(start, n_dims, n_dims + 4, ggml_type, ggml_type + 4)
     return GGUFLayout(entries, tensors, int(reader.data_offset))
+
+
+def read_gguf_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """GGUF tensor name → (type name, float32 values in torch's order: `[out, in]`, `[experts, out, in]`), each
+    decoded by gguf-py: what an independent reader finds in a file."""
+    import gguf
+
+    tensors = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        tensors[tensor.name] = tensor.tensor_type.name, values.reshape(tuple(reversed(tensor.shape.tolist())))
+    return tensors

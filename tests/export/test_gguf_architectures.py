@@ -23,6 +23,7 @@ from quantlab.export.gguf.architectures import (  # noqa: E402
 )
 from quantlab.nn import QuantizedLinear  # noqa: E402
 from quantlab.testing.architectures import tiny_config  # noqa: E402
+from quantlab.testing.gguf_files import read_gguf_tensors  # noqa: E402
 from quantlab.testing.tokenizer import byte_tokenizer  # noqa: E402
 
 SYMMETRIC_4 = quantlab.CustomBitsConfig(bits=4, group_size=32, symmetric=True, scale_dtype="float16", embedding_bits=8)
@@ -156,15 +157,6 @@ def _relative_error(model, path) -> tuple[float, np.ndarray, np.ndarray]:
     return float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours)), theirs, ours
 
 
-def _read(path) -> dict[str, tuple[str, np.ndarray]]:
-    """GGUF tensor name → (type name, float32 values in torch's order)."""
-    tensors = {}
-    for tensor in gguf.GGUFReader(path).tensors:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        tensors[tensor.name] = tensor.tensor_type.name, values.reshape(tuple(reversed(tensor.shape.tolist())))
-    return tensors
-
-
 @pytest.mark.parametrize(
     ("model_type", "overrides"),
     [(model_type, {}) for model_type in MODEL_TYPES] + list(_VARIANTS.values()),
@@ -203,7 +195,7 @@ def test_each_quantized_linears_codes_are_written_unchanged(tmp_path, model_type
     model_type, overrides = _VARIANTS.get(model_type, (model_type, {}))
     model, fallback = _quantized(model_type, **overrides)
     to_gguf(model, tmp_path / "tiny.gguf", tokenizer=byte_tokenizer(), fallback_type=fallback)
-    tensors = _read(tmp_path / "tiny.gguf")
+    tensors = read_gguf_tensors(tmp_path / "tiny.gguf")
     architecture = architecture_of(model)
     config = model.config
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, QuantizedLinear)]
@@ -227,7 +219,7 @@ def test_gemma_norms_are_stored_as_one_plus_weight(tmp_path, model_type) -> None
             if name.endswith("norm.weight"):
                 parameter.normal_(0, 0.1)
     to_gguf(model, tmp_path / "tiny.gguf", tokenizer=byte_tokenizer(), fallback_type="F32")
-    tensors = _read(tmp_path / "tiny.gguf")
+    tensors = read_gguf_tensors(tmp_path / "tiny.gguf")
     layer = model.model.layers[0]
     norms = {
         "output_norm": model.model.norm,
@@ -311,7 +303,7 @@ def test_gpt2_position_table_stays_float32(tmp_path) -> None:
     """The learned positions stay F32 whatever the fallback type, as llama.cpp's converter keeps them."""
     model, _ = _quantized("gpt2")
     result = to_gguf(model, tmp_path / "tiny.gguf", tokenizer=byte_tokenizer(), fallback_type="Q8_0")
-    kind, values = _read(tmp_path / "tiny.gguf")["position_embd.weight"]
+    kind, values = read_gguf_tensors(tmp_path / "tiny.gguf")["position_embd.weight"]
     assert kind == "F32" and np.array_equal(values, model.transformer.wpe.weight.detach().numpy())
     assert result.requantized == []
 

@@ -15,6 +15,7 @@ from quantlab.export.gguf import GGUFExportError, to_gguf  # noqa: E402
 from quantlab.methods.int8 import Int8SymmetricConfig  # noqa: E402
 from quantlab.nn.quantized_experts import QuantizedExperts  # noqa: E402
 from quantlab.testing.architectures import tiny_config  # noqa: E402
+from quantlab.testing.gguf_files import read_gguf_tensors  # noqa: E402
 from quantlab.testing.tokenizer import byte_tokenizer  # noqa: E402
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64]])
@@ -35,15 +36,6 @@ def _quantized(model_type: str, config: quantlab.QuantlabConfig = SYMMETRIC_4, *
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(model_type, **overrides)).eval()
     return quantlab.quantize(model, config, progress=False)
-
-
-def _read(path) -> dict[str, tuple[str, np.ndarray]]:
-    """GGUF tensor name → (type name, float32 values in torch's order: `[out, in]`, `[experts, out, in]`)."""
-    tensors = {}
-    for tensor in gguf.GGUFReader(path).tensors:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        tensors[tensor.name] = tensor.tensor_type.name, values.reshape(tuple(reversed(tensor.shape.tolist())))
-    return tensors
 
 
 @pytest.mark.parametrize(
@@ -73,7 +65,7 @@ def test_the_file_computes_quantlabs_logits_when_read_back(tmp_path, model_type,
 def test_each_experts_codes_are_written_unchanged(tmp_path, model_type) -> None:
     model = _quantized(model_type)
     to_gguf(model, tmp_path / "tiny.gguf", tokenizer=byte_tokenizer())
-    tensors = _read(tmp_path / "tiny.gguf")
+    tensors = read_gguf_tensors(tmp_path / "tiny.gguf")
     for block, layer in enumerate(model.model.layers):
         experts = layer.mlp.experts
         assert isinstance(experts, QuantizedExperts)
