@@ -146,3 +146,19 @@ def read_gguf_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         tensors[tensor.name] = tensor.tensor_type.name, values.reshape(tuple(reversed(tensor.shape.tolist())))
     return tensors
+
+
+# Token ids of the byte-level vocabulary the tiny models carry, for llama.cpp comparisons.
+LLAMA_CPP_PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 100, 101, 102, 33, 34, 35, 36, 37]
+
+
+def llama_cpp_logits(path: Path, tokens: list[int] = LLAMA_CPP_PROMPT) -> np.ndarray:
+    """llama.cpp's logits (llama-cpp-python, the `peers` extra; one thread) at every position of `tokens`."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    try:
+        llm.eval(tokens)
+        return np.asarray(llm.scores[: len(tokens)], dtype=np.float32)
+    finally:
+        llm.close()

@@ -23,14 +23,14 @@ from quantlab.export.gguf.architectures import (  # noqa: E402
 )
 from quantlab.nn import QuantizedLinear  # noqa: E402
 from quantlab.testing.architectures import tiny_config  # noqa: E402
-from quantlab.testing.gguf_files import read_gguf_tensors  # noqa: E402
+from quantlab.testing.gguf_files import LLAMA_CPP_PROMPT, llama_cpp_logits, read_gguf_tensors  # noqa: E402
 from quantlab.testing.tokenizer import byte_tokenizer  # noqa: E402
 
 SYMMETRIC_4 = quantlab.CustomBitsConfig(bits=4, group_size=32, symmetric=True, scale_dtype="float16", embedding_bits=8)
 # Gemma's embedding table scales its rows (`Gemma2TextScaledWordEmbedding`), which `embedding_bits` does not quantize:
 # the table stays float, written in F32.
 LINEARS_ONLY = quantlab.CustomBitsConfig(bits=4, group_size=32, symmetric=True, scale_dtype="float16")
-PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 100, 101, 102, 33, 34, 35, 36, 37]
+PROMPT = LLAMA_CPP_PROMPT
 MODEL_TYPES = [
     "olmoe",
     "granite",
@@ -60,6 +60,17 @@ _FOR_LLAMA_CPP = {
     "deepseek_v3": {"kv_lora_rank": 32},
 }
 # Variants that reach further parts of the graphs.
+# DeepSeek-V3's rotary scaling as its checkpoints set it (on the tiny config's 32 positions)
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
 _VARIANTS = {
     "phi3-tied": ("phi3", {"tie_word_embeddings": True}),
     "phi3-partial-rotary": (
@@ -94,18 +105,7 @@ _VARIANTS = {
     "deepseek_v3-unnormalized": ("deepseek_v3", {"norm_topk_prob": False}),
     "deepseek_v3-yarn": (
         "deepseek_v3",
-        {
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 32,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-            }
-        },
+        {"rope_parameters": _YARN},
     ),
     "deepseek_v3-no-q-lora": ("deepseek_v3", {"q_lora_rank": None}),
 }
@@ -133,12 +133,8 @@ def _spread_model(model_type: str, **overrides):
 
 
 def _llama_cpp_logits(path) -> np.ndarray:
-    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (the peers extra)")
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
-    llm.eval(PROMPT)
-    logits = np.asarray(llm.scores[: len(PROMPT)], dtype=np.float32)
-    llm.close()
-    return logits
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (the peers extra)")
+    return llama_cpp_logits(path, PROMPT)
 
 
 def _quantized(model_type: str, **overrides):
@@ -359,16 +355,7 @@ def test_deepseek_latent_narrower_than_a_block_is_requantized_and_reported(tmp_p
         ("deepseek_v3", {"rope_interleave": False}, r"deepseek2 graph rotates interleaved pairs"),
         (
             "deepseek_v3",
-            {
-                "rope_parameters": {
-                    "rope_type": "yarn",
-                    "rope_theta": 10000.0,
-                    "factor": 4.0,
-                    "original_max_position_embeddings": 32,
-                    "mscale": 0.707,
-                    "mscale_all_dim": 1.0,
-                }
-            },
+            {"rope_parameters": {**_YARN, "mscale": 0.707}},
             r"only when mscale equals mscale_all_dim; this model has mscale=0.707",
         ),
     ],

@@ -15,7 +15,7 @@ from quantlab.export.gguf import GGUFExportError, to_gguf  # noqa: E402
 from quantlab.methods.int8 import Int8SymmetricConfig  # noqa: E402
 from quantlab.nn.quantized_experts import QuantizedExperts  # noqa: E402
 from quantlab.testing.architectures import tiny_config  # noqa: E402
-from quantlab.testing.gguf_files import read_gguf_tensors  # noqa: E402
+from quantlab.testing.gguf_files import LLAMA_CPP_PROMPT, llama_cpp_logits, read_gguf_tensors  # noqa: E402
 from quantlab.testing.tokenizer import byte_tokenizer  # noqa: E402
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64]])
@@ -115,16 +115,10 @@ def test_other_routing_than_llama_cpps_is_refused(tmp_path) -> None:
 
 # -- llama.cpp itself (llama-cpp-python, the `peers` extra) --------------------------------------------------
 
-LLAMA_CPP_PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 100, 101, 102, 33, 34, 35, 36, 37]
-
 
 def _llama_cpp_logits(path) -> np.ndarray:
-    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (the peers extra)")
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
-    llm.eval(LLAMA_CPP_PROMPT)
-    logits = np.asarray(llm.scores[: len(LLAMA_CPP_PROMPT)], dtype=np.float32)
-    llm.close()
-    return logits
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (the peers extra)")
+    return llama_cpp_logits(path)
 
 
 def _spread_model(model_type: str):
