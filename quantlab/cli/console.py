@@ -61,9 +61,7 @@ class Console:
         else:
             hf_logging.disable_progress_bar()
         if self.silent:
-            hf_logging.set_verbosity_error()
-            for name in QUIETED_LOGGERS:
-                logging.getLogger(name).setLevel(logging.ERROR)
+            hf_logging.set_verbosity_error()  # (bitsandbytes' logging is kept to errors for every command: main)
             for category in (FutureWarning, DeprecationWarning):  # libraries' notes to their developers
                 warnings.filterwarnings("ignore", category=category)
 
