@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import quantlab
-from quantlab.export.onnx import placeholder
+from quantlab.export.onnx import graph_optimizer, placeholder
 from quantlab.export.onnx.errors import ExportError
 from quantlab.export.onnx.expert_lowering import expert_layer, projection_names
 from quantlab.export.onnx.lower_graph import lower_placeholders, operator_counts
@@ -182,16 +182,18 @@ def _export(spec: ExportSpec) -> "torch.onnx.ONNXProgram":
     )
     try:
         with _quiet_exporter():
-            return torch.onnx.export(
+            onnx_program = torch.onnx.export(
                 program,
                 input_names=spec.input_names,
                 output_names=spec.output_names,
                 dynamic_shapes=spec.dynamic_shapes,
                 custom_translation_table=placeholder.TRANSLATION_TABLE,
                 dynamo=True,
-                optimize=True,
+                optimize=False,  # graph_optimizer runs the same passes less one that costs minutes
                 verbose=False,
             )
+            graph_optimizer.optimize(onnx_program.model)
+            return onnx_program
     except Exception as error:
         module = module_of_failed_node(program, error, prefix=_WRAPPER_PREFIX)
         where = f"{module} ({type(spec.wrapper.model.get_submodule(module)).__name__})" if module else "the model"
