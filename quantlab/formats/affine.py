@@ -14,6 +14,7 @@ weights are then exact. That rule is `AffineCodec.grid`; every writer of affine 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,10 +38,18 @@ if TYPE_CHECKING:
     from quantlab.formats.layout import Descriptor, StorageLayout
 
 
+@dataclasses.dataclass(frozen=True)
+class AffineOptions:
+    """`symmetric`: no stored zero point, the constant `2**(bits-1)` instead."""
+
+    symmetric: bool = True
+
+
 class AffineCodec(Codec):
     name = "affine"
     native_kind = 0  # QL_AFFINE
     onnx_lowering = "integer-grid"
+    options_type = AffineOptions
 
     def tensors(self, layout: StorageLayout) -> dict[str, TensorSpec]:
         out, groups = layout.out_features, layout.groups
@@ -77,7 +86,7 @@ class AffineCodec(Codec):
     # -- the grid -------------------------------------------------------------------------------
 
     def has_zero(self, layout: StorageLayout) -> bool:
-        return not layout.symmetric
+        return not layout.options.symmetric
 
     def constant_zero(self, layout: StorageLayout) -> float:
         return float(1 << (layout.bits - 1))

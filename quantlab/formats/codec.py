@@ -1,7 +1,8 @@
 """The `Codec`: everything quantlab knows about one storage format, and the registry of codecs.
 
 A storage layout (`quantlab.formats.layout.StorageLayout`) names its codec and carries the
-numbers that vary between layers (bits, group size, shape, scale dtype, options); the codec
+numbers that vary between layers (bits, group size, shape, scale dtype) and the codec's own
+options (an instance of the codec's `options_type`, which the layout never looks into); the codec
 answers every question whose answer depends on the format: which tensors are stored, how a
 float weight becomes codes (round to nearest) and how codes decode, how stored tensors are
 written and read back, what the native kernels and ONNX exporter need, which GGUF block type
@@ -11,8 +12,9 @@ that compressed-tensors and GPTQ checkpoints store (`integer_grid`, `from_intege
 outside `quantlab.formats` asks the codec; it never branches on a codec name.
 
 A new format is one module: subclass `Codec`, implement `tensors`, `quantize` and `dequantize`
-(and the grid methods if solvers should work on it), and `register_codec` an instance. Every
-method takes the layer's layout, so one codec object serves every layer of its format.
+(and the grid methods if solvers should work on it), declare its options as a frozen dataclass
+(`options_type`) if it has any, and `register_codec` an instance. Every method takes the layer's
+layout, so one codec object serves every layer of its format.
 """
 
 import dataclasses
@@ -126,6 +128,11 @@ class GroupParams:
         return GroupParams(self.scale[:, index], zero)
 
 
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """The options of a codec that has none."""
+
+
 class Codec:
     """One storage format. Subclasses set `name` and implement at least `tensors`, `quantize`
     and `dequantize`; the grid methods (`fit`, `grid`, `encode`, `decode`, `store`, `load`) serve
@@ -140,6 +147,8 @@ class Codec:
       (`quantlab.formats.packing`); otherwise one signed byte per code.
     - `native_table_argument`: the native operators take the layer's own level table in the
       zero point's position of `native_arguments` (a table kind has no zero point).
+    - `options_type`: a frozen (hence hashable) dataclass of the codec's own options, whose
+      defaults describe a layout built without any; a layout holds one as `layout.options`.
     """
 
     name: ClassVar[str]
@@ -147,6 +156,17 @@ class Codec:
     onnx_lowering: ClassVar[str | None] = None
     packed_codes: ClassVar[bool] = True
     native_table_argument: ClassVar[bool] = False
+    options_type: ClassVar[type] = NoOptions
+
+    def options(self, **values: Any) -> Any:
+        """This codec's `options_type` with `values` set (the rest at their defaults); ValueError
+        naming the codec's options when a name is not one of them."""
+        names = [field.name for field in dataclasses.fields(self.options_type) if field.init]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            known = ", ".join(names) if names else "none"
+            raise ValueError(f"the {self.name} codec has no option {', '.join(unknown)} (its options: {known})")
+        return self.options_type(**values)
 
     # -- what a layout of this codec stores --------------------------------------------------
 
@@ -182,6 +202,11 @@ class Codec:
     def bind(self, layout: "StorageLayout", stored: dict[str, torch.Tensor]) -> "StorageLayout":
         """`layout` with the per-layer numbers read from the stored tensors (see `StorageLayout.bind`)."""
         return layout
+
+    def learned_table(self, layout: "StorageLayout") -> tuple[float, ...] | None:
+        """The level table `layout` learned for its layer (sorted, ends included), or None when the codec
+        learns none or it is not fitted yet (see `StorageLayout.learned_table`)."""
+        return None
 
     def with_table(self, layout: "StorageLayout", levels: torch.Tensor) -> "StorageLayout":
         """`layout` with its learned level table replaced by `levels` (see `StorageLayout.with_table`)."""
@@ -222,6 +247,11 @@ class Codec:
 
     def signed_grids(self, layout: "StorageLayout") -> bool:
         """Whether a grid's scale may be negative (see `StorageLayout.signed_grids`)."""
+        return False
+
+    def fits_groups_together(self, layout: "StorageLayout") -> bool:
+        """Whether the stored grids of a layer's groups depend on each other (see
+        `StorageLayout.fits_groups_together`)."""
         return False
 
     def fit(

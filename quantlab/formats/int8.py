@@ -14,7 +14,7 @@ import torch
 
 from quantlab.formats import fast_path
 from quantlab.formats.affine import AffineCodec
-from quantlab.formats.codec import TensorSpec, register_codec
+from quantlab.formats.codec import NoOptions, TensorSpec, register_codec
 
 if TYPE_CHECKING:
     from quantlab.formats.layout import Descriptor, StorageLayout
@@ -26,6 +26,7 @@ class Int8Codec(AffineCodec):
     name = "int8"
     native_kind = 1  # QL_INT8
     packed_codes = False
+    options_type = NoOptions  # always symmetric: no option of the affine codec's applies
 
     def validate(self, layout: StorageLayout) -> None:
         if layout.bits != BITS:

@@ -11,9 +11,11 @@ Every built-in format is a grid per group of `group_size` weights along a row:
 | `iq4_nl` | llama.cpp's 16 IQ4_NL integers, -127 .. 113 | 0 | packed codes, float16 scale |
 | `lut` | a table of 2**bits levels learned per layer, -1 .. 1 | 0 | packed codes, scale, the table |
 
-A codec whose levels are learned per layer (`lut`) keeps them in `table`: a layout built from a
-config has none; `prepare` fits it to a weight before a solver chooses codes, and `bind` reads it
-back from the layer's stored tensors.
+Options that only one codec has (affine's `symmetric`, nf4's `double_quant`, lut's learned
+`table`) are that codec's: `options` holds an instance of the codec's `options_type`, which only
+the codec reads. A codec whose levels are learned per layer (`lut`) keeps them in its options: a
+layout built from a config has none; `prepare` fits them to a weight before a solver chooses
+codes, `bind` reads them back from the layer's stored tensors, and `learned_table` returns them.
 
 Kernels, ONNX lowerings, sparse storage, load verification and the solvers read this one
 description. Everything that depends on the format is its codec's (`quantlab.formats.codec`,
@@ -22,7 +24,7 @@ to `codec_object`, so a format registered by a plugin works wherever a built-in 
 """
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -66,9 +68,10 @@ def parse_descriptor(text: str) -> Descriptor:
 class StorageLayout:
     """What a quantized `[out, in]` weight stores, and the grid its codes index.
 
-    Set on construction: `codec_object` (the registered `Codec` named `codec`), `tensors` (name →
-    `TensorSpec` of every stored tensor), `descriptor` (the layout in one line, as the native
-    operators take it) and `native_arguments` (the stored tensors those operators take, in order).
+    `options` is an instance of the codec's `options_type` (None: its defaults); `build` makes one
+    from keywords. Set on construction: `codec_object` (the registered `Codec` named `codec`),
+    `tensors` (name → `TensorSpec` of every stored tensor), `descriptor` (the layout in one line, as
+    the native operators take it) and `native_arguments` (the stored tensors those operators take, in order).
     """
 
     codec: str
@@ -76,13 +79,15 @@ class StorageLayout:
     group_size: int | None  # None: one group per output channel
     in_features: int
     out_features: int
-    symmetric: bool = True  # affine only: no stored zero point
     scale_dtype: torch.dtype = torch.float32
-    double_quant: bool = False  # nf4 only: absmax stored in 8 bits
-    table: tuple[float, ...] | None = None  # lut only: this layer's learned levels (None: not fitted yet)
+    options: Any = None  # the codec's `options_type`
 
     def __post_init__(self) -> None:
         codec = get_codec(self.codec)
+        if self.options is None:
+            object.__setattr__(self, "options", codec.options_type())
+        elif type(self.options) is not codec.options_type:
+            raise ValueError(f"the {self.codec} codec takes {codec.options_type.__name__}, got {self.options!r}")
         packing._check_bits(self.bits)
         codec.validate(self)
         # Plain attributes, not functools.cached_property: that one takes a lock on first read
@@ -93,6 +98,22 @@ class StorageLayout:
         object.__setattr__(self, "tensors", codec.tensors(self))
         object.__setattr__(self, "descriptor", codec.descriptor(self))
         object.__setattr__(self, "native_arguments", codec.native_arguments(self))
+
+    @classmethod
+    def build(
+        cls,
+        codec: str,
+        bits: int,
+        group_size: int | None,
+        in_features: int,
+        out_features: int,
+        *,
+        scale_dtype: torch.dtype = torch.float32,
+        **options: Any,
+    ) -> "StorageLayout":
+        """A layout whose options are the codec's `options_type` built from the keywords `options`
+        (`Codec.options`: ValueError on a name the codec has no option of)."""
+        return cls(codec, bits, group_size, in_features, out_features, scale_dtype, get_codec(codec).options(**options))
 
     # -- shape ------------------------------------------------------------------------------
 
@@ -164,6 +185,13 @@ class StorageLayout:
         return self.codec_object.fit(self, grouped, clip, signed and self.signed_grids)
 
     @property
+    def fits_groups_together(self) -> bool:
+        """Whether the stored grids of a layer's groups depend on each other (NF4's double quantization
+        compresses all absmax together): `fit` and `grid` then take all groups at once, and a solver
+        fixes the grids before it chooses codes."""
+        return self.codec_object.fits_groups_together(self)
+
+    @property
     def signed_grids(self) -> bool:
         """Whether a grid's scale may be negative: symmetric integer codes, whose lowest level
         `-2**(b-1)` has no positive mirror, so a group whose extreme weight is positive reaches it
@@ -188,9 +216,15 @@ class StorageLayout:
         """This layout with the per-layer numbers (a level table) the stored tensors carry; itself otherwise."""
         return self.codec_object.bind(self, stored)
 
+    @property
+    def learned_table(self) -> tuple[float, ...] | None:
+        """The level table this layer learned (sorted, its ends included), or None when the codec learns
+        none or it is not fitted yet."""
+        return self.codec_object.learned_table(self)
+
     def with_table(self, levels: torch.Tensor) -> "StorageLayout":
-        """This layout with its learned level table (`table`) replaced by the sorted `levels`, rounded as they
-        are stored, so codes decode as the saved layer will (training the table: `quantlab.nn.grid_trained`)."""
+        """This layout with its learned level table (`learned_table`) replaced by the sorted `levels`, rounded as
+        they are stored, so codes decode as the saved layer will (training the table: `quantlab.nn.grid_trained`)."""
         return self.codec_object.with_table(self, levels)
 
     def quantize_grouped(self, grouped: torch.Tensor, params: GroupParams) -> torch.Tensor:

@@ -84,6 +84,13 @@ def _tables(table: tuple[float, ...], device: str) -> tuple[torch.Tensor, torch.
     return levels, (levels[:-1] + levels[1:]) / 2
 
 
+@dataclasses.dataclass(frozen=True)
+class LearnedTableOptions:
+    """`table`: the layer's learned levels, sorted, as stored (None: not fitted yet)."""
+
+    table: tuple[float, ...] | None = None
+
+
 class LearnedTableCodec(Codec):
     """Codes packed `bits` to the byte, a scale per group and one float16 table per layer."""
 
@@ -91,13 +98,14 @@ class LearnedTableCodec(Codec):
     native_kind = 4  # QL_LUT: the table path of the kernels, with the layer's own table
     onnx_lowering = "level-table"
     native_table_argument = True
+    options_type = LearnedTableOptions
 
     def validate(self, layout: StorageLayout) -> None:
         if layout.bits not in BITS:
             raise ValueError(f"the lut codec stores {BITS[0]}-{BITS[-1]}-bit codes, got bits={layout.bits}")
         if layout.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"the lut codec stores float scales, got scale_dtype={layout.scale_dtype}")
-        table = layout.table
+        table = layout.options.table
         if table is not None and (
             len(table) != 1 << layout.bits or list(table) != sorted(table) or table[0] != -1.0 or table[-1] != 1.0
         ):
@@ -122,31 +130,32 @@ class LearnedTableCodec(Codec):
         """Table and range scales fitted in turn (`ROUNDS`), from the normal-quantile table."""
         grouped = grouping.group(weight.detach().float(), layout.group_size)
         importance = grouping.position_weights(layout.in_features, layout.group_size, channel_weights)
-        fitted = dataclasses.replace(layout, table=start_table(layout.bits))
+        fitted = _with_table(layout, start_table(layout.bits))
         for _ in range(ROUNDS):
             scale = search_scales(self, fitted, grouped, importance).scale
-            fitted = dataclasses.replace(fitted, table=fit_table(grouped, scale, importance, fitted.table))
+            fitted = _with_table(fitted, fit_table(grouped, scale, importance, fitted.options.table))
         return fitted
 
     def bind(self, layout: StorageLayout, stored: dict[str, torch.Tensor]) -> StorageLayout:
-        table = tuple(stored["weight_table"].detach().float().cpu().tolist())
-        return layout if layout.table == table else dataclasses.replace(layout, table=table)
+        return _with_table(layout, tuple(stored["weight_table"].detach().float().cpu().tolist()))
+
+    def learned_table(self, layout: StorageLayout) -> tuple[float, ...] | None:
+        return layout.options.table
 
     def with_table(self, layout: StorageLayout, levels: torch.Tensor) -> StorageLayout:
         """The table `levels` (ends at -1 and 1) rounded as stored."""
-        table = _stored_table(levels.detach().double().cpu())
-        return layout if layout.table == table else dataclasses.replace(layout, table=table)
+        return _with_table(layout, _stored_table(levels.detach().double().cpu()))
 
     def levels(self, layout: StorageLayout, device: torch.device | str = "cpu") -> torch.Tensor:
         """The layer's table (the normal-quantile start before `prepare` or `bind`)."""
-        return _tables(layout.table or start_table(layout.bits), str(device))[0]
+        return _tables(layout.options.table or start_table(layout.bits), str(device))[0]
 
     # -- round to nearest -----------------------------------------------------------------------
 
     def quantize(self, layout: StorageLayout, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The table fitted to this weight alone, then per group the scale of least squared error
         (`search_scales`) and the nearest levels on it."""
-        layout = layout.prepare(weight) if layout.table is None else layout
+        layout = layout.prepare(weight) if layout.options.table is None else layout
         grouped = grouping.group(weight.float(), layout.group_size)
         params = search_scales(self, layout, grouped, torch.ones(1, layout.groups, layout.group_length))
         return self.store(layout, self.encode_grouped(layout, grouped, params), params)
@@ -168,7 +177,7 @@ class LearnedTableCodec(Codec):
     ) -> torch.Tensor:
         scale = scale.float()
         divisor = torch.where(scale == 0, torch.inf, scale)  # scale 0: every weight on the level nearest 0
-        midpoints = _tables(layout.table or start_table(layout.bits), str(values.device))[1]
+        midpoints = _tables(layout.options.table or start_table(layout.bits), str(values.device))[1]
         return fast_path.bucketize((values.float() / divisor).contiguous(), midpoints).to(torch.uint8)
 
     def decode(
@@ -179,12 +188,12 @@ class LearnedTableCodec(Codec):
     # -- stored tensors -------------------------------------------------------------------------
 
     def store(self, layout: StorageLayout, codes: torch.Tensor, params: GroupParams) -> dict[str, torch.Tensor]:
-        if layout.table is None:
+        if layout.options.table is None:
             raise ValueError("a lut layout stores its fitted table: fit it first (StorageLayout.prepare)")
         return {
             "weight": fast_path.pack(codes.to(torch.uint8), layout.bits),
             "weight_scale": params.scale.to(layout.scale_dtype),
-            "weight_table": torch.tensor(layout.table, dtype=TABLE_DTYPE),
+            "weight_table": torch.tensor(layout.options.table, dtype=TABLE_DTYPE),
         }
 
     def load(self, layout: StorageLayout, stored: dict[str, torch.Tensor]) -> tuple[torch.Tensor, GroupParams]:
@@ -198,6 +207,13 @@ class LearnedTableCodec(Codec):
 
     def label(self, layout: StorageLayout) -> str:
         return f"lut{layout.bits}"
+
+
+def _with_table(layout: StorageLayout, table: tuple[float, ...]) -> StorageLayout:
+    """`layout` with the level table `table` (the layout itself when it has that table already)."""
+    if layout.options.table == table:
+        return layout
+    return dataclasses.replace(layout, options=dataclasses.replace(layout.options, table=table))
 
 
 def search_scales(codec: Codec, layout: StorageLayout, grouped: torch.Tensor, importance: torch.Tensor) -> GroupParams:

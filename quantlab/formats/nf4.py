@@ -10,6 +10,7 @@ keeping one float32 scale. That costs 8/64 + 32/(64*256) bits per weight at bloc
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -111,6 +112,13 @@ def _blocks(values: torch.Tensor, blocksize: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, padding)).reshape(-1, blocksize)
 
 
+@dataclasses.dataclass(frozen=True)
+class NF4Options:
+    """`double_quant`: each block's absmax stored in 8 bits (in blocks of `ABSMAX_BLOCKSIZE`), not float32."""
+
+    double_quant: bool = False
+
+
 class NF4Codec(Codec):
     """NF4 codes packed two to the byte, and each block's absmax (plain float32, or in 8 bits under
     `double_quant`). Round to nearest chooses the codes against the float absmax, as bitsandbytes
@@ -119,6 +127,7 @@ class NF4Codec(Codec):
     name = "nf4"
     native_kind = 2  # QL_NF4
     onnx_lowering = "level-table"
+    options_type = NF4Options
 
     def validate(self, layout: StorageLayout) -> None:
         if layout.bits != BITS:
@@ -127,7 +136,7 @@ class NF4Codec(Codec):
     def tensors(self, layout: StorageLayout) -> dict[str, TensorSpec]:
         out, groups = layout.out_features, layout.groups
         specs = {"weight": TensorSpec((out, groups, packing.packed_size(layout.group_length, BITS)), torch.uint8)}
-        if layout.double_quant:
+        if layout.options.double_quant:
             absmax_blocks = -(-out * groups // ABSMAX_BLOCKSIZE)
             specs["weight_absmax_codes"] = TensorSpec((out, groups), torch.uint8)
             specs["weight_absmax_scale"] = TensorSpec((absmax_blocks,), torch.float32)
@@ -138,10 +147,10 @@ class NF4Codec(Codec):
 
     def descriptor(self, layout: StorageLayout) -> str:
         text = super().descriptor(layout)
-        return f"{text} absmax_block={ABSMAX_BLOCKSIZE}" if layout.double_quant else text
+        return f"{text} absmax_block={ABSMAX_BLOCKSIZE}" if layout.options.double_quant else text
 
     def native_arguments(self, layout: StorageLayout) -> tuple[str | None, ...]:
-        if layout.double_quant:
+        if layout.options.double_quant:
             return (None, None, "weight_absmax_codes", "weight_absmax_scale", "weight_absmax_offset")
         return ("weight_absmax",)
 
@@ -168,6 +177,10 @@ class NF4Codec(Codec):
     def levels(self, layout: StorageLayout, device: torch.device | str = "cpu") -> torch.Tensor:
         return levels(device)
 
+    def fits_groups_together(self, layout: StorageLayout) -> bool:
+        """Under double quantization: the layer's absmax are compressed together."""
+        return layout.options.double_quant
+
     def fit(
         self, layout: StorageLayout, grouped: torch.Tensor, clip: torch.Tensor | float = 1.0, signed: bool = False
     ) -> GroupParams:
@@ -177,7 +190,7 @@ class NF4Codec(Codec):
     def grid(self, layout: StorageLayout, scale: torch.Tensor, zero: torch.Tensor | None = None) -> GroupParams:
         """The absmax as stored; under double quantization all absmax of the layer are compressed
         together, so pass them all."""
-        if not layout.double_quant:
+        if not layout.options.double_quant:
             return GroupParams(scale=scale.float())
         codes, dq_scale, offset = quantize_absmax(scale.float(), ABSMAX_BLOCKSIZE)
         stored = {"weight_absmax_codes": codes, "weight_absmax_scale": dq_scale, "weight_absmax_offset": offset}
@@ -200,7 +213,7 @@ class NF4Codec(Codec):
 
     def store(self, layout: StorageLayout, codes: torch.Tensor, params: GroupParams) -> dict[str, torch.Tensor]:
         stored = {"weight": fast_path.pack(codes.to(torch.uint8), BITS)}
-        if layout.double_quant:
+        if layout.options.double_quant:
             stored.update(params.stored)
         else:
             stored["weight_absmax"] = params.scale.float()
@@ -210,7 +223,7 @@ class NF4Codec(Codec):
         return packing.unpack(weight, BITS, layout.group_length)
 
     def params(self, layout: StorageLayout, stored: dict[str, torch.Tensor]) -> GroupParams:
-        if not layout.double_quant:
+        if not layout.options.double_quant:
             return GroupParams(scale=stored["weight_absmax"].float())
         absmax = dequantize_absmax(
             stored["weight_absmax_codes"],

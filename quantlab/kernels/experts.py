@@ -16,9 +16,9 @@ each pair's row, weighted and summed per token in expert order, as a loop over t
 It calls the operator when no gradient is asked for (eager forwards and compiled steps alike) and the
 same function directly otherwise (the operator has no autograd formula; the kernels have).
 
-The operator takes the layout in one line (`layout_text`: every field of the `StorageLayout`, read
-back by `parse_layout_text`) and the stacked stored tensors in the order of `layout.tensors`; it
-knows no codec's tensors: the layout names them and the codec's kernel reads them.
+The operator takes the layout in one line (`layout_text`: every field of the `StorageLayout` and of
+its codec's options, read back by `parse_layout_text`) and the stacked stored tensors in the order
+of `layout.tensors`; it knows no codec's tensors: the layout names them and the codec's kernel reads them.
 """
 
 import dataclasses
@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from quantlab.formats.codec import get_codec
 from quantlab.formats.layout import StorageLayout
 from quantlab.kernels import select_kernel
 
@@ -108,14 +109,22 @@ def routed_linear(
 
 
 def layout_text(layout: StorageLayout) -> str:
-    """Every field of `layout` in one line of JSON (dtypes by name, tuples as lists): a string operator argument."""
-    return json.dumps({field.name: _plain(getattr(layout, field.name)) for field in dataclasses.fields(layout)})
+    """Every field of `layout` in one line of JSON (dtypes by name, tuples as lists), its codec's options as
+    an object of their fields: a string operator argument."""
+    fields = {field.name: _plain(getattr(layout, field.name)) for field in dataclasses.fields(layout)}
+    fields["options"] = {
+        field.name: _plain(getattr(layout.options, field.name)) for field in dataclasses.fields(layout.options)
+    }
+    return json.dumps(fields)
 
 
 @functools.lru_cache(maxsize=256)
 def parse_layout_text(text: str) -> StorageLayout:
-    """The `StorageLayout` that `layout_text` wrote."""
-    return StorageLayout(**{name: _typed(value) for name, value in json.loads(text).items()})
+    """The `StorageLayout` that `layout_text` wrote, its options rebuilt by its codec (`Codec.options`)."""
+    fields = json.loads(text)
+    options = {name: _typed(value) for name, value in fields.pop("options").items()}
+    layout = {name: _typed(value) for name, value in fields.items()}
+    return StorageLayout(**layout, options=get_codec(layout["codec"]).options(**options))
 
 
 def _plain(value: Any) -> Any:

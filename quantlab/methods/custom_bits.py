@@ -9,7 +9,7 @@ import dataclasses
 
 from quantlab.config import SCALE_DTYPES, QuantlabConfig, check_choice, check_group_size
 from quantlab.errors import ConfigError
-from quantlab.formats.affine import AFFINE
+from quantlab.formats.affine import AFFINE, AffineOptions
 from quantlab.formats.layout import StorageLayout
 from quantlab.nn import QuantizedLinear
 
@@ -64,6 +64,6 @@ class CustomBitsLinear(QuantizedLinear):
             config.group_size,
             in_features,
             out_features,
-            symmetric=config.symmetric,
             scale_dtype=SCALE_DTYPES[config.scale_dtype],
+            options=AffineOptions(symmetric=config.symmetric),
         )

@@ -9,7 +9,7 @@ import dataclasses
 from quantlab.config import QuantlabConfig, check_group_size
 from quantlab.formats import nf4
 from quantlab.formats.layout import StorageLayout
-from quantlab.formats.nf4 import NF4
+from quantlab.formats.nf4 import NF4, NF4Options
 from quantlab.nn import QuantizedLinear
 
 
@@ -34,5 +34,10 @@ class NF4Linear(QuantizedLinear):
     @classmethod
     def layout_for(cls, in_features: int, out_features: int, config: NF4Config) -> StorageLayout:
         return StorageLayout(
-            NF4.name, nf4.BITS, config.blocksize, in_features, out_features, double_quant=config.double_quant
+            NF4.name,
+            nf4.BITS,
+            config.blocksize,
+            in_features,
+            out_features,
+            options=NF4Options(double_quant=config.double_quant),
         )

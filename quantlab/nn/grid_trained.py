@@ -50,7 +50,8 @@ class TrainedGrid(nn.Module):
         self.scale_ratio = nn.Parameter(torch.ones_like(params.scale))
         self.zero = None if params.zero is None else nn.Parameter(params.zero.clone(), requires_grad=learn_zero)
         # a learned table's interior levels (its ends fixed: the scales are measured against them)
-        self.table = None if layout.table is None else nn.Parameter(torch.tensor(layout.table[1:-1]))
+        table = layout.learned_table
+        self.table = None if table is None else nn.Parameter(torch.tensor(table[1:-1]))
         self._integer_levels = self._decodes_as_integers()  # level[q] = q: one subtraction, in place
 
     @classmethod
@@ -65,7 +66,8 @@ class TrainedGrid(nn.Module):
         """The layout with the table as it would be stored now (the layout itself when no table trains)."""
         if self.table is None:
             return self.layout
-        ends = torch.tensor(self.layout.table[:: len(self.layout.table) - 1])
+        table = self.layout.learned_table
+        ends = torch.tensor(table[:: len(table) - 1])
         return self.layout.with_table(torch.cat([ends[:1], self.table.detach().cpu(), ends[1:]]))
 
     def grid(self) -> GroupParams:
@@ -110,7 +112,7 @@ class TrainedGrid(nn.Module):
         (after each optimizer step)."""
         self.scale_ratio.clamp_(*SCALE_RANGE)
         if self.table is not None:
-            low, high = self.layout.table[0], self.layout.table[-1]
+            low, high = self.layout.learned_table[0], self.layout.learned_table[-1]
             self.table.copy_(torch.cummax(self.table.clamp(low, high), dim=0).values)
 
     def _decodes_as_integers(self) -> bool:
@@ -125,7 +127,7 @@ class TrainedGrid(nn.Module):
     def _at_start(self) -> bool:
         if not torch.all(self.scale_ratio == 1):
             return False
-        if self.table is not None and self.current_layout().table != self.layout.table:
+        if self.table is not None and self.current_layout().learned_table != self.layout.learned_table:
             return False
         return self.zero is None or torch.equal(self.zero, self.start.zero)
 

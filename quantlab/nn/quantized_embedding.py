@@ -34,12 +34,13 @@ SCALE_DTYPE = torch.float16
 
 def vocabulary_layout(rows: int, width: int, config: QuantlabConfig) -> StorageLayout:
     """The layout of a `[rows, width]` table under `config.embedding_bits`: the int8 codec at 8 bits,
-    symmetric affine codes below, one float16 scale per `embedding_group_size` weights of a row."""
+    symmetric affine codes (the affine codec's default options) below, one float16 scale per
+    `embedding_group_size` weights of a row."""
     bits, group_size = config.embedding_bits, config.embedding_group_size
     if bits is None:
         raise QuantizationError(f"{config.method}: embedding_bits is None, so the embedding table stays in float")
     codec = INT8 if bits == int8.BITS else AFFINE
-    return StorageLayout(codec.name, bits, group_size, width, rows, symmetric=True, scale_dtype=SCALE_DTYPE)
+    return StorageLayout(codec.name, bits, group_size, width, rows, scale_dtype=SCALE_DTYPE)
 
 
 def unpack_arithmetic(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:

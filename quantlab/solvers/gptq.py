@@ -56,7 +56,7 @@ class GptqSolver(Solver):
         if stats is None:
             raise QuantizationError("the gptq solver needs calibration inputs; pass calibration data")
         damp, act_order, block_size, static, grid = _options(options)
-        static = static or act_order or layout.double_quant
+        static = static or act_order or layout.fits_groups_together
         grid = grid or ("minmax" if layout.bits >= 8 else "mse")
         return self._solve(weight, layout, stats, damp, act_order, block_size, static, grid)
 

@@ -49,10 +49,10 @@ def search_grid(
     """The grids of grouped weights `[out, groups, length]` with the least importance-weighted error.
 
     Each group's search depends on that group alone, so rows go `SEARCH_WEIGHTS` weights at a time
-    (the same grids, temporaries bounded), except where a codec compresses all of a layer's grids
-    together (NF4's double quantization)."""
+    (the same grids, temporaries bounded), except where a codec fits all of a layer's grids together
+    (`StorageLayout.fits_groups_together`: NF4's double quantization)."""
     rows = max(1, SEARCH_WEIGHTS // max(1, grouped.shape[1] * grouped.shape[2]))
-    if layout.double_quant or grouped.shape[0] <= rows:
+    if layout.fits_groups_together or grouped.shape[0] <= rows:
         return _search_rows(grouped, layout, importance, grid, min_clip, refits)
     parts = [
         _search_rows(grouped[start : start + rows], layout, importance, grid, min_clip, refits)

@@ -71,7 +71,7 @@ def _weight(rows: int = 8, columns: int = 128, seed: int = 0) -> torch.Tensor:
 
 
 def _layout(codec: str, bits: int, group_size, columns: int = 128, **options) -> StorageLayout:
-    return StorageLayout(codec, bits, group_size, columns, 8, **options)
+    return StorageLayout.build(codec, bits, group_size, columns, 8, **options)
 
 
 def _decoded(blocks: GGUFBlocks) -> np.ndarray:
@@ -94,7 +94,7 @@ def _decoded(blocks: GGUFBlocks) -> np.ndarray:
     ],
 )
 def test_symmetric_codes_with_float16_scales_are_exact(codec, bits, group_size, kind) -> None:
-    layout = _layout(codec, bits, group_size, symmetric=True, scale_dtype=torch.float16)
+    layout = _layout(codec, bits, group_size, scale_dtype=torch.float16)  # affine: symmetric by default
     stored = layout.quantize(_weight())
     assert layout.codec_object.gguf_type(layout) == kind
     blocks = layout.codec_object.gguf_blocks(layout, stored)

@@ -10,7 +10,9 @@ SCALE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def layout_of(bits: int, symmetric: bool, group_size: int | None = 64, scale_dtype=torch.float32, shape=(16, 200)):
-    return StorageLayout("affine", bits, group_size, shape[1], shape[0], symmetric=symmetric, scale_dtype=scale_dtype)
+    return StorageLayout.build(
+        "affine", bits, group_size, shape[1], shape[0], symmetric=symmetric, scale_dtype=scale_dtype
+    )
 
 
 @pytest.mark.parametrize("bits", range(2, 9))

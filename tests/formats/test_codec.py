@@ -34,9 +34,9 @@ def test_a_codec_refuses_a_width_it_does_not_store():
 
 DESCRIBED_LAYOUTS = [
     (StorageLayout("affine", 4, 64, 576, 192), ("affine", 4, 576, 64, 0, 8.0)),
-    (StorageLayout("affine", 3, 32, 100, 8, symmetric=False), ("affine", 3, 100, 32, 0, 0.0)),
+    (StorageLayout.build("affine", 3, 32, 100, 8, symmetric=False), ("affine", 3, 100, 32, 0, 0.0)),
     (StorageLayout("int8", 8, None, 576, 192), ("int8", 8, 576, 576, 0, 0.0)),
-    (StorageLayout("nf4", 4, 64, 576, 192, double_quant=True), ("nf4", 4, 576, 64, nf4.ABSMAX_BLOCKSIZE, 0.0)),
+    (StorageLayout.build("nf4", 4, 64, 576, 192, double_quant=True), ("nf4", 4, 576, 64, nf4.ABSMAX_BLOCKSIZE, 0.0)),
     (StorageLayout("nf4", 4, 64, 576, 192), ("nf4", 4, 576, 64, 0, 0.0)),
 ]
 
@@ -58,11 +58,11 @@ def test_a_malformed_descriptor_is_refused(text):
 
 ARGUMENT_ORDER = [
     (StorageLayout("affine", 4, 64, 128, 8), ("weight_scale",)),
-    (StorageLayout("affine", 4, 64, 128, 8, symmetric=False), ("weight_scale", "weight_zero")),
+    (StorageLayout.build("affine", 4, 64, 128, 8, symmetric=False), ("weight_scale", "weight_zero")),
     (StorageLayout("int8", 8, None, 128, 8), ("weight_scale",)),
     (StorageLayout("nf4", 4, 64, 128, 8), ("weight_absmax",)),
     (
-        StorageLayout("nf4", 4, 64, 128, 8, double_quant=True),
+        StorageLayout.build("nf4", 4, 64, 128, 8, double_quant=True),
         (None, None, "weight_absmax_codes", "weight_absmax_scale", "weight_absmax_offset"),
     ),
 ]
@@ -76,7 +76,7 @@ def test_native_arguments_follow_the_operators_order(layout, names):
 
 
 def test_describe_gives_an_exporter_the_grid_in_plain_numbers():
-    layout = StorageLayout("affine", 3, 32, 64, 8, symmetric=False, scale_dtype=torch.float16)
+    layout = StorageLayout.build("affine", 3, 32, 64, 8, symmetric=False, scale_dtype=torch.float16)
     facts = layout.codec_object.describe(layout)
     assert facts == {
         "codec": "affine",
@@ -98,7 +98,7 @@ def test_describe_gives_an_exporter_the_grid_in_plain_numbers():
     [
         (StorageLayout("int8", 8, None, 64, 8), "int8"),
         (StorageLayout("affine", 4, 32, 64, 8), "affine-sym"),
-        (StorageLayout("affine", 4, 32, 64, 8, symmetric=False), "affine-asym"),
+        (StorageLayout.build("affine", 4, 32, 64, 8, symmetric=False), "affine-asym"),
         (StorageLayout("nf4", 4, 32, 64, 8), "nf4"),
     ],
 )
@@ -109,7 +109,7 @@ def test_each_codec_names_itself_for_inspect(layout, label):
 ROUND_TRIP_LAYOUTS = [
     StorageLayout("affine", 2, 32, 64, 8),
     StorageLayout("affine", 3, 32, 64, 8),
-    StorageLayout("affine", 4, 32, 64, 8, symmetric=False),
+    StorageLayout.build("affine", 4, 32, 64, 8, symmetric=False),
     StorageLayout("int8", 8, None, 64, 8),
     StorageLayout("nf4", 4, 32, 64, 8),
     StorageLayout("iq4_nl", 4, 32, 64, 8, scale_dtype=torch.float16),

@@ -39,14 +39,14 @@ def test_a_layout_takes_2_to_4_bits_and_a_sorted_table_from_minus_one_to_one():
     with pytest.raises(ValueError, match="2-4-bit codes"):
         layout_of(5)
     with pytest.raises(ValueError, match="4 sorted levels from -1 to 1"):
-        StorageLayout("lut", 2, 32, 64, 8, table=(-1.0, 0.5, -0.5, 1.0))
+        StorageLayout.build("lut", 2, 32, 64, 8, table=(-1.0, 0.5, -0.5, 1.0))
     with pytest.raises(quantlab.ConfigError, match="bits=8 is not valid"):
         quantlab.LutConfig(bits=8)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_the_fitted_table_is_sorted_float16_with_its_ends_pinned(bits):
-    table = layout_of(bits).prepare(heavy_tailed()).table
+    table = layout_of(bits).prepare(heavy_tailed()).options.table
     assert len(table) == 1 << bits and list(table) == sorted(table)
     assert table[0] == -1.0 and table[-1] == 1.0
     assert torch.equal(torch.tensor(table).half().float(), torch.tensor(table))
@@ -55,7 +55,9 @@ def test_the_fitted_table_is_sorted_float16_with_its_ends_pinned(bits):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_fitting_the_table_lowers_the_error_of_the_normal_quantile_start(bits):
     weight = heavy_tailed()
-    start = StorageLayout("lut", bits, 32, 128, 48, scale_dtype=torch.float16, table=learned_table.start_table(bits))
+    start = StorageLayout.build(
+        "lut", bits, 32, 128, 48, scale_dtype=torch.float16, table=learned_table.start_table(bits)
+    )
     assert weighted_error(layout_of(bits).prepare(weight), weight) < 0.97 * weighted_error(start, weight)
 
 
@@ -68,7 +70,7 @@ def test_the_table_follows_the_inputs_that_matter():
     channels[:32] = 1.0
     busy = layout_of(3).prepare(weight, channels)
     alike = layout_of(3).prepare(weight)
-    assert busy.table != alike.table
+    assert busy.options.table != alike.options.table
     assert weighted_error(busy, weight, channels) < 0.95 * weighted_error(alike, weight, channels)
 
 
@@ -94,7 +96,7 @@ def test_stored_tensors_decode_as_table_times_scale_and_bind_reads_the_table_bac
     stored = layout.quantize(weight)
     assert stored["weight_table"].dtype == torch.float16 and stored["weight_table"].shape == (8,)
     bound = layout.bind(stored)
-    assert bound.table == tuple(stored["weight_table"].float().tolist()) and layout.table is None
+    assert bound.options.table == tuple(stored["weight_table"].float().tolist()) and layout.options.table is None
     codes, params = bound.load(stored)
     expected = stored["weight_table"].float()[codes.long()] * params.scale.unsqueeze(-1)
     assert torch.equal(layout.dequantize(stored), grouping.ungroup(expected, 128))

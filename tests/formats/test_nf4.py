@@ -14,7 +14,7 @@ def test_codes_equal_bitsandbytes():
     packed, _ = functional.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
     flat = packed.reshape(-1)
     theirs = torch.stack([flat >> 4, flat & 15], dim=-1).reshape(96, 256)
-    layout = StorageLayout("nf4", 4, 64, 256, 96, double_quant=True)
+    layout = StorageLayout.build("nf4", 4, 64, 256, 96, double_quant=True)
     ours = layout.codes(layout.quantize(weight)["weight"]).reshape(96, 256)
     assert torch.equal(ours, theirs)
 
@@ -23,7 +23,7 @@ def test_double_quant_absmax_is_close_to_float_and_keeps_the_codes():
     torch.manual_seed(0)
     weight = torch.randn(300, 512)
     plain_layout = StorageLayout("nf4", 4, 64, 512, 300)
-    double_layout = StorageLayout("nf4", 4, 64, 512, 300, double_quant=True)
+    double_layout = StorageLayout.build("nf4", 4, 64, 512, 300, double_quant=True)
     plain, double = plain_layout.quantize(weight), double_layout.quantize(weight)
     assert torch.equal(double["weight"], plain["weight"])
     restored = double_layout.params(double).scale
@@ -37,7 +37,7 @@ def test_dynamic_map_matches_bitsandbytes():
 
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_store_then_load_gives_back_codes_and_grids(double_quant, helpers):
-    layout = StorageLayout("nf4", 4, 32, 100, 8, double_quant=double_quant)
+    layout = StorageLayout.build("nf4", 4, 32, 100, 8, double_quant=double_quant)
     grouped = grouping.group(helpers.tricky_weights(8, 100) + 0.01, 32)
     helpers.assert_store_load_round_trip(layout, grouped)
 
@@ -48,7 +48,7 @@ def test_round_to_nearest_is_bit_exact_with_the_native_fast_path(
     library, torch_quantize, blocksize, double_quant, helpers
 ):
     for seed, shape in enumerate([(16, 256), (9, 200)]):
-        layout = StorageLayout("nf4", 4, blocksize, shape[1], shape[0], double_quant=double_quant)
+        layout = StorageLayout.build("nf4", 4, blocksize, shape[1], shape[0], double_quant=double_quant)
         weight = helpers.tricky_weights(*shape, seed)
         helpers.assert_same_bits(layout.quantize(weight), torch_quantize(layout, weight))
 
@@ -76,7 +76,7 @@ def test_constant_result_marks_as_torch_compiler_marks():
 
 
 def test_importing_quantlab_does_not_import_torch_dynamo():
-    """Unless a package transformers imports does (hqq, the `compare` extra): hidden here."""
+    """Unless a package transformers imports does (hqq, the `peers` extra): hidden here."""
     import subprocess
     import sys
 

@@ -13,8 +13,8 @@ WEIGHT = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
 @pytest.mark.parametrize(
     "layout",
     [
-        StorageLayout("affine", 4, 32, 96, 48, symmetric=True, scale_dtype=torch.float16),
-        StorageLayout("affine", 8, None, 96, 48, symmetric=True, scale_dtype=torch.bfloat16),
+        StorageLayout.build("affine", 4, 32, 96, 48, symmetric=True, scale_dtype=torch.float16),
+        StorageLayout.build("affine", 8, None, 96, 48, symmetric=True, scale_dtype=torch.bfloat16),
         StorageLayout("int8", 8, 32, 96, 48, scale_dtype=torch.float32),
     ],
     ids=["affine-int4-sym", "affine-int8-channel", "int8"],
@@ -31,7 +31,7 @@ def test_integer_grid_round_trips_and_decodes_like_the_layout(layout) -> None:
 
 
 def test_whole_zero_points_map_and_fractional_ones_are_refused() -> None:
-    layout = StorageLayout("affine", 4, 32, 96, 48, symmetric=False, scale_dtype=torch.float16)
+    layout = StorageLayout.build("affine", 4, 32, 96, 48, symmetric=False, scale_dtype=torch.float16)
     stored = layout.quantize(WEIGHT)
     with pytest.raises(NotAnIntegerGrid, match="zero points are fractions"):
         layout.codec_object.integer_grid(layout, stored)
@@ -47,7 +47,7 @@ def test_nf4_and_padded_groups_are_no_integer_grid() -> None:
     nf4 = StorageLayout("nf4", 4, 32, 96, 48)
     with pytest.raises(NotAnIntegerGrid, match="NF4"):
         nf4.codec_object.integer_grid(nf4, nf4.quantize(WEIGHT))
-    padded = StorageLayout("affine", 4, 64, 96, 48, symmetric=True)
+    padded = StorageLayout.build("affine", 4, 64, 96, 48, symmetric=True)
     with pytest.raises(NotAnIntegerGrid, match="do not split into groups of 64"):
         padded.codec_object.integer_grid(padded, padded.quantize(WEIGHT))
 

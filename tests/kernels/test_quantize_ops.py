@@ -43,7 +43,9 @@ def assert_bits_equal(native: torch.Tensor, reference: torch.Tensor, zero_sign_m
 
 
 def affine_layout(shape, bits, group_size, symmetric, scale_dtype) -> StorageLayout:
-    return StorageLayout("affine", bits, group_size, shape[1], shape[0], symmetric=symmetric, scale_dtype=scale_dtype)
+    return StorageLayout.build(
+        "affine", bits, group_size, shape[1], shape[0], symmetric=symmetric, scale_dtype=scale_dtype
+    )
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
@@ -75,7 +77,7 @@ def test_nf4_codes_match_torch(monkeypatch, isa, blocksize):
         levels = nf4.levels()
         w[6, : len(levels) - 1] = (levels[:-1] + levels[1:]) / 2 * w[6].abs().max()  # exactly on midpoints
         for double_quant in (False, True):
-            layout = StorageLayout("nf4", 4, blocksize, shape[1], shape[0], double_quant=double_quant)
+            layout = StorageLayout.build("nf4", 4, blocksize, shape[1], shape[0], double_quant=double_quant)
             expected = torch_path(monkeypatch, layout.quantize, w)
             assert_same_stored(expected, layout.quantize(w))
             codes, absmax = native_quantize.nf4_quantize(w, blocksize, nf4.midpoints(levels))
@@ -98,7 +100,8 @@ def test_codecs_dispatch_to_native_and_fall_back(monkeypatch, library, codec):
     definition (fit, encode, store) gives the same bits."""
     w = weights(16, 256, 0)
     bits = 8 if codec == "int8" else 4
-    layout = StorageLayout(codec, bits, 64, 256, 16, symmetric=codec == "int8", scale_dtype=torch.float16)
+    options = {} if codec == "int8" else {"symmetric": False}
+    layout = StorageLayout.build(codec, bits, 64, 256, 16, scale_dtype=torch.float16, **options)
     native = layout.quantize(w)
     assert_same_stored(torch_path(monkeypatch, layout.quantize, w), native)
     grouped = grouping.group(w, 64)

@@ -2,6 +2,7 @@
 passes gradients straight through the rounding (none to weights clipped by the grid)."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -12,18 +13,20 @@ from quantlab.solvers import InputStats, get_solver
 
 IN, OUT = 160, 24  # 160 = 2.5 groups of 64: the last group is padded
 LAYOUTS = [
-    StorageLayout("affine", bits, 64, IN, OUT, symmetric=symmetric, scale_dtype=torch.float16)
+    StorageLayout.build("affine", bits, 64, IN, OUT, symmetric=symmetric, scale_dtype=torch.float16)
     for bits in (2, 3, 4)
     for symmetric in (True, False)
 ] + [
     StorageLayout("int8", 8, None, IN, OUT),
-    StorageLayout("nf4", 4, 64, IN, OUT, double_quant=True),
-    StorageLayout("nf4", 4, 64, IN, OUT, double_quant=False),
+    StorageLayout.build("nf4", 4, 64, IN, OUT, double_quant=True),
+    StorageLayout.build("nf4", 4, 64, IN, OUT, double_quant=False),
 ]
 
 
 def _ids(layout: StorageLayout) -> str:
-    return f"{layout.codec}{layout.bits}{'' if layout.symmetric else '-asym'}{'-dq' if layout.double_quant else ''}"
+    options = dataclasses.asdict(layout.options)
+    asym = "" if options.get("symmetric", True) else "-asym"
+    return f"{layout.codec}{layout.bits}{asym}{'-dq' if options.get('double_quant') else ''}"
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,7 @@ def test_what_it_computes_is_what_it_stores(layout, problem):
 
 
 def test_clipped_weights_get_no_gradient_and_the_scale_learns_the_clipping(problem):
-    layout = StorageLayout("affine", 3, 64, IN, OUT, symmetric=True, scale_dtype=torch.float16)
+    layout = StorageLayout.build("affine", 3, 64, IN, OUT, symmetric=True, scale_dtype=torch.float16)
     _, quantizer = _start(layout, problem)
     with torch.no_grad():
         quantizer.offset[0, 0, 0] = 100.0  # far beyond the grid's largest code
@@ -124,7 +127,7 @@ def test_a_snapshot_restores_the_trained_numbers(problem):
 
 def test_codes_of_a_wider_grid_are_refused(problem):
     weight, stats = problem
-    wide = StorageLayout("affine", 4, 64, IN, OUT, symmetric=True, scale_dtype=torch.float16)
+    wide = StorageLayout.build("affine", 4, 64, IN, OUT, symmetric=True, scale_dtype=torch.float16)
     solution = get_solver("gptq").solve(weight, wide, stats, {})
     with pytest.raises(ValueError, match="beyond this layout's 4 grid levels"):
         FakeQuantizedWeight(LAYOUTS[0], weight, solution.codes, solution.params)

@@ -127,5 +127,5 @@ def test_a_learned_tables_levels_stay_sorted_between_its_ends():
         grid.table.copy_(torch.tensor([-1.4, 0.3, 0.1, 0.2, 0.9, 1.2]))
     grid.project()
     assert grid.table.tolist() == pytest.approx([-1.0, 0.3, 0.3, 0.3, 0.9, 1.0])
-    assert grid.current_layout().table[::7] == (-1.0, 1.0)
+    assert grid.current_layout().learned_table[::7] == (-1.0, 1.0)
     assert _grid_layer(_quantized_layer("4-bit g32 with zero points")).weight_quantizer.table is None

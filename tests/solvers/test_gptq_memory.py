@@ -21,10 +21,10 @@ from quantlab.utils.threads import single_thread
 
 IN, OUT = 200, 48
 LAYOUTS = {
-    "affine4-g64-padded": StorageLayout("affine", 4, 64, IN, OUT, symmetric=False, scale_dtype=torch.float16),
-    "affine3-g32-sym": StorageLayout("affine", 3, 32, IN, OUT, symmetric=True, scale_dtype=torch.float16),
+    "affine4-g64-padded": StorageLayout.build("affine", 4, 64, IN, OUT, symmetric=False, scale_dtype=torch.float16),
+    "affine3-g32-sym": StorageLayout.build("affine", 3, 32, IN, OUT, symmetric=True, scale_dtype=torch.float16),
     "int8": StorageLayout("int8", 8, None, IN, OUT),
-    "nf4-double-quant": StorageLayout("nf4", 4, 40, IN, OUT, double_quant=True),
+    "nf4-double-quant": StorageLayout.build("nf4", 4, 40, IN, OUT, double_quant=True),
 }
 
 
@@ -78,7 +78,7 @@ def _plain_gptq(weight: torch.Tensor, layout: StorageLayout, stats: InputStats, 
 @pytest.mark.parametrize("grid", ["mse", "minmax"])
 def test_codes_and_grids_are_those_of_the_plain_computation(name, act_order, grid, monkeypatch):
     layout = LAYOUTS[name]
-    if layout.double_quant and not act_order:
+    if layout.fits_groups_together and not act_order:
         pytest.skip("double quantization always fits its grids up front: the act-order case covers it")
     weight = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(1)) * 0.02
     stats = _stats()

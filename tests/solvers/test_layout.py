@@ -52,7 +52,7 @@ def test_layout_rounding_equals_the_methods_round_to_nearest(config):
 
 
 def test_bits_per_weight_of_nf4_with_double_quant_is_qloras():
-    layout = StorageLayout("nf4", 4, 64, 4096, 4096, double_quant=True)
+    layout = StorageLayout.build("nf4", 4, 64, 4096, 4096, double_quant=True)
     assert layout.bits_per_weight() == pytest.approx(4.127, abs=1e-3)
 
 
@@ -65,7 +65,7 @@ def test_unknown_codec_is_refused():
 def test_signed_grid_sends_each_groups_extreme_to_the_lowest_code(bits):
     """Symmetric codes have one more negative level than positive: a negative scale lets a
     group whose extreme weight is positive use it, so every group gets all 2**bits levels."""
-    layout = StorageLayout("affine", bits, 32, 64, 8, symmetric=True, scale_dtype=torch.float16)
+    layout = StorageLayout.build("affine", bits, 32, 64, 8, symmetric=True, scale_dtype=torch.float16)
     torch.manual_seed(2)
     weight = torch.randn(8, 64)
     grouped = grouping.group(weight, 32)

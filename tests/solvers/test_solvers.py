@@ -10,13 +10,13 @@ from quantlab.solvers import InputStats, get_solver, list_solvers
 
 IN, OUT = 320, 96
 LAYOUTS = [
-    StorageLayout("affine", 4, 64, IN, OUT, symmetric=False, scale_dtype=torch.float16),
-    StorageLayout("affine", 3, 128, IN, OUT, symmetric=False, scale_dtype=torch.float16),
-    StorageLayout("affine", 2, 64, IN, OUT, symmetric=False, scale_dtype=torch.float16),
-    StorageLayout("affine", 4, 64, IN, OUT, symmetric=True, scale_dtype=torch.float16),
+    StorageLayout.build("affine", 4, 64, IN, OUT, symmetric=False, scale_dtype=torch.float16),
+    StorageLayout.build("affine", 3, 128, IN, OUT, symmetric=False, scale_dtype=torch.float16),
+    StorageLayout.build("affine", 2, 64, IN, OUT, symmetric=False, scale_dtype=torch.float16),
+    StorageLayout.build("affine", 4, 64, IN, OUT, symmetric=True, scale_dtype=torch.float16),
     StorageLayout("int8", 8, None, IN, OUT),
-    StorageLayout("nf4", 4, 64, IN, OUT, double_quant=True),
-    StorageLayout("nf4", 4, 64, IN, OUT, double_quant=False),
+    StorageLayout.build("nf4", 4, 64, IN, OUT, double_quant=True),
+    StorageLayout.build("nf4", 4, 64, IN, OUT, double_quant=False),
 ]
 
 
@@ -119,7 +119,7 @@ def test_gptq_rounds_dead_input_channels_as_they_stand():
     inputs[:, 10:20] = 0
     stats.add(inputs)
     weight = torch.randn(8, 64, generator=generator)
-    layout = StorageLayout("affine", 4, None, 64, 8, symmetric=False, scale_dtype=torch.float16)
+    layout = StorageLayout.build("affine", 4, None, 64, 8, symmetric=False, scale_dtype=torch.float16)
     solution = get_solver("gptq").solve(weight, layout, stats, {})
     codes = grouping.ungroup(solution.codes, 64)
     scale, zero = solution.params.scale[:, 0], solution.params.zero[:, 0]
