@@ -26,6 +26,7 @@ CALIBRATION = {"calibration_samples": 8, "calibration_seq_len": 32}
 CASES = {
     "rtn": {"bits": 4, "group_size": 32},
     "gptq": {"bits": 4, "group_size": 32, "solver": "gptq", **CALIBRATION},
+    "gptq symmetric": {"bits": 4, "group_size": 32, "symmetric": True, "solver": "gptq", **CALIBRATION},
     "awq+gptq": {"bits": 3, "group_size": 32, "solver": "gptq", "awq": True, **CALIBRATION},
     "mixed precision": {"bits": 4, "group_size": 32, "solver": "gptq", "target_bits": 4.5, **CALIBRATION},
     "self-calibration": {"bits": 4, "group_size": 32, "solver": "gptq", "self_calibration": True, **CALIBRATION},
