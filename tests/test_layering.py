@@ -11,6 +11,10 @@ dependency behind them) or for plugin discovery, and must point down like any ot
 
 When a test here fails: move the code to the layer its dependencies allow (or split the module),
 or, if the dependency is right and the declared order is wrong, move the unit in `LAYERS`.
+
+The last checks run the code: a config followed from `quantlab.quantize` down to the storage format
+passes at most `MAX_PLACES` quantlab functions and calls up into a higher layer at most `MAX_CLIMBS`
+times (through an object handed down), so the recipe reads top to bottom.
 """
 
 import ast
@@ -18,6 +22,8 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "quantlab"
@@ -175,3 +181,70 @@ def test_the_checks_see_what_they_check():
     assert found == ["quantlab.a", "quantlab.c", "quantlab", "quantlab.e"]
     assert find_cycle({"a": {"b": ""}, "b": {"c": ""}, "c": {"a": ""}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": ""}, "b": {"c": ""}}) is None
+
+
+# -- a config's path from `quantize` down to the storage format ------------------------------------
+
+PATH_START = ("quantlab.convert", "quantize")
+PATH_ENDS = ("quantlab.formats", "quantlab.kernels")  # where the weights become codes (or kernels run)
+MAX_PLACES, MAX_CLIMBS = 20, 4
+
+
+def deepest_path(run, start: tuple[str, str] = PATH_START) -> list[tuple[str, str]]:
+    """The longest chain of quantlab functions on the stack, from `start` to a call into `PATH_ENDS`,
+    while `run()` runs: (module, function) from the outermost."""
+    import sys
+
+    deepest: list[tuple[str, str]] = []
+
+    def chain(frame) -> list[tuple[str, str]]:
+        names = []
+        while frame is not None:
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith("quantlab"):
+                names.append((module, frame.f_code.co_qualname))
+            frame = frame.f_back
+        names.reverse()
+        return names[names.index(start) :] if start in names else []
+
+    def profile(frame, event, _arg) -> None:
+        nonlocal deepest
+        if event == "call" and frame.f_globals.get("__name__", "").startswith(PATH_ENDS):
+            found = chain(frame)
+            deepest = found if len(found) > len(deepest) else deepest
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return deepest
+
+
+def climbs(path: list[tuple[str, str]]) -> int:
+    """Calls from a unit into a unit of a higher layer (the code climbing back up the architecture)."""
+    layers = [LAYER_OF[unit_of(module)] for module, _ in path]
+    return sum(later > earlier for earlier, later in itertools.pairwise(layers))
+
+
+@pytest.mark.parametrize("solver", ["rtn", "gptq"])
+def test_a_config_reaches_the_format_in_few_places_and_never_climbs_far(solver: str) -> None:
+    import torch
+
+    import quantlab
+    from quantlab.testing import tiny_llama
+
+    options = {"solver": solver, "calibration_samples": 2, "calibration_seq_len": 16} if solver != "rtn" else {}
+    config = quantlab.CustomBitsConfig(bits=4, group_size=32, **options)
+    model, ids = tiny_llama(0), torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    path = deepest_path(lambda: quantlab.quantize(model, config, calibration=ids, progress=False))
+
+    assert path and path[-1][0].startswith(PATH_ENDS), path
+    described = " -> ".join(f"{module}.{function}" for module, function in path)
+    assert len(path) <= MAX_PLACES, described
+    assert climbs(path) <= MAX_CLIMBS, described
+
+
+def test_the_path_check_sees_a_climb() -> None:
+    path = [("quantlab.convert", "quantize"), ("quantlab.formats.layout", "f"), ("quantlab.nn.x", "g")]
+    assert climbs(path) == 1 and climbs(path[:2]) == 0
