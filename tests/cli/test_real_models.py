@@ -6,7 +6,9 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-BASELINE_FP32_PERPLEXITY = 36.077  # benchmarks/RESULTS.md: the shared harness on SmolLM2-135M, fp32
+# benchmarks/RESULTS.md and the README's table: the shared harness on SmolLM2-135M (quality.py), fp32 and `nf4`.
+BASELINE_FP32_PERPLEXITY = 36.077
+BASELINE_NF4_PERPLEXITY = 45.609
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +23,7 @@ def smollm2() -> Path:
 
 
 def test_readme_command_agrees_with_the_benchmark_harness(cli, smollm2: Path, tmp_path: Path) -> None:
-    """`quantlab quantize --method nf4 --output out --eval`, then the model measured as benchmarks/quality.py does."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import quantlab
-    from quantlab.assets.text import bundled_text
-    from quantlab.eval import perplexity
-
+    """`quantlab quantize --method nf4 --output out --eval` reports the perplexities benchmarks/quality.py measured."""
     # Two evaluations of 16 x 512 tokens: minutes on 2 cores, many more when other jobs share them.
     result = cli.run("quantize", "--method", "nf4", "--output", tmp_path / "out", "--eval", "--json")
     assert result.returncode == 0, result.stderr
@@ -36,13 +31,8 @@ def test_readme_command_agrees_with_the_benchmark_harness(cli, smollm2: Path, tm
     assert report["layers_quantized"] == 30 * 7
     assert report["layers_kept"] == ["lm_head"]
     assert report["bits_per_quantized_weight"] == pytest.approx(4.127, abs=0.01)
-    assert report["perplexity_before"] == pytest.approx(BASELINE_FP32_PERPLEXITY, abs=0.1)
-
-    model = AutoModelForCausalLM.from_pretrained(
-        smollm2, dtype=torch.float32, quantization_config=quantlab.NF4Config(), local_files_only=True
-    )
-    expected = perplexity(model.eval(), AutoTokenizer.from_pretrained(smollm2), bundled_text())
-    assert report["perplexity_after"] == pytest.approx(expected, abs=0.1)
+    assert report["perplexity_before"] == pytest.approx(BASELINE_FP32_PERPLEXITY, abs=0.05)
+    assert report["perplexity_after"] == pytest.approx(BASELINE_NF4_PERPLEXITY, abs=0.05)
 
 
 def test_the_real_gguf_file_quantizes(cli, smollm2: Path, tmp_path: Path) -> None:
