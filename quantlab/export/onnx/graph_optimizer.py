@@ -4,10 +4,10 @@
 rewrite rules, removal of unused nodes, initializer lifting and deduplication, common subexpressions, then
 onnxscript's ONNX fusions. One default rule, `SlicesSplit` (two Slices of one tensor become a Split), has
 a pattern with several output nodes, which onnxscript's matcher tries against the whole graph again for
-every Slice: on a 30-layer decoder (rotary embeddings slice every query and key in two) that took most of
-the 3-4 minute export of SmolLM2-135M. It never rewrites what torch exports (torch's Slices carry a
-`steps` input, the rule's pattern has none), so the exporter runs the same passes without it and writes
-the same file (52 s for that model).
+every Slice: on a 30-layer decoder (rotary embeddings slice every query and key in two) the export of
+SmolLM2-135M 4-bit takes 1.7-1.8x as long with it (benchmarks/onnx_export_time.py). It never rewrites
+what torch exports (torch's Slices carry a `steps` input, the rule's pattern has none), so the exporter
+runs the same passes without it and writes the same file.
 """
 
 import onnx_ir as ir
