@@ -13,7 +13,7 @@ in their ranges (`project`).
 import dataclasses
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from quantlab.nn.fake_quant import FakeQuantizedWeight
 from quantlab.nn.grid_trained import GridTrainedLinear, TrainedGrid
 from quantlab.qat.options import QATOptions
 from quantlab.qat.swap import SwappedLayer, embedding_parameters, normalization_parameters
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
 
 _SCALE, _ZERO, _OFFSET, _TABLE = "scale_ratio", "zero", "offset", "table"
 _NORM, _EMBEDDING, _OTHER = "norm", "embedding", "other"
@@ -40,7 +43,9 @@ class ProjectQuantizers(TrainerCallback):
     def __init__(self, quantizers: list[FakeQuantizedWeight | TrainedGrid], options: QATOptions) -> None:
         self.quantizers, self.options = quantizers, options
 
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_optimizer_step(
+        self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any
+    ) -> None:
         for quantizer in self.quantizers:
             quantizer.project()
 
@@ -55,10 +60,14 @@ class StepTimes(TrainerCallback):
         self.seconds: list[float] = []
         self._started = 0.0
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any
+    ) -> None:
         self._started = time.perf_counter()
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any
+    ) -> None:
         self.seconds.append(time.perf_counter() - self._started)
 
 

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ from quantlab.utils.allocator import map_large_allocations
 from quantlab.utils.atomic import commit_directory
 from quantlab.vocabulary import replace_vocabulary
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
 Note = Callable[[str], None]
 
 
@@ -57,12 +60,12 @@ class StreamedQuantization:
 
 def quantize_checkpoint(
     folder: Path,
-    hf_config: Any,
+    hf_config: "PretrainedConfig",
     cls: type,
     config: QuantlabConfig,
     output: Path,
     *,
-    tokenizer: Any = None,
+    tokenizer: "PreTrainedTokenizerBase | None" = None,
     resume: bool = False,
     overwrite: bool = False,
     protect: list[Path] | None = None,
@@ -164,7 +167,7 @@ def _run(
     return StreamedQuantization(shell, partial.folder, prefix, plan)
 
 
-def load_dtype(hf_config: Any, reader: CheckpointReader) -> torch.dtype:
+def load_dtype(hf_config: "PretrainedConfig", reader: CheckpointReader) -> torch.dtype:
     """The dtype `from_pretrained` loads into without `dtype=` ("auto"): the config's, else the first float
     tensor's in the checkpoint."""
     dtype = getattr(hf_config, "dtype", None)
@@ -174,7 +177,9 @@ def load_dtype(hf_config: Any, reader: CheckpointReader) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def output_model(cls: type, hf_config: Any, plan: QuantizationPlan, dtype: torch.dtype, folder: Path) -> nn.Module:
+def output_model(
+    cls: type, hf_config: "PretrainedConfig", plan: QuantizationPlan, dtype: torch.dtype, folder: Path
+) -> nn.Module:
     """The quantized model on the meta device, as transformers builds it to reload the output: its
     `state_dict` names the tensors the output stores, with their shapes and dtypes."""
     shell = empty_model(cls, hf_config, dtype, folder)

@@ -9,10 +9,13 @@ silences them.
 
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 from transformers.utils import logging as hf_logging
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
 
 _LEFT_OUT = ("total_flos",)  # a running total, not a figure of the step
 
@@ -30,7 +33,14 @@ def format_record(step: int, max_steps: int, record: dict[str, Any]) -> str:
 class LogLines(TrainerCallback):
     """Writes each log record to stderr as one line while the progress bar is off (`disable_tqdm`)."""
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: "TrainingArguments",
+        state: "TrainerState",
+        control: "TrainerControl",
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not logs or not args.disable_tqdm or not state.is_world_process_zero:
             return
         if hf_logging.get_verbosity() >= logging.ERROR:
