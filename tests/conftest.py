@@ -24,8 +24,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # The files with the longest real-model tests (CI's `--durations`), handed out first, longest first.
 LONGEST_FILES = (
-    "tests/eval/test_real_smollm2.py",
     "tests/streaming/test_real_smollm2.py",
+    "tests/eval/test_real_smollm2.py",
     "tests/cli/test_real_models.py",
     "tests/export/test_real_smollm2.py",
 )

@@ -111,11 +111,7 @@ def routed_linear(
 def layout_text(layout: StorageLayout) -> str:
     """Every field of `layout` in one line of JSON (dtypes by name, tuples as lists), its codec's options as
     an object of their fields: a string operator argument."""
-    fields = {field.name: _plain(getattr(layout, field.name)) for field in dataclasses.fields(layout)}
-    fields["options"] = {
-        field.name: _plain(getattr(layout.options, field.name)) for field in dataclasses.fields(layout.options)
-    }
-    return json.dumps(fields)
+    return json.dumps({**_plain_fields(layout), "options": _plain_fields(layout.options)})
 
 
 @functools.lru_cache(maxsize=256)
@@ -125,6 +121,11 @@ def parse_layout_text(text: str) -> StorageLayout:
     options = {name: _typed(value) for name, value in fields.pop("options").items()}
     layout = {name: _typed(value) for name, value in fields.items()}
     return StorageLayout(**layout, options=get_codec(layout["codec"]).options(**options))
+
+
+def _plain_fields(value: Any) -> dict[str, Any]:
+    """A dataclass's fields as plain JSON values."""
+    return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
 
 
 def _plain(value: Any) -> Any:
