@@ -34,7 +34,6 @@ from memory (small weights sit in cache and can beat it).
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 import warnings
@@ -45,7 +44,7 @@ import torch
 
 import quantlab
 from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, LutConfig, NF4Config
-from quantlab.kernels.cpu import native, ops
+from quantlab.kernels.cpu import native, ops, tune
 from quantlab.kernels.reference import dequantize_matmul
 
 SHAPES = [(2048, 8192), (576, 576), (576, 192), (576, 1536), (1536, 576)]
@@ -338,10 +337,14 @@ def main(argv: list[str] | None = None) -> int:
         native.force_isa(args.isa)
     torch.manual_seed(0)
 
+    lib = native.library()
+    if lib is not None:  # every format's product at many rows, measured (or read from the cache) before timing
+        tune.settle_all(lib)
     bandwidth = copy_bandwidth()
     print(
-        f"torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}, "
-        f"quantlab kernels: {native.isa()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"CPU {tune.cpu_name()}, flags {' '.join(tune.cpu_flags()) or 'none'}; torch {torch.__version__} fp32 "
+        f"{tune.fp32_gflops():.0f} GFLOP/s (1024^3), {args.threads} threads, quantlab kernels: {native.isa()}, "
+        f"products {tune.setting()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
         f"load average {os.getloadavg()[0]:.1f}, {args.rounds} rounds"
     )
     results = []

@@ -3,10 +3,15 @@
 - each worker, and each process a test starts, computes on its share of the cores instead of every worker on
   all of them;
 - the files holding slow tests (real-model runs of minutes) are handed out first, so that the last minutes are
-  not one worker finishing a long file while the other waits.
+  not one worker finishing a long file while the other waits;
+- quantized products at many rows run on the fused kernels (`QUANTLAB_KERNELS=fused`) unless a test asks for
+  another product: which product a machine measures faster is a matter of timing, and the suite's results must
+  not depend on it (tests/kernels/test_tune.py runs the measurement and both products).
 """
 
 import os
+
+os.environ.setdefault("QUANTLAB_KERNELS", "fused")
 
 import pytest
 

@@ -111,6 +111,48 @@ def install(build: Callable[[Path], None], folder: Path, file_name: str) -> Path
     return folder / file_name
 
 
+def write_private_file(path: Path, data: bytes) -> Path:
+    """Write `data` to `path` in a private cache folder: a 0600 file renamed into place whole, its SHA-256
+    recorded beside it (`<name>.sha256`), so a reader checks it as `load_from_cache` checks a library."""
+    folder = private_directory(Path(path).absolute().parent)
+    path = folder / Path(path).name
+    digest = hashlib.sha256(data).hexdigest()
+    for target, content in ((path, data), (path.with_name(path.name + RECORD_SUFFIX), (digest + "\n").encode())):
+        descriptor, staging = tempfile.mkstemp(prefix=f".{target.name}.", dir=folder)  # mkstemp: mode 0600
+        try:
+            with os.fdopen(descriptor, "wb") as handle:
+                handle.write(content)
+            os.replace(staging, target)
+        except BaseException:
+            Path(staging).unlink(missing_ok=True)
+            raise
+    return path
+
+
+def read_private_file(path: Path) -> bytes | None:
+    """The bytes of a file `write_private_file` wrote, after the same checks as a cached library (the
+    folder and the file the user's own and private, the content matching its recorded SHA-256); None when
+    it does not exist. A file that fails a check raises UntrustedLibraryError."""
+    path = Path(path).absolute()
+    opened: list[int] = []
+    try:
+        try:
+            folder_fd = _open(path.parent, os.O_RDONLY | os.O_DIRECTORY, opened)
+            _check_private(os.fstat(folder_fd), path.parent, "folder")
+            descriptor = _open(path, os.O_RDONLY | os.O_NOFOLLOW, opened, folder_fd)
+        except FileNotFoundError:
+            return None
+        _check_private(os.fstat(descriptor), path, "file")
+        expected, actual = _recorded_hash(folder_fd, path), sha256_of(descriptor)
+        if actual != expected:
+            raise UntrustedLibraryError(path, "its SHA-256 differs from the one recorded when it was written",
+                                        f"delete {path}")  # fmt: skip
+        return os.pread(descriptor, os.fstat(descriptor).st_size, 0)
+    finally:
+        for descriptor in opened:
+            os.close(descriptor)
+
+
 def load_from_cache(library: Path, mode: int = os.RTLD_LOCAL) -> ctypes.CDLL:
     """Load `cache/<build>/<file>` after verifying the cache folder, the build folder and the file."""
     library = Path(library).absolute()

@@ -8,7 +8,7 @@ import torch
 
 import quantlab
 from quantlab import CustomBitsConfig, Int8SymmetricConfig, IQ4NLConfig, LutConfig, NF4Config
-from quantlab.kernels.cpu import extension, ops
+from quantlab.kernels.cpu import extension, native, ops, tune
 from quantlab.kernels.cpu.linear import ctypes_linear, native_dequantize, native_linear, native_matmul
 from quantlab.kernels.cpu.weights import native_weight
 from quantlab.kernels.reference import dequantize_matmul
@@ -106,7 +106,7 @@ def test_many_rows_in_l2_sized_tiles_compute_each_row_as_alone(operators, config
     weight = native_weight(layer)
     x = torch.randn(6002, 80)
     with torch.no_grad():
-        out = native_matmul(weight, x)  # the fused kernel, whatever ql_dequantize_rows says of this CPU
+        out = native_matmul(weight, x)  # the fused kernel, whatever product was measured faster here
         torch.testing.assert_close(out + layer.bias, dequantize_matmul(layer, x), rtol=0, atol=1e-4 * out.abs().max())
         for first in (0, 2700, 4096, 5936):  # 64 rows alone take the same kernel path as inside a tile
             assert torch.equal(out[first : first + 64], native_matmul(weight, x[first : first + 64]))
@@ -114,17 +114,30 @@ def test_many_rows_in_l2_sized_tiles_compute_each_row_as_alone(operators, config
 
 @pytest.mark.parametrize("config", [CODECS[3], CODECS[-4], CODECS[-2]], ids=config_id)
 @pytest.mark.parametrize("out_features", [24, 13100])  # 80 x 13100 floats: 4.2 MB, decoded in tiles
-def test_from_the_cpus_dequantize_rows_on_the_weight_is_decoded_and_multiplied_by_torchs_gemm(
-    operators, library, config, out_features
+@pytest.mark.parametrize("chosen_by", ["QUANTLAB_KERNELS=decoded", "a measurement on this CPU"])
+def test_a_product_chosen_decoded_runs_the_weight_decoded_and_torchs_gemm(
+    operators, library, config, out_features, chosen_by, monkeypatch
 ):
     layer = quantized(config, out_features=out_features)
-    library.ql_force_isa(0)  # the portable kernel's choice: x86 CPUs run the fused kernel at every row count
+    weight = native_weight(layer).struct
+    rows = 16  # the first row count of its bucket: one row fewer is in the bucket below
+    if chosen_by == "QUANTLAB_KERNELS=decoded":
+        monkeypatch.setenv("QUANTLAB_KERNELS", "decoded")
+        tune.reset()
+        native.library()
+        rows = 2  # decoded from two rows on, one row fused
+    else:
+        shape_class = library.ql_shape_class(out_features, 80)
+        status = library.ql_set_product(library.ql_isa(), weight.kind, weight.bits, shape_class,
+                                        library.ql_row_bucket(rows), native.PRODUCT_DECODED)  # fmt: skip
+        assert status == 0
     try:
-        rows = library.ql_dequantize_rows()
-        assert rows > 0
+        assert library.ql_product(native_weight(layer).pointer, rows) == native.PRODUCT_DECODED
+        assert library.ql_product(native_weight(layer).pointer, rows - 1) == native.PRODUCT_FUSED
         _check_dequantize_first(layer, rows, out_features)
     finally:
-        library.ql_force_isa(-1)
+        monkeypatch.undo()
+        tune.reset()
 
 
 def _check_dequantize_first(layer, rows: int, out_features: int) -> None:

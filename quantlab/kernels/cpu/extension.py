@@ -101,7 +101,7 @@ def _bind(extension: ctypes.CDLL, kernels: ctypes.CDLL) -> ctypes.CDLL:
     bind.restype = ctypes.c_int
     levels = (ctypes.c_float * (16 * native.KINDS))(*kind_levels())
     absmax_map = (ctypes.c_float * 256)(*NF4.native_tables()["absmax_map"])
-    functions = ("ql_gemm", "ql_gemm_group", "ql_dequantize", "ql_dequantize_rows", "ql_attention")
+    functions = ("ql_gemm", "ql_gemm_group", "ql_dequantize", "ql_product", "ql_attention")
     entries = (ctypes.cast(getattr(kernels, name), ctypes.c_void_p).value for name in functions)
     version = bind(*entries, levels, absmax_map)
     if version != native.ABI_VERSION:

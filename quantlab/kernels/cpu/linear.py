@@ -3,11 +3,10 @@
 The native kernel decodes the codes in registers and multiplies as it goes. At one row
 (decoding) the work is reading the weight, and 4-bit codes are 8x less memory traffic than fp32
 weights. At many rows (prefill, training) the work is arithmetic; each block of 4 output features
-is decoded once per block of rows (AVX2: panels of 16 features, 6 rows x 16 features a step). On
-x86 the fused kernel is at least as fast as dequantize-then-matmul with torch's GEMM at every row
-count measured (`benchmarks/kernel_speed.py`); the portable C kernel is not, so there, from
-`ql_dequantize_rows()` rows on, the weight is decoded (whole, or a tile of output features at a
-time) and multiplied by torch's GEMM.
+is decoded once per block of rows (AVX2: panels of 16 features, 6 rows x 16 features a step). At
+two rows and more a product may instead decode the weight (whole, or a tile of output features at
+a time) and multiply it with torch's GEMM, where that was measured faster on this machine for the
+layer's format, shape class and row count (`quantlab.kernels.cpu.tune`, `ql_product`).
 
 The kernels run as torch operators (`ops.py`, `csrc/torch_ops.cpp`) when the extension builds,
 else through ctypes. Either way gradients flow to the input through a backward pass that decodes
@@ -25,7 +24,7 @@ import torch
 
 from quantlab.formats.codec import native_codecs
 from quantlab.kernels import register_kernel
-from quantlab.kernels.cpu import native, ops, traced
+from quantlab.kernels.cpu import native, ops, traced, tune
 from quantlab.kernels.cpu.weights import NativeWeight, describable, native_weight
 from quantlab.kernels.reference import dequantize_matmul
 
@@ -95,8 +94,7 @@ def native_matmul(weight: NativeWeight, x: torch.Tensor, lib: ctypes.CDLL | None
 
 def dequantized_matmul(weight: NativeWeight, x: torch.Tensor) -> torch.Tensor:
     """`x @ W.T` for a 2-D float32 `x`, W decoded as the backward pass decodes it (`_decoded_tiles`) and
-    multiplied by torch's GEMM: faster than the fused kernel at many rows on CPUs without AVX-512
-    (`ql_dequantize_rows`)."""
+    multiplied by torch's GEMM: where it was measured faster than the fused kernel (`ql_product`)."""
     out = torch.empty(x.shape[0], weight.out_features)
     for first, part in _decoded_tiles(weight):
         torch.mm(x, part.T, out=out[:, first : first + part.shape[0]])
@@ -108,7 +106,7 @@ def _forward(weight: NativeWeight, x: torch.Tensor, lib: ctypes.CDLL | None = No
     if flat.dtype != torch.float32 or flat.stride(-1) != 1:
         flat = flat.float().contiguous()
     lib = lib or native.library()
-    if flat.shape[0] >= 2 and 0 < lib.ql_dequantize_rows() <= flat.shape[0]:  # as quantlab::linear chooses
+    if lib.ql_product(weight.pointer, flat.shape[0]) == native.PRODUCT_DECODED:  # as quantlab::linear chooses
         out = dequantized_matmul(weight, flat)
     else:
         out = native_matmul(weight, flat, lib)
@@ -140,6 +138,8 @@ def native_linear(module, x: torch.Tensor) -> torch.Tensor:
     """
     if not x.is_cpu or not x.is_floating_point() or not describable(module.layout):
         return dequantize_matmul(module, x)
+    if x.numel() > x.shape[-1] and not torch.compiler.is_compiling():  # many rows: the measured product
+        _settle_products(module.layout)
     if ops.available():
         # eager calls only: a compiled graph gets int8 activations from the fusion pass (generation/fusion.py)
         bits = getattr(module, "activation_bits", 0)  # quantized tables used as an output head have none
@@ -155,6 +155,13 @@ def native_linear(module, x: torch.Tensor) -> torch.Tensor:
     if module.bias is not None:
         out = out + module.bias.to(out.dtype)
     return out
+
+
+def _settle_products(layout) -> None:
+    """This format's products at many rows, measured on this machine the first time (`tune.ensure_format`)."""
+    lib = native.library()
+    if lib is not None:
+        tune.ensure_format(lib, layout.codec_object.native_kind, layout.bits)
 
 
 def ctypes_linear(module, x: torch.Tensor) -> torch.Tensor | None:

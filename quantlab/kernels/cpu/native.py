@@ -40,9 +40,10 @@ from quantlab.utils.environment import switched_on
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("csrc")
-ABI_VERSION = 11
+ABI_VERSION = 12
 KINDS = 5  # QL_KINDS: the kinds of `ql_weight` (one per native codec, `Codec.native_kind`)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+PRODUCT_UNSET, PRODUCT_FUSED, PRODUCT_DECODED = 0, 1, 2  # QL_PRODUCT_*: which product a call of many rows runs
 # -ffp-contract=off: a*b+c stays two roundings, as torch computes it (decoded weights are bit-exact).
 _COMPILE = ["-O3", "-std=c11", "-fPIC", "-pthread", "-fvisibility=hidden", "-ffp-contract=off", "-fno-math-errno"]
 _LINK = ["-shared", "-pthread", "-lm"]
@@ -188,7 +189,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ql_offset_to_signed.argtypes = [ptr, i64]
     lib.ql_offset_to_signed.restype = integer
     lib.ql_isa.restype = ctypes.c_int
-    lib.ql_dequantize_rows.restype = ctypes.c_int64
+    lib.ql_product.argtypes = [weight, i64]
+    lib.ql_product.restype = integer
+    lib.ql_set_product.argtypes = [integer] * 6
+    lib.ql_set_product.restype = integer
+    lib.ql_shape_class.argtypes = [i64, i64]
+    lib.ql_shape_class.restype = integer
+    lib.ql_row_bucket.argtypes = [i64]
+    lib.ql_row_bucket.restype = integer
     lib.ql_has_int8_activations.restype = ctypes.c_int
     lib.ql_force_isa.argtypes = [integer]
     lib.ql_abi_version.restype = ctypes.c_int
@@ -251,10 +259,43 @@ def _load() -> ctypes.CDLL | None:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded native library, building it on first use; None when disabled or unbuildable."""
+    """The loaded native library, building it on first use; None when disabled or unbuildable.
+
+    Before it is first handed out (and after `force_isa`), the products it runs at many rows are set
+    from this machine's measurement (`quantlab.kernels.cpu.tune`, measured now if none is cached)."""
     if "QUANTLAB_NATIVE_KERNELS" in os.environ and not enabled():
         return None
-    return _load()
+    lib = _load()
+    if _products_pending and lib is not None:
+        _set_products(lib)
+    return lib
+
+
+_products_pending = True
+
+
+def _set_products(lib: ctypes.CDLL) -> None:
+    global _products_pending
+    _products_pending = False  # first: the measurement's own products call library() again
+    from quantlab.kernels.cpu import tune
+
+    tune.ensure(lib)
+
+
+def products_changed() -> None:
+    """Set the products again at the next `library()` (after `QUANTLAB_KERNELS` or the instruction set changed)."""
+    global _products_pending
+    _products_pending = True
+
+
+@functools.cache
+def library_key() -> str:
+    """What names the library in use: its build's key, or the path of the one `QUANTLAB_CPU_KERNELS` names."""
+    chosen = os.environ.get("QUANTLAB_CPU_KERNELS")
+    if chosen:
+        return f"chosen {Path(chosen).absolute()} {Path(chosen).stat().st_mtime_ns}"
+    cc = compiler()
+    return build_key(cc) if cc else "unbuilt"
 
 
 def thread_pool() -> str | None:
@@ -278,6 +319,7 @@ def force_isa(name: str) -> None:
     lib = library()
     if lib is not None:
         lib.ql_force_isa(codes[name])
+        products_changed()
 
 
 def int8_activations_supported() -> bool:

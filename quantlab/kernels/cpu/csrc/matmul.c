@@ -48,14 +48,6 @@ QL_API int ql_isa(void) {
 
 QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
 
-/* From how many rows of x on the product is faster as the weight decoded (ql_dequantize) and
- * multiplied by a BLAS GEMM (torch's) than through the fused kernels here, on this CPU; 0: never.
- * AVX-512's fused kernel stays ahead at every row count measured (from QL_AVX512_PANEL_ROWS rows on
- * panels of 32 decoded features, avx512.c), and so does AVX2's (from
- * QL_AVX2_DECODE_ROWS rows on: features decoded 4 at a time, then 3 rows x 4 features a step, or from 48
- * rows on panels of 16 features, 6 rows x 16 features a step, avx2.c), for 4-bit, 3-bit, NF4 and int8
- * (timings in benchmarks/RESULTS.md). The portable C kernel decodes each weight once per 4 rows: behind
- * from a few rows. */
 #define QL_AVX2_DECODE_ROWS 8 /* from this many rows on, AVX2 decodes the weights once a call (avx2.c) */
 
 /* From how many rows on int8 activations take the many-row kernels (avx512_vnni_rows.c,
@@ -72,14 +64,42 @@ static int64_t ql_a8_panel(int a8) { return a8 == QL_A8_VNNI ? 32 : 16; }
 static int ql_avx2_panels(int isa, int64_t m, int a8) {
     return isa == QL_ISA_AVX2 && m >= QL_AVX2_DECODE_ROWS && a8 == QL_A8_NONE;
 }
-QL_API int64_t ql_dequantize_rows(void) {
-    switch (ql_isa()) {
-    case QL_ISA_AVX512:
-    case QL_ISA_AVX2:
-        return 0;
-    default:
-        return 8;
-    }
+/* ---- which product a call on many rows runs ---------------------------------------------------- */
+
+/* A product of m >= 2 rows of float x runs either on the fused kernels here (QL_PRODUCT_FUSED) or as the
+ * weight decoded (ql_dequantize) and multiplied by the caller's BLAS GEMM (QL_PRODUCT_DECODED: torch's, MKL
+ * or oneDNN). Which is faster depends on the CPU more than on anything here: a vendor's BLAS may run its
+ * best code on one CPU and a weaker path on another. So it is measured on the machine that runs it
+ * (quantlab.kernels.cpu.tune), per instruction set, format (kind and bits), shape class and row bucket,
+ * and set here; an entry never set keeps the default: fused on x86, decoded from 8 rows on with the
+ * portable kernel (it decodes each weight once per 4 rows). */
+static signed char ql_products[3][QL_KINDS][9][QL_SHAPE_CLASSES][QL_ROW_BUCKETS]; /* 0: unset */
+
+QL_API int ql_shape_class(int64_t n, int64_t k) { return n < QL_NARROW_OUTPUTS ? 0 : n * k < QL_LARGE_WEIGHT ? 1 : 2; }
+
+QL_API int ql_row_bucket(int64_t m) {
+    if (m < 2) return -1; /* one row: a pass over the weight, always fused */
+    if (m < 16) return 0;
+    if (m < 64) return 1;
+    if (m < 256) return 2;
+    return 3;
+}
+
+QL_API int ql_set_product(int isa, int kind, int bits, int shape_class, int row_bucket, int product) {
+    if (isa < 0 || isa > QL_ISA_AVX512 || kind < 0 || kind >= QL_KINDS || bits < 2 || bits > 8 || shape_class < 0 ||
+        shape_class >= QL_SHAPE_CLASSES || row_bucket < 0 || row_bucket >= QL_ROW_BUCKETS || product < 0 ||
+        product > QL_PRODUCT_DECODED)
+        return QL_BAD_FORMAT;
+    ql_products[isa][kind][bits][shape_class][row_bucket] = (signed char)product;
+    return QL_OK;
+}
+
+QL_API int ql_product(const ql_weight *w, int64_t m) {
+    int bucket = ql_row_bucket(m), isa = ql_isa();
+    if (bucket < 0 || w->kind < 0 || w->kind >= QL_KINDS || w->bits < 2 || w->bits > 8) return QL_PRODUCT_FUSED;
+    int chosen = ql_products[isa][w->kind][w->bits][ql_shape_class(w->n, w->k)][bucket];
+    if (chosen != QL_PRODUCT_UNSET) return chosen;
+    return isa == QL_ISA_SCALAR && m >= 8 ? QL_PRODUCT_DECODED : QL_PRODUCT_FUSED;
 }
 
 QL_API int ql_abi_version(void) { return QL_ABI_VERSION; }
@@ -244,13 +264,50 @@ static int64_t ql_chunk_for(int64_t features, int threads, int isa, int64_t m, i
     return ql_chunk_features(features, threads, ql_stream_chunks(m));
 }
 
+/* The calling thread's buffer for x in the kernels' layout, kept between calls up to QL_REUSED_X_BYTES (a
+ * fresh allocation of a many-row x faults its pages in on every call); NULL for a larger one. A product
+ * runs to its end before its calling thread starts another, so one buffer a calling thread suffices. */
+#define QL_REUSED_X_BYTES ((size_t)8 << 20)
+
+static float *ql_reused_buffer(size_t bytes) {
+    static _Thread_local float *buffer = NULL;
+    static _Thread_local size_t capacity = 0;
+    if (bytes > QL_REUSED_X_BYTES) return NULL;
+    if (bytes > capacity) {
+        free(buffer);
+        capacity = 0;
+        if (posix_memalign((void **)&buffer, 64, QL_REUSED_X_BYTES)) return buffer = NULL;
+        capacity = QL_REUSED_X_BYTES;
+    }
+    return buffer;
+}
+
+/* Rows [chunk * per_chunk, ...) of x copied into the kernels' layout (ql_prepare_x). */
+typedef struct {
+    const ql_weight *w;
+    const ql_layout *layout;
+    const float *x;
+    int64_t x_stride, m, per_chunk, row_length;
+    float *copy;
+} ql_prepare_job;
+
+static void ql_prepare_chunk(void *arg, int64_t chunk) {
+    const ql_prepare_job *job = (const ql_prepare_job *)arg;
+    const int64_t first = chunk * job->per_chunk, last = first + job->per_chunk < job->m ? first + job->per_chunk : job->m;
+    ql_prepare_x(job->w, job->layout, job->x + first * job->x_stride, last - first, job->x_stride,
+                 job->copy + first * job->row_length);
+}
+
 /* x as the kernels read it, with its row stride in *stride: x itself where AVX2's many-row kernel (or a
  * many-row int8-activation kernel) reads the plain layout and that is x's (every group whole and a
- * multiple of 8 inputs: the usual layers in groups of 32-128), else a 64-byte aligned copy in the kernels' layout (ql_prepare_x), returned in
- * *copy for the caller to free. NULL if out of memory. The copy runs on one thread before the others
- * start, a noticeable share of a thread's time at many rows. */
+ * multiple of 8 inputs: the usual layers in groups of 32-128), else a 64-byte aligned copy in the kernels'
+ * layout (ql_prepare_x): the calling thread's reused buffer, or one returned in *copy for the caller to free.
+ * NULL if out of memory. From
+ * QL_DECODE_ROWS rows on the copy is shared among `threads` threads by rows: on one thread it was a
+ * serial share of a many-row product that kept layers with few outputs (a few panels a thread) from
+ * scaling to the second thread. */
 static const float *ql_kernel_x(const ql_weight *w, const ql_layout *layout, int isa, int64_t m, int a8,
-                                const float *x, int64_t x_stride, int64_t *stride, float **copy) {
+                                const float *x, int64_t x_stride, int64_t *stride, float **copy, int threads) {
     const int64_t row_length = w->groups * layout->padded_group;
     *copy = NULL;
     if ((ql_avx2_panels(isa, m, a8) || ql_a8_rows(a8, m)) && !layout->nibble && layout->padded_group == w->group_size &&
@@ -258,13 +315,22 @@ static const float *ql_kernel_x(const ql_weight *w, const ql_layout *layout, int
         *stride = x_stride;
         return x;
     }
-    if (posix_memalign((void **)copy, 64, (size_t)ql_round_up(m * row_length * (int64_t)sizeof(float) + 64, 64))) {
-        *copy = NULL;
-        return NULL;
+    const size_t bytes = (size_t)ql_round_up(m * row_length * (int64_t)sizeof(float) + 64, 64);
+    float *buffer = ql_reused_buffer(bytes);
+    if (!buffer) { /* larger than the reused buffer: one of its own, freed by the caller */
+        if (posix_memalign((void **)copy, 64, bytes)) {
+            *copy = NULL;
+            return NULL;
+        }
+        buffer = *copy;
     }
-    ql_prepare_x(w, layout, x, m, x_stride, *copy);
+    ql_prepare_job job = {.w = w, .layout = layout, .x = x, .x_stride = x_stride, .m = m, .row_length = row_length,
+                          .copy = buffer};
+    threads = m >= QL_DECODE_ROWS ? ql_threads(threads, m * row_length * (int64_t)sizeof(float)) : 1;
+    job.per_chunk = (m + threads - 1) / threads;
+    ql_run(ql_prepare_chunk, &job, (m + job.per_chunk - 1) / job.per_chunk, threads);
     *stride = row_length;
-    return *copy;
+    return buffer;
 }
 
 /* y[m, n] (row stride y_stride) = x[m, k] (row stride x_stride) times the weight, transposed. */
@@ -274,9 +340,9 @@ QL_API int ql_gemm(const ql_weight *w, const float *x, int64_t m, int64_t x_stri
     ql_job job = {.w = w, .isa = ql_isa(), .m = m, .out = y, .out_stride = y_stride};
     job.layout = ql_layout_for(w, job.isa, m, QL_A8_NONE);
     float *xp = NULL;
-    job.xp = ql_kernel_x(w, &job.layout, job.isa, m, QL_A8_NONE, x, x_stride, &job.x_stride, &xp);
-    if (!job.xp) return QL_NO_MEMORY;
     threads = ql_threads(threads, w->n * w->groups * w->group_bytes * (m < 4 ? 1 : m / 4));
+    job.xp = ql_kernel_x(w, &job.layout, job.isa, m, QL_A8_NONE, x, x_stride, &job.x_stride, &xp, threads);
+    if (!job.xp) return QL_NO_MEMORY;
     job.per_chunk = threads > 1 ? ql_chunk_for(w->n, threads, job.isa, m, QL_A8_NONE) : w->n;
     int64_t chunks = (w->n + job.per_chunk - 1) / job.per_chunk;
     ql_run(ql_gemm_chunk, &job, chunks, threads);
@@ -359,7 +425,8 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
     float *xp = NULL;
     int64_t x_stride_kernels = 0;
     const float *x_kernels =
-        jobs && first_chunk ? ql_kernel_x(&weights[0], &layout, isa, m, a8, x, x_stride, &x_stride_kernels, &xp) : NULL;
+        jobs && first_chunk ? ql_kernel_x(&weights[0], &layout, isa, m, a8, x, x_stride, &x_stride_kernels, &xp, threads)
+                            : NULL;
     if (!x_kernels) {
         free(jobs);
         free(first_chunk);

@@ -22,7 +22,7 @@
 
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
-#define QL_ABI_VERSION 11
+#define QL_ABI_VERSION 12
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 #define QL_DECODED_FEATURES 32 /* AVX2 at many rows: 16 features decoded, and their input-major panel (avx2.c) */
 #define QL_AVX512_PANEL_ROWS 32 /* from this many rows on, AVX-512 multiplies panels of 32 decoded features (avx512.c) */
@@ -294,7 +294,16 @@ int64_t ql_chunk_features(int64_t n, int threads, int per_thread);
 
 /* matmul.c */
 QL_API int ql_isa(void);
-QL_API int64_t ql_dequantize_rows(void); /* rows from which decoding + a BLAS GEMM beats the fused kernels */
+/* Which product a call of m rows runs (matmul.c): measured per format, shape class and row bucket (ql_set_product). */
+enum { QL_PRODUCT_UNSET = 0, QL_PRODUCT_FUSED = 1, QL_PRODUCT_DECODED = 2 };
+#define QL_SHAPE_CLASSES 3
+#define QL_ROW_BUCKETS 4
+#define QL_NARROW_OUTPUTS 512     /* shape class 0: fewer output features (few panels a thread) */
+#define QL_LARGE_WEIGHT (2 << 20) /* shape class 2: weights of this many values and more */
+QL_API int ql_shape_class(int64_t n, int64_t k);
+QL_API int ql_row_bucket(int64_t m); /* -1 for one row */
+QL_API int ql_set_product(int isa, int kind, int bits, int shape_class, int row_bucket, int product);
+QL_API int ql_product(const ql_weight *w, int64_t m);
 int ql_same_layout(const ql_weight *a, const ql_weight *b); /* what ql_gemm_group needs of its weights */
 QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x, int64_t m, int64_t x_stride, float *y,
                          int64_t y_stride, int threads, int activation_bits);

@@ -42,14 +42,14 @@ namespace {
 using GemmFn = int (*)(const ql_weight *, const float *, int64_t, int64_t, float *, int64_t, int);
 using DequantizeFn = int (*)(const ql_weight *, int64_t, int64_t, float *, int64_t, int);
 using GemmGroupFn = int (*)(const ql_weight *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int, int);
-using RowsFn = int64_t (*)(void);
+using ProductFn = int (*)(const ql_weight *, int64_t);
 using AttentionFn = int (*)(const float *, const float *, const float *, const float *, const uint8_t *, int64_t,
                            int64_t, int64_t, int64_t, int64_t, float, float *, int);
 
 GemmFn gemm_fn = nullptr;
 GemmGroupFn gemm_group_fn = nullptr;
 DequantizeFn dequantize_fn = nullptr;
-RowsFn dequantize_rows_fn = nullptr;
+ProductFn product_fn = nullptr;
 AttentionFn attention_fn = nullptr;
 float kind_levels[QL_KINDS][16]; // each fixed table kind's levels (QL_NF4, QL_IQ4_NL), zeros for the others
 float absmax_map[256];
@@ -127,7 +127,7 @@ Described describe(const Layout &layout, const at::Tensor &codes, Optional scale
     const int64_t kind = layout.kind, bits = layout.bits, in_features = layout.in_features;
     const int64_t group_size = layout.group_size, absmax_block = layout.absmax_block;
     const double zero_const = layout.zero_const;
-    TORCH_CHECK(gemm_fn && dequantize_fn && gemm_group_fn && dequantize_rows_fn, "quantlab: the torch operators are not bound to the C kernels");
+    TORCH_CHECK(gemm_fn && dequantize_fn && gemm_group_fn && product_fn, "quantlab: the torch operators are not bound to the C kernels");
     TORCH_CHECK(codes.dim() == 3 && codes.element_size() == 1, "quantlab: codes must be [out, groups, bytes] of one-byte "
                 "integers, got ", codes.sizes(), " ", codes.scalar_type());
     TORCH_CHECK(bits >= 2 && bits <= 8 && kind >= QL_AFFINE && kind < QL_KINDS, "quantlab: bad kind ", kind, " or bits ",
@@ -206,12 +206,18 @@ Described describe(const Layout &layout, const at::Tensor &codes, Optional scale
 constexpr int64_t kDecodedWholeBytes = 4 << 20;
 constexpr int64_t kDecodedTileBytes = 2 << 20;
 
-// Whether `rows` rows of x are faster through the weight decoded by the C library and torch's GEMM
-// than through the fused kernel, on this CPU (ql_dequantize_rows).
-bool dequantize_first(int64_t rows) {
-    if (rows < 2) return false;
-    const int64_t from = dequantize_rows_fn();
-    return from > 0 && rows >= from;
+// Whether `rows` rows of x run as the weight decoded by the C library and multiplied by torch's GEMM rather than
+// on the fused kernel: the product measured faster for this format, shape and row count on this machine
+// (ql_product, set by quantlab.kernels.cpu.tune).
+bool dequantize_first(const ql_weight &w, int64_t rows) { return product_fn(&w, rows) == QL_PRODUCT_DECODED; }
+
+// The float32 buffer a weight (or a tile of it) is decoded into, kept between calls by each calling thread: a
+// fresh buffer per call costs its page faults, more than the decoding itself on small layers.
+at::Tensor decode_buffer(int64_t rows, int64_t columns) {
+    thread_local at::Tensor buffer;
+    const int64_t size = rows * columns;
+    if (!buffer.defined() || buffer.numel() < size) buffer = at::empty({size}, at::TensorOptions().dtype(at::kFloat));
+    return buffer.narrow(0, 0, size).view({rows, columns});
 }
 
 // out[rows, n] (rows of stride out.stride(0)) = flat @ W.T, W decoded whole or a tile of output features
@@ -219,7 +225,7 @@ bool dequantize_first(int64_t rows) {
 void dequantized_matmul(const ql_weight &w, const at::Tensor &flat, const at::Tensor &out) {
     const int64_t n = w.n, k = flat.size(1);
     const int64_t tile = n * k * 4 <= kDecodedWholeBytes ? n : std::max<int64_t>(4, kDecodedTileBytes / (4 * k));
-    at::Tensor buffer = at::empty({std::min(tile, n), k}, flat.options());
+    at::Tensor buffer = decode_buffer(std::min(tile, n), k);
     for (int64_t first = 0; first < n; first += tile) {
         const int64_t count = std::min(tile, n - first);
         at::Tensor part = buffer.narrow(0, 0, count);
@@ -246,7 +252,7 @@ at::Tensor linear(const at::Tensor &x, Optional bias, c10::string_view layout_te
     c10::SmallVector<int64_t, 4> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = n;
     at::Tensor out = at::empty(shape, flat.options());
-    if (dequantize_first(rows)) {
+    if (dequantize_first(d.weight, rows)) {
         dequantized_matmul(d.weight, flat, out.view({rows, n}));
     } else if (rows) {
         int status = gemm_fn(&d.weight, flat.data_ptr<float>(), rows, flat.stride(0), out.data_ptr<float>(), n,
@@ -291,7 +297,9 @@ at::Tensor linear_group(const at::Tensor &x, OptionalList bias, c10::string_view
     if (flat.scalar_type() != at::kFloat || flat.stride(1) != 1) flat = flat.to(at::kFloat).contiguous();
     const int64_t rows = flat.size(0);
     at::Tensor out = at::empty({rows, features}, flat.options());
-    if (activation_bits == 0 && dequantize_first(rows)) {
+    ql_weight group_shape = weights[0];  // the product is chosen for the group's whole width
+    group_shape.n = features;
+    if (activation_bits == 0 && dequantize_first(group_shape, rows)) {
         for (int64_t i = 0, column = 0; i < static_cast<int64_t>(count); column += weights[i].n, i++)
             dequantized_matmul(weights[i], flat, out.narrow(1, column, weights[i].n));
     } else if (rows) {
@@ -485,13 +493,13 @@ at::Tensor linear_group_autograd(const at::Tensor &x, OptionalList bias, c10::st
 // absmax map.
 extern "C" __attribute__((visibility("default"))) int quantlab_torch_ops_bind(void *gemm, void *gemm_group,
                                                                              void *dequantize_entry,
-                                                                             void *dequantize_rows,
+                                                                             void *product,
                                                                              void *attention_entry,
                                                                              const float *levels, const float *map) {
     gemm_fn = reinterpret_cast<GemmFn>(gemm);
     gemm_group_fn = reinterpret_cast<GemmGroupFn>(gemm_group);
     dequantize_fn = reinterpret_cast<DequantizeFn>(dequantize_entry);
-    dequantize_rows_fn = reinterpret_cast<RowsFn>(dequantize_rows);
+    product_fn = reinterpret_cast<ProductFn>(product);
     attention_fn = reinterpret_cast<AttentionFn>(attention_entry);
     std::memcpy(kind_levels, levels, sizeof kind_levels);
     std::memcpy(absmax_map, map, sizeof absmax_map);
