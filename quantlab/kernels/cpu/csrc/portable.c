@@ -24,7 +24,16 @@ void ql_prepare_x(const ql_weight *w, const ql_layout *layout, const float *x, i
                 memset(group + valid, 0, (size_t)(padded - valid) * sizeof(float));
                 continue;
             }
-            for (int64_t base = 0; base < padded; base += 32) {
+            int64_t base = 0;
+            for (; base + 32 <= valid; base += 32) { /* whole blocks: no bounds to check (vectorized) */
+                const float *block = src + first + base;
+                float *even = group + base, *odd = group + base + 16;
+                for (int64_t i = 0; i < 16; i++) {
+                    even[i] = block[2 * i];
+                    odd[i] = block[2 * i + 1];
+                }
+            }
+            for (; base < padded; base += 32) {
                 for (int64_t i = 0; i < 16; i++) {
                     int64_t even = base + 2 * i, odd = even + 1;
                     group[base + i] = even < valid ? src[first + even] : 0.0f;
