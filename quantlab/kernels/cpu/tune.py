@@ -7,10 +7,10 @@ BLAS can run its best code on one vendor's CPUs and a weaker path on another's, 
 one machine says little of the next. So the choice is measured here, once per machine: for each format
 the native kernels decode (codec kind and bits), each shape class (`ql_shape_class`: fewer than 512
 outputs, other weights below 2M values, larger ones) and each row bucket (`ql_row_bucket`: 2-15, 16-63,
-64-255, 256+ rows), both products are timed on representative shapes, rounds alternated, and the faster
-one is set in the C library
-(`ql_set_product`); the fused kernel keeps a tie (`TIE`). Both products compute the reference's decoded
-weights; only the order of the float sums differs.
+64-255, 256+ rows), both products are timed on representative shapes, rounds alternated, and the one
+whose worst slowdown over the class's shapes is smaller (`choose`) is set in the C library
+(`ql_set_product`), the fused kernel keeping a tie (`TIE`). Both products compute the reference's
+decoded weights; only the order of the float sums differs.
 
 The table is measured at the first quantized product of a process when no measurement of this build of
 the kernels, instruction set, CPU, torch and thread count is cached (a few seconds), and cached as JSON
@@ -89,17 +89,36 @@ ROWS = ((8, 32, 128, 512), (8, 32, 128, 512), (8, 32, 128, 256))  # each row buc
 
 @dataclass(frozen=True)
 class Entry:
-    """One measured cell: milliseconds per call of each product (summed over the class's shapes) and of
-    torch fp32 on the same shapes, and the product chosen."""
+    """One measured cell: milliseconds per call of each product on each of the class's shapes, and of torch
+    fp32 (summed over them), and the product chosen (`choose`)."""
 
     format: str
     shape_class: int
     row_bucket: int
     rows: int
-    fused_ms: float
-    decoded_ms: float
+    fused_by_shape: tuple[float, ...]
+    decoded_by_shape: tuple[float, ...]
     fp32_ms: float
     product: str
+
+    @property
+    def fused_ms(self) -> float:
+        return sum(self.fused_by_shape)
+
+    @property
+    def decoded_ms(self) -> float:
+        return sum(self.decoded_by_shape)
+
+
+def choose(fused: tuple[float, ...], decoded: tuple[float, ...]) -> int:
+    """The product whose worst slowdown against the faster of the two, over the class's shapes, is smaller:
+    a class's shapes can prefer different products, and no shape should pay much for another's gain (a sum
+    of times would let the largest shape decide). The fused product keeps a tie within TIE."""
+
+    def worst(times: tuple[float, ...]) -> float:
+        return max(t / min(f, d) for t, f, d in zip(times, fused, decoded, strict=True))
+
+    return native.PRODUCT_DECODED if worst(decoded) < worst(fused) - TIE else native.PRODUCT_FUSED
 
 
 @dataclass(frozen=True)
@@ -115,7 +134,11 @@ class Table:
     @classmethod
     def from_json(cls, text: str) -> "Table":
         data = json.loads(text)
-        return cls(data["machine"], tuple(Entry(**entry) for entry in data["entries"]))
+        entries = []
+        for entry in data["entries"]:
+            shapes = {key: tuple(entry.pop(key)) for key in ("fused_by_shape", "decoded_by_shape")}
+            entries.append(Entry(**entry, **shapes))
+        return cls(data["machine"], tuple(entries))
 
 
 # -- the machine -----------------------------------------------------------------------------------
@@ -226,17 +249,18 @@ def measure(lib, formats: tuple[Format, ...] = FORMATS, shapes=SHAPES, rows=ROWS
             weights = {(k, n): _weight(fmt, k, n, generator) for k, n in class_shapes}
             for count in class_rows:
                 bucket = lib.ql_row_bucket(count)
-                fused = decoded = reference = 0.0
+                fused, decoded, reference = [], [], 0.0
                 for k, n in class_shapes:
                     x = torch.randn(count, k, generator=generator)
                     times = _time_products(lib, fmt, shape_class, bucket, weights[k, n], x, rounds)
-                    fused, decoded = fused + times[0], decoded + times[1]
+                    fused.append(round(times[0], 4))
+                    decoded.append(round(times[1], 4))
                     if (k, n, count) not in fp32:
                         dense = torch.randn(n, k, generator=generator)
                         fp32[k, n, count] = _fastest(partial(torch.nn.functional.linear, x, dense), rounds)
                     reference += fp32[k, n, count]
-                product = native.PRODUCT_DECODED if decoded < fused * (1 - TIE) else native.PRODUCT_FUSED
-                entries.append(Entry(fmt.name, shape_class, bucket, count, round(fused, 4), round(decoded, 4),
+                product = choose(tuple(fused), tuple(decoded))
+                entries.append(Entry(fmt.name, shape_class, bucket, count, tuple(fused), tuple(decoded),
                                      round(reference, 4), PRODUCT_NAMES[product]))  # fmt: skip
     return Table(machine(lib), tuple(entries))
 
