@@ -43,7 +43,7 @@ SOURCES = Path(__file__).with_name("csrc")
 ABI_VERSION = 12
 KINDS = 5  # QL_KINDS: the kinds of `ql_weight` (one per native codec, `Codec.native_kind`)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
-PRODUCT_UNSET, PRODUCT_FUSED, PRODUCT_DECODED = 0, 1, 2  # QL_PRODUCT_*: which product a call of many rows runs
+PRODUCT_UNSET, PRODUCT_FUSED, PRODUCT_DECODED, PRODUCT_FUSED_AVX2 = 0, 1, 2, 3  # QL_PRODUCT_*: a many-row product
 # -ffp-contract=off: a*b+c stays two roundings, as torch computes it (decoded weights are bit-exact).
 _COMPILE = ["-O3", "-std=c11", "-fPIC", "-pthread", "-fvisibility=hidden", "-ffp-contract=off", "-fno-math-errno"]
 _LINK = ["-shared", "-pthread", "-lm"]

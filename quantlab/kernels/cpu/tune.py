@@ -1,16 +1,16 @@
 """Which product a quantized layer runs at many rows, measured on the machine that runs it.
 
 A product of two or more rows of float activations runs either on quantlab's fused kernels (the codes
-decoded in registers, panel by panel) or as the weight decoded into a float buffer and multiplied by
-torch's own GEMM (MKL or oneDNN). Which is faster depends on the CPU more than on quantlab: a vendor's
-BLAS can run its best code on one vendor's CPUs and a weaker path on another's, so a ratio measured on
-one machine says little of the next. So the choice is measured here, once per machine: for each format
-the native kernels decode (codec kind and bits), each shape class (`ql_shape_class`: fewer than 512
-outputs, other weights below 2M values, larger ones) and each row bucket (`ql_row_bucket`: 2-15, 16-63,
-64-255, 256+ rows), both products are timed on representative shapes, rounds alternated, and the one
-whose worst slowdown over the class's shapes is smaller (`choose`) is set in the C library
-(`ql_set_product`), the fused kernel keeping a tie (`TIE`). Both products compute the reference's
-decoded weights; only the order of the float sums differs.
+decoded in registers, panel by panel; on an AVX-512 CPU its AVX2 kernels are a candidate too) or as the
+weight decoded into a float buffer and multiplied by torch's own GEMM (MKL or oneDNN). Which is faster
+depends on the CPU more than on quantlab: a vendor's BLAS can run its best code on one vendor's CPUs and
+a weaker path on another's, so a ratio measured on one machine says little of the next. So the choice is
+measured here, once per machine: for each format the native kernels decode (codec kind and bits), each
+shape class (`ql_shape_class`: fewer than 512 outputs, other weights below 2M values, larger ones) and
+each row bucket (`ql_row_bucket`: 2-15, 16-63, 64-255, 256+ rows), the products are timed on
+representative shapes, rounds alternated, and the one whose worst slowdown over the class's shapes is
+smallest (`choose`) is set in the C library (`ql_set_product`), the fused kernel keeping a tie (`TIE`).
+Every product computes the reference's decoded weights; only the order of the float sums differs.
 
 The table is measured at the first quantized product of a process when no measurement of this build of
 the kernels, instruction set, CPU, torch and thread count is cached (a few seconds), and cached as JSON
@@ -48,8 +48,12 @@ logger = logging.getLogger(__name__)
 
 SETTING = "QUANTLAB_KERNELS"
 CHOICES = ("measured", "fused", "decoded")
-PRODUCT_NAMES = {native.PRODUCT_FUSED: "fused", native.PRODUCT_DECODED: "decoded"}
-TIE = 0.03  # the decoded product must be this much faster to be chosen: the fused one needs no float copy
+PRODUCT_NAMES = {
+    native.PRODUCT_FUSED: "fused",
+    native.PRODUCT_FUSED_AVX2: "fused-avx2",
+    native.PRODUCT_DECODED: "decoded",
+}
+TIE = 0.03  # another product must be this much better to replace the fused one (which needs no float copy)
 ROUNDS = 2
 MIN_SECONDS = 0.002  # a round's figure is its fastest call over at least this long (and at least 2 calls)
 
@@ -89,36 +93,34 @@ ROWS = ((8, 32, 128, 512), (8, 32, 128, 512), (8, 32, 128, 256))  # each row buc
 
 @dataclass(frozen=True)
 class Entry:
-    """One measured cell: milliseconds per call of each product on each of the class's shapes, and of torch
-    fp32 (summed over them), and the product chosen (`choose`)."""
+    """One measured cell: milliseconds per call of each product on each of the class's shapes (`by_shape`:
+    product name -> times), of torch fp32 (summed over the shapes), and the product chosen (`choose`)."""
 
     format: str
     shape_class: int
     row_bucket: int
     rows: int
-    fused_by_shape: tuple[float, ...]
-    decoded_by_shape: tuple[float, ...]
+    by_shape: dict[str, tuple[float, ...]]
     fp32_ms: float
     product: str
 
-    @property
-    def fused_ms(self) -> float:
-        return sum(self.fused_by_shape)
-
-    @property
-    def decoded_ms(self) -> float:
-        return sum(self.decoded_by_shape)
+    def ms(self, product: str) -> float | None:
+        """A product's milliseconds summed over the class's shapes (None: not measured here)."""
+        times = self.by_shape.get(product)
+        return None if times is None else sum(times)
 
 
-def choose(fused: tuple[float, ...], decoded: tuple[float, ...]) -> int:
-    """The product whose worst slowdown against the faster of the two, over the class's shapes, is smaller:
-    a class's shapes can prefer different products, and no shape should pay much for another's gain (a sum
-    of times would let the largest shape decide). The fused product keeps a tie within TIE."""
+def choose(by_shape: dict[int, tuple[float, ...]]) -> int:
+    """The product whose worst slowdown against the fastest, over the class's shapes, is smallest: a class's
+    shapes can prefer different products, and no shape should pay much for another's gain (a sum of times
+    would let the largest shape decide). The fused product keeps a tie within TIE."""
+    best = [min(times) for times in zip(*by_shape.values(), strict=True)]
 
-    def worst(times: tuple[float, ...]) -> float:
-        return max(t / min(f, d) for t, f, d in zip(times, fused, decoded, strict=True))
+    def worst(product: int) -> float:
+        return max(t / b for t, b in zip(by_shape[product], best, strict=True))
 
-    return native.PRODUCT_DECODED if worst(decoded) < worst(fused) - TIE else native.PRODUCT_FUSED
+    chosen = min(by_shape, key=worst)
+    return chosen if worst(chosen) < worst(native.PRODUCT_FUSED) - TIE else native.PRODUCT_FUSED
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,8 @@ class Table:
         data = json.loads(text)
         entries = []
         for entry in data["entries"]:
-            shapes = {key: tuple(entry.pop(key)) for key in ("fused_by_shape", "decoded_by_shape")}
-            entries.append(Entry(**entry, **shapes))
+            by_shape = {name: tuple(times) for name, times in entry.pop("by_shape").items()}
+            entries.append(Entry(**entry, by_shape=by_shape))
         return cls(data["machine"], tuple(entries))
 
 
@@ -249,19 +251,21 @@ def measure(lib, formats: tuple[Format, ...] = FORMATS, shapes=SHAPES, rows=ROWS
             weights = {(k, n): _weight(fmt, k, n, generator) for k, n in class_shapes}
             for count in class_rows:
                 bucket = lib.ql_row_bucket(count)
-                fused, decoded, reference = [], [], 0.0
+                by_shape: dict[int, list[float]] = {product: [] for product in candidates(lib)}
+                reference = 0.0
                 for k, n in class_shapes:
                     x = torch.randn(count, k, generator=generator)
                     times = _time_products(lib, fmt, shape_class, bucket, weights[k, n], x, rounds)
-                    fused.append(round(times[0], 4))
-                    decoded.append(round(times[1], 4))
+                    for product, ms in times.items():
+                        by_shape[product].append(round(ms, 4))
                     if (k, n, count) not in fp32:
                         dense = torch.randn(n, k, generator=generator)
                         fp32[k, n, count] = _fastest(partial(torch.nn.functional.linear, x, dense), rounds)
                     reference += fp32[k, n, count]
-                product = choose(tuple(fused), tuple(decoded))
-                entries.append(Entry(fmt.name, shape_class, bucket, count, tuple(fused), tuple(decoded),
-                                     round(reference, 4), PRODUCT_NAMES[product]))  # fmt: skip
+                product = choose({key: tuple(times) for key, times in by_shape.items()})
+                named = {PRODUCT_NAMES[key]: tuple(times) for key, times in by_shape.items()}
+                entries.append(Entry(fmt.name, shape_class, bucket, count, named, round(reference, 4),
+                                     PRODUCT_NAMES[product]))  # fmt: skip
     return Table(machine(lib), tuple(entries))
 
 
@@ -272,13 +276,20 @@ def _class_of(lib, shapes: tuple[tuple[int, int], ...]) -> int:
     return classes.pop()
 
 
+def candidates(lib) -> tuple[int, ...]:
+    """The products timed here: the fused kernels and the decoded weight with torch's GEMM, and on an AVX-512
+    CPU the AVX2 kernels too."""
+    avx512 = lib.ql_isa() == {name: code for code, name in native.ISA_NAMES.items()}["avx512"]
+    return (native.PRODUCT_FUSED, native.PRODUCT_DECODED, *([native.PRODUCT_FUSED_AVX2] if avx512 else []))
+
+
 def _time_products(lib, fmt: Format, shape_class: int, bucket: int, weight: tuple, x: torch.Tensor,
-                   rounds: int) -> tuple[float, float]:  # fmt: skip
-    """(fused, decoded) milliseconds of one shape: each the fastest of its rounds, rounds alternated."""
+                   rounds: int) -> dict[int, float]:  # fmt: skip
+    """Milliseconds of each candidate product on one shape: each the fastest of its rounds, rounds alternated."""
     described, arguments = weight
     call = _product_call(lib, arguments, described, x)
     isa = lib.ql_isa()
-    best = {native.PRODUCT_FUSED: float("inf"), native.PRODUCT_DECODED: float("inf")}
+    best = {product: float("inf") for product in candidates(lib)}
     try:
         for _ in range(rounds):
             for product in best:
@@ -286,7 +297,7 @@ def _time_products(lib, fmt: Format, shape_class: int, bucket: int, weight: tupl
                 best[product] = min(best[product], _fastest(call))
     finally:
         lib.ql_set_product(isa, fmt.kind, fmt.bits, shape_class, bucket, native.PRODUCT_UNSET)
-    return best[native.PRODUCT_FUSED], best[native.PRODUCT_DECODED]
+    return best
 
 
 # -- the cache -------------------------------------------------------------------------------------
@@ -430,15 +441,16 @@ def report(table: Table) -> str:
         f"kernels: {m['isa']}, {m['threads']} threads, torch {m['torch']} (fp32 GEMM {fp32_gflops():.0f} GFLOP/s "
         f"at 1024^3 now)",
         "",
-        "| format | shapes (in x out) | rows | fused ms | decoded + torch GEMM ms | torch fp32 ms | chosen "
-        "| fp32 / chosen |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| format | shapes (in x out) | rows | fused ms | fused AVX2 ms | decoded + torch GEMM ms | torch fp32 ms "
+        "| chosen | fp32 / chosen |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for e in table.entries:
-        chosen = e.fused_ms if e.product == "fused" else e.decoded_ms
         shapes = ", ".join(f"{k}x{n}" for k, n in SHAPES[e.shape_class])
-        lines.append(f"| {e.format} | {shapes} | {e.rows} | {e.fused_ms:.3f} | {e.decoded_ms:.3f} | {e.fp32_ms:.3f} "
-                     f"| {e.product} | {e.fp32_ms / chosen:.2f}x |")  # fmt: skip
+        times = [e.ms(name) for name in ("fused", "fused-avx2", "decoded")]
+        cells = " | ".join("-" if ms is None else f"{ms:.3f}" for ms in times)
+        lines.append(f"| {e.format} | {shapes} | {e.rows} | {cells} | {e.fp32_ms:.3f} | {e.product} "
+                     f"| {e.fp32_ms / e.ms(e.product):.2f}x |")  # fmt: skip
     return "\n".join(lines)
 
 

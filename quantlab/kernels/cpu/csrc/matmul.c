@@ -66,9 +66,10 @@ static int ql_avx2_panels(int isa, int64_t m, int a8) {
 }
 /* ---- which product a call on many rows runs ---------------------------------------------------- */
 
-/* A product of m >= 2 rows of float x runs either on the fused kernels here (QL_PRODUCT_FUSED) or as the
- * weight decoded (ql_dequantize) and multiplied by the caller's BLAS GEMM (QL_PRODUCT_DECODED: torch's, MKL
- * or oneDNN). Which is faster depends on the CPU more than on anything here: a vendor's BLAS may run its
+/* A product of m >= 2 rows of float x runs either on the fused kernels here (QL_PRODUCT_FUSED; on an AVX-512
+ * CPU, QL_PRODUCT_FUSED_AVX2 runs the AVX2 ones, whose panels of 16 features can share a layer of few
+ * outputs better between threads) or as the weight decoded (ql_dequantize) and multiplied by the caller's
+ * BLAS GEMM (QL_PRODUCT_DECODED: torch's, MKL or oneDNN). Which is faster depends on the CPU more than on anything here: a vendor's BLAS may run its
  * best code on one CPU and a weaker path on another. So it is measured on the machine that runs it
  * (quantlab.kernels.cpu.tune), per instruction set, format (kind and bits), shape class and row bucket,
  * and set here; an entry never set keeps the default: fused on x86, decoded from 8 rows on with the
@@ -88,10 +89,18 @@ QL_API int ql_row_bucket(int64_t m) {
 QL_API int ql_set_product(int isa, int kind, int bits, int shape_class, int row_bucket, int product) {
     if (isa < 0 || isa > QL_ISA_AVX512 || kind < 0 || kind >= QL_KINDS || bits < 2 || bits > 8 || shape_class < 0 ||
         shape_class >= QL_SHAPE_CLASSES || row_bucket < 0 || row_bucket >= QL_ROW_BUCKETS || product < 0 ||
-        product > QL_PRODUCT_DECODED)
+        product > QL_PRODUCT_FUSED_AVX2 || (product == QL_PRODUCT_FUSED_AVX2 && isa != QL_ISA_AVX512))
         return QL_BAD_FORMAT;
     ql_products[isa][kind][bits][shape_class][row_bucket] = (signed char)product;
     return QL_OK;
+}
+
+/* The instruction set a product of m rows of float x on features [0, features) of w's layout runs at: the
+ * CPU's, or AVX2's kernels on an AVX-512 CPU where they were measured faster (QL_PRODUCT_FUSED_AVX2). */
+int ql_product_isa(const ql_weight *w, int64_t m, int64_t features) {
+    ql_weight shape = *w;
+    shape.n = features;
+    return ql_product(&shape, m) == QL_PRODUCT_FUSED_AVX2 ? QL_ISA_AVX2 : ql_isa();
 }
 
 QL_API int ql_product(const ql_weight *w, int64_t m) {
@@ -337,7 +346,7 @@ static const float *ql_kernel_x(const ql_weight *w, const ql_layout *layout, int
 QL_API int ql_gemm(const ql_weight *w, const float *x, int64_t m, int64_t x_stride, float *y, int64_t y_stride, int threads) {
     int status = ql_check(w);
     if (status != QL_OK) return status;
-    ql_job job = {.w = w, .isa = ql_isa(), .m = m, .out = y, .out_stride = y_stride};
+    ql_job job = {.w = w, .isa = ql_product_isa(w, m, w->n), .m = m, .out = y, .out_stride = y_stride};
     job.layout = ql_layout_for(w, job.isa, m, QL_A8_NONE);
     float *xp = NULL;
     threads = ql_threads(threads, w->n * w->groups * w->group_bytes * (m < 4 ? 1 : m / 4));
@@ -417,9 +426,9 @@ QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x
     if (features > y_stride) return QL_BAD_FORMAT;
     ql_job *jobs = calloc((size_t)count, sizeof(ql_job));
     int64_t *first_chunk = malloc((size_t)(count + 1) * sizeof(int64_t));
-    int isa = ql_isa();
     /* int8 activations: the one-row kernels below QL_A8_ROWS rows, then the many-row ones */
     const int a8 = activation_bits == 8 && ql_a8_eligible(&weights[0]) ? ql_a8_kernel() : QL_A8_NONE;
+    const int isa = a8 == QL_A8_NONE ? ql_product_isa(&weights[0], m, features) : ql_isa();
     /* the many-row kernels read x in its natural order, in whole blocks of 64 */
     ql_layout layout = ql_a8_rows(a8, m) ? ql_make_layout(&weights[0], 64, 0) : ql_layout_for(&weights[0], isa, m, a8);
     float *xp = NULL;

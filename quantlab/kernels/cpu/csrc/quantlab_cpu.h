@@ -295,7 +295,7 @@ int64_t ql_chunk_features(int64_t n, int threads, int per_thread);
 /* matmul.c */
 QL_API int ql_isa(void);
 /* Which product a call of m rows runs (matmul.c): measured per format, shape class and row bucket (ql_set_product). */
-enum { QL_PRODUCT_UNSET = 0, QL_PRODUCT_FUSED = 1, QL_PRODUCT_DECODED = 2 };
+enum { QL_PRODUCT_UNSET = 0, QL_PRODUCT_FUSED = 1, QL_PRODUCT_DECODED = 2, QL_PRODUCT_FUSED_AVX2 = 3 };
 #define QL_SHAPE_CLASSES 3
 #define QL_ROW_BUCKETS 4
 #define QL_NARROW_OUTPUTS 512     /* shape class 0: fewer output features (few panels a thread) */
@@ -304,6 +304,7 @@ QL_API int ql_shape_class(int64_t n, int64_t k);
 QL_API int ql_row_bucket(int64_t m); /* -1 for one row */
 QL_API int ql_set_product(int isa, int kind, int bits, int shape_class, int row_bucket, int product);
 QL_API int ql_product(const ql_weight *w, int64_t m);
+int ql_product_isa(const ql_weight *w, int64_t m, int64_t features); /* the instruction set a float product runs at */
 int ql_same_layout(const ql_weight *a, const ql_weight *b); /* what ql_gemm_group needs of its weights */
 QL_API int ql_gemm_group(const ql_weight *weights, int64_t count, const float *x, int64_t m, int64_t x_stride, float *y,
                          int64_t y_stride, int threads, int activation_bits);
