@@ -240,31 +240,43 @@ def _product_call(lib, arguments: tuple, described, x: torch.Tensor) -> Callable
 
 
 def measure(lib, formats: tuple[Format, ...] = FORMATS, shapes=SHAPES, rows=ROWS, rounds: int = ROUNDS) -> Table:
-    """Time both products for each format, shape class and row bucket on this machine (and torch fp32 on the
-    same shapes, for the report). A shape's class and a row count's bucket are the C library's own."""
+    """Time every candidate product for each format, shape class and row bucket on this machine (and torch
+    fp32 on the same shapes, for the report). A shape's class and a row count's bucket are the C library's.
+
+    Each round passes over every cell of a format once, the products alternated within a cell; a cell's
+    figure is its fastest round. The rounds of a cell are a whole pass apart, so a burst of load on a shared
+    machine (seconds long) slows one round of a cell, not all of them."""
     generator = torch.Generator().manual_seed(0)
     entries = []
     fp32: dict[tuple[int, int, int], float] = {}
     for fmt in formats:
+        cells = []  # (shape class, row bucket, rows, k, n, weight, x)
         for class_shapes, class_rows in zip(shapes, rows, strict=True):
             shape_class = _class_of(lib, class_shapes)
-            weights = {(k, n): _weight(fmt, k, n, generator) for k, n in class_shapes}
-            for count in class_rows:
-                bucket = lib.ql_row_bucket(count)
-                by_shape: dict[int, list[float]] = {product: [] for product in candidates(lib)}
-                reference = 0.0
-                for k, n in class_shapes:
+            for k, n in class_shapes:
+                weight = _weight(fmt, k, n, generator)
+                for count in class_rows:
                     x = torch.randn(count, k, generator=generator)
-                    times = _time_products(lib, fmt, shape_class, bucket, weights[k, n], x, rounds)
-                    for product, ms in times.items():
-                        by_shape[product].append(round(ms, 4))
-                    if (k, n, count) not in fp32:
-                        dense = torch.randn(n, k, generator=generator)
-                        fp32[k, n, count] = _fastest(partial(torch.nn.functional.linear, x, dense), rounds)
-                    reference += fp32[k, n, count]
-                product = choose({key: tuple(times) for key, times in by_shape.items()})
-                named = {PRODUCT_NAMES[key]: tuple(times) for key, times in by_shape.items()}
-                entries.append(Entry(fmt.name, shape_class, bucket, count, named, round(reference, 4),
+                    cells.append((shape_class, lib.ql_row_bucket(count), count, k, n, weight, x))
+        best: dict[tuple, dict[int, float]] = {}
+        for _ in range(rounds):
+            for shape_class, bucket, count, k, n, weight, x in cells:
+                times = _time_products(lib, fmt, shape_class, bucket, weight, x, 1)
+                kept = best.setdefault((shape_class, count, k, n), times)
+                for product, ms in times.items():
+                    kept[product] = min(kept[product], ms)
+                if (k, n, count) not in fp32:
+                    dense = torch.randn(n, k, generator=generator)
+                    fp32[k, n, count] = min(_fastest(partial(torch.nn.functional.linear, x, dense)) for _ in range(3))
+        for class_shapes, class_rows in zip(shapes, rows, strict=True):
+            shape_class = _class_of(lib, class_shapes)
+            for count in class_rows:
+                by_shape = {product: tuple(round(best[shape_class, count, k, n][product], 4) for k, n in class_shapes)
+                            for product in candidates(lib)}  # fmt: skip
+                product = choose(by_shape)
+                reference = round(sum(fp32[k, n, count] for k, n in class_shapes), 4)
+                named = {PRODUCT_NAMES[key]: times for key, times in by_shape.items()}
+                entries.append(Entry(fmt.name, shape_class, lib.ql_row_bucket(count), count, named, reference,
                                      PRODUCT_NAMES[product]))  # fmt: skip
     return Table(machine(lib), tuple(entries))
 
