@@ -24,7 +24,7 @@ import torch
 
 from quantlab.formats.codec import native_codecs
 from quantlab.kernels import register_kernel
-from quantlab.kernels.cpu import native, ops, traced, tune
+from quantlab.kernels.cpu import native, ops, traced
 from quantlab.kernels.cpu.weights import NativeWeight, describable, native_weight
 from quantlab.kernels.reference import dequantize_matmul
 
@@ -157,11 +157,18 @@ def native_linear(module, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_tune = None  # quantlab.kernels.cpu.tune, imported at the first many-row call (so `python -m` runs it cleanly)
+
+
 def _settle_products(layout) -> None:
     """This format's products at many rows, measured on this machine the first time (`tune.ensure_format`)."""
+    global _tune
     lib = native.library()
-    if lib is not None:
-        tune.ensure_format(lib, layout.codec_object.native_kind, layout.bits)
+    if lib is None:
+        return
+    if _tune is None:
+        from quantlab.kernels.cpu import tune as _tune
+    _tune.ensure_format(lib, layout.codec_object.native_kind, layout.bits)
 
 
 def ctypes_linear(module, x: torch.Tensor) -> torch.Tensor | None:
