@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,16 +57,7 @@ Forward = Callable[[torch.Tensor], object]
 
 def time_call(forward: Callable[[], object], min_seconds: float = 0.05, min_calls: int = 5) -> float:
     """Wall time of the fastest call in milliseconds, after one warm-up call."""
-    forward()
-    best = float("inf")
-    calls = 0
-    start = time.perf_counter()
-    while calls < min_calls or time.perf_counter() - start < min_seconds:
-        begin = time.perf_counter()
-        forward()
-        best = min(best, time.perf_counter() - begin)
-        calls += 1
-    return best * 1e3
+    return tune.fastest_ms(forward, min_calls, min_seconds)
 
 
 def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:

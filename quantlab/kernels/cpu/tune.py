@@ -196,11 +196,12 @@ def cache_path(lib) -> Path:
 # -- measuring -------------------------------------------------------------------------------------
 
 
-def _fastest(call: Callable[[], object], min_calls: int = 2) -> float:
-    """Milliseconds of the fastest call, after one untimed call."""
+def fastest_ms(call: Callable[[], object], min_calls: int = 2, min_seconds: float = MIN_SECONDS) -> float:
+    """Milliseconds of the fastest call (at least `min_calls` calls and `min_seconds`), after one untimed call: on
+    a shared machine a call longer than a time slice may be preempted, which a mean or median would count."""
     call()
     best, calls, start = float("inf"), 0, time.perf_counter()
-    while calls < min_calls or time.perf_counter() - start < MIN_SECONDS:
+    while calls < min_calls or time.perf_counter() - start < min_seconds:
         begin = time.perf_counter()
         call()
         best = min(best, time.perf_counter() - begin)
@@ -267,7 +268,7 @@ def measure(lib, formats: tuple[Format, ...] = FORMATS, shapes=SHAPES, rows=ROWS
                     kept[product] = min(kept[product], ms)
                 if fmt is formats[0]:  # torch fp32 on the same shapes, in the first format's rounds
                     dense = torch.randn(n, k, generator=generator)
-                    ms = _fastest(partial(torch.nn.functional.linear, x, dense))
+                    ms = fastest_ms(partial(torch.nn.functional.linear, x, dense))
                     fp32[k, n, count] = min(fp32.get((k, n, count), ms), ms)
         for class_shapes, class_rows in zip(shapes, rows, strict=True):
             shape_class = _class_of(lib, class_shapes)
@@ -307,7 +308,7 @@ def _time_products(lib, fmt: Format, shape_class: int, bucket: int, weight: tupl
         for _ in range(rounds):
             for product in best:
                 lib.ql_set_product(isa, fmt.kind, fmt.bits, shape_class, bucket, product)
-                best[product] = min(best[product], _fastest(call))
+                best[product] = min(best[product], fastest_ms(call))
     finally:
         lib.ql_set_product(isa, fmt.kind, fmt.bits, shape_class, bucket, native.PRODUCT_UNSET)
     return best
@@ -442,7 +443,7 @@ def settle_all(lib) -> None:
 def fp32_gflops(size: int = 1024) -> float:
     """torch's own fp32 GEMM rate on a size^3 product here (the yardstick every ratio is read against)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
-    best = _fastest(partial(torch.mm, a, b), 3)
+    best = fastest_ms(partial(torch.mm, a, b), 3)
     return 2 * size**3 / (best / 1e3) / 1e9
 
 
