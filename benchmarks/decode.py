@@ -204,14 +204,13 @@ def load(name: str, directory: Path):
 
 
 def models_by_path(name: str, directory: Path, paths: list[str], model=None) -> dict[str, object]:
-    """The model each path runs: one for eager and the first compiled path, a copy for each further
-    compiled path (a model keeps one compiled step: two would recompile each other's)."""
+    """The model each path runs: one for eager and `fast`, a copy for every other path (a model keeps one
+    compiled step: two would recompile each other's; int8 activations also turn its eager forwards to int8)."""
     model = model or load(name, directory)
-    models, compiled = {}, 0
+    models = {}
     for path in paths:
-        models[path] = load(name, directory) if path != "eager" and compiled else model
+        models[path] = model if path in ("eager", "fast") else load(name, directory)
         models[path].generation_config.pad_token_id = model.generation_config.pad_token_id
-        compiled += path != "eager"
     return models
 
 
