@@ -12,10 +12,10 @@ representative shapes, rounds alternated, and the one whose worst slowdown over 
 smallest (`choose`) is set in the C library (`ql_set_product`), the fused kernel keeping a tie (`TIE`).
 Every product computes the reference's decoded weights; only the order of the float sums differs.
 
-The table is measured at the first quantized product of a process when no measurement of this build of
-the kernels, instruction set, CPU, torch and thread count is cached (a few seconds), and cached as JSON
+A format is measured at its first many-row product in a process when no measurement of it for this build
+of the kernels, instruction set, CPU, torch and thread count is cached (a few seconds), and cached as JSON
 beside the built kernels, with the library's checks (private folder and file, SHA-256 recorded:
-`quantlab.kernels.trusted`). `python -m quantlab.kernels.cpu.build` measures it ahead of time.
+`quantlab.kernels.trusted`). `python -m quantlab.kernels.cpu.build` measures every format ahead of time.
 
 `QUANTLAB_KERNELS` overrides the measurement: `measured` (the default), `fused` (the fused kernels at
 every row count), `decoded` (decode and torch's GEMM from two rows on). `python -m
