@@ -43,6 +43,7 @@ SOURCES = Path(__file__).with_name("csrc")
 ABI_VERSION = 12
 KINDS = 5  # QL_KINDS: the kinds of `ql_weight` (one per native codec, `Codec.native_kind`)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+ISA_CODES = {name: code for code, name in ISA_NAMES.items()}
 PRODUCT_UNSET, PRODUCT_FUSED, PRODUCT_DECODED, PRODUCT_FUSED_AVX2 = 0, 1, 2, 3  # QL_PRODUCT_*: a many-row product
 # -ffp-contract=off: a*b+c stays two roundings, as torch computes it (decoded weights are bit-exact).
 _COMPILE = ["-O3", "-std=c11", "-fPIC", "-pthread", "-fvisibility=hidden", "-ffp-contract=off", "-fno-math-errno"]
@@ -313,7 +314,7 @@ def isa() -> str | None:
 def force_isa(name: str) -> None:
     """Run the kernels on instruction set `name` (`avx512`, `avx2`, `scalar`; `native`: the best this CPU
     has), or on the best one below it this CPU has: to measure and test a lower path on a newer CPU."""
-    codes = {value: key for key, value in ISA_NAMES.items()} | {"native": -1}
+    codes = ISA_CODES | {"native": -1}
     if name not in codes:
         raise ValueError(f"unknown instruction set {name!r}: choose one of {', '.join(sorted(codes))}")
     lib = library()

@@ -24,6 +24,7 @@ quantlab.kernels.cpu.tune --report` prints what was chosen and the measured time
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -146,6 +147,7 @@ class Table:
 # -- the machine -----------------------------------------------------------------------------------
 
 
+@functools.cache
 def cpu_name() -> str:
     """The CPU's model name (and vendor, family, model where Linux tells them)."""
     fields: dict[str, str] = {}
@@ -163,7 +165,8 @@ def cpu_name() -> str:
     return f"{fields.get('model name', '?')} ({fields.get('vendor_id', '?')}, {family})"
 
 
-def cpu_flags() -> list[str]:
+@functools.cache
+def cpu_flags() -> tuple[str, ...]:
     """The instruction-set flags that matter to these kernels (AVX2, AVX-512 parts, VNNI, AMX)."""
     wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
               "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
@@ -171,15 +174,15 @@ def cpu_flags() -> list[str]:
         for line in info:
             if line.startswith("flags"):
                 present = set(line.partition(":")[2].split())
-                return [flag for flag in wanted if flag in present]
-    return []
+                return tuple(flag for flag in wanted if flag in present)
+    return ()
 
 
 def machine(lib) -> dict:
     """What a measurement depends on; its hash names the cache file."""
     return {
         "cpu": cpu_name(),
-        "flags": cpu_flags(),
+        "flags": list(cpu_flags()),
         "isa": native.ISA_NAMES[lib.ql_isa()],
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -293,7 +296,7 @@ def _class_of(lib, shapes: tuple[tuple[int, int], ...]) -> int:
 def candidates(lib) -> tuple[int, ...]:
     """The products timed here: the fused kernels and the decoded weight with torch's GEMM, and on an AVX-512
     CPU the AVX2 kernels too."""
-    avx512 = lib.ql_isa() == {name: code for code, name in native.ISA_NAMES.items()}["avx512"]
+    avx512 = lib.ql_isa() == native.ISA_CODES["avx512"]
     return (native.PRODUCT_FUSED, native.PRODUCT_DECODED, *([native.PRODUCT_FUSED_AVX2] if avx512 else []))
 
 
@@ -368,7 +371,7 @@ def setting() -> str:
 
 def apply(lib, table: Table, formats: tuple[Format, ...] = FORMATS) -> None:
     """Set the table's choices for `formats` in the C library, for the instruction set it was measured on."""
-    isa = {name: code for code, name in native.ISA_NAMES.items()}[table.machine["isa"]]
+    isa = native.ISA_CODES[table.machine["isa"]]
     by_name = {fmt.name: fmt for fmt in formats}
     products = {name: code for code, name in PRODUCT_NAMES.items()}
     for entry in table.entries:
@@ -381,10 +384,9 @@ def apply_everywhere(lib, product: int) -> None:
     """One product for every format, shape class and row bucket of the instruction set in use."""
     isa = lib.ql_isa()
     for fmt in FORMATS:
-        for class_rows in ROWS:
+        for shape_class, class_rows in enumerate(ROWS):
             for bucket in range(len(class_rows)):
-                for shape_class in range(len(SHAPES)):
-                    lib.ql_set_product(isa, fmt.kind, fmt.bits, shape_class, bucket, product)
+                lib.ql_set_product(isa, fmt.kind, fmt.bits, shape_class, bucket, product)
 
 
 _FORMAT_OF = {(fmt.kind, fmt.bits): fmt for fmt in FORMATS}  # (kind, bits) -> the format measured for it

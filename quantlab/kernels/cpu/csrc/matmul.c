@@ -97,19 +97,20 @@ QL_API int ql_set_product(int isa, int kind, int bits, int shape_class, int row_
 
 /* The instruction set a product of m rows of float x on features [0, features) of w's layout runs at: the
  * CPU's, or AVX2's kernels on an AVX-512 CPU where they were measured faster (QL_PRODUCT_FUSED_AVX2). */
-int ql_product_isa(const ql_weight *w, int64_t m, int64_t features) {
-    ql_weight shape = *w;
-    shape.n = features;
-    return ql_product(&shape, m) == QL_PRODUCT_FUSED_AVX2 ? QL_ISA_AVX2 : ql_isa();
-}
-
-QL_API int ql_product(const ql_weight *w, int64_t m) {
+/* The product of m rows on a weight of `kind` and `bits` with n outputs and k inputs (ql_product's table). */
+static int ql_product_of(int kind, int bits, int64_t n, int64_t k, int64_t m) {
     int bucket = ql_row_bucket(m), isa = ql_isa();
-    if (bucket < 0 || w->kind < 0 || w->kind >= QL_KINDS || w->bits < 2 || w->bits > 8) return QL_PRODUCT_FUSED;
-    int chosen = ql_products[isa][w->kind][w->bits][ql_shape_class(w->n, w->k)][bucket];
+    if (bucket < 0 || kind < 0 || kind >= QL_KINDS || bits < 2 || bits > 8) return QL_PRODUCT_FUSED;
+    int chosen = ql_products[isa][kind][bits][ql_shape_class(n, k)][bucket];
     if (chosen != QL_PRODUCT_UNSET) return chosen;
     return isa == QL_ISA_SCALAR && m >= 8 ? QL_PRODUCT_DECODED : QL_PRODUCT_FUSED;
 }
+
+int ql_product_isa(const ql_weight *w, int64_t m, int64_t features) {
+    return ql_product_of(w->kind, w->bits, features, w->k, m) == QL_PRODUCT_FUSED_AVX2 ? QL_ISA_AVX2 : ql_isa();
+}
+
+QL_API int ql_product(const ql_weight *w, int64_t m) { return ql_product_of(w->kind, w->bits, w->n, w->k, m); }
 
 QL_API int ql_abi_version(void) { return QL_ABI_VERSION; }
 
