@@ -12,6 +12,8 @@
 /* 4-bit codes also go to L2 twice as far ahead, a small gain in the decode step; the int8 kernel, which
  * reads each feature start to end, gained nothing from it, so it does without (benchmarks/RESULTS.md). */
 #define QL_PREFETCH_L2_BLOCKS 8
+#define QL_BY_FEATURE_BYTES 512 /* rows this long are read feature by feature (ql_block_a8_short_by_feature) */
+#define QL_PAIR_WINDOW 16 /* pairs of blocks of one feature read in order before the next feature's: 2 KiB of inputs */
 
 static inline void ql_prefetch(const uint8_t *from, int64_t bytes, const uint8_t *end) {
     for (int64_t b = 0; b < bytes && from + b < end; b += 64) _mm_prefetch((const char *)(from + b), _MM_HINT_T0);
@@ -64,6 +66,23 @@ QL_VNNI void ql_quantize_x_a8(const float *xp, int64_t m, int64_t row_length, in
     }
 }
 
+/* One pair of blocks of one feature as floats, lanes 0-7 block b's and 8-15 block b + 1's: its 64 code
+ * bytes (the pair's low nibbles meet x's lows, the high nibbles x's highs) times x's pair [lows, highs]. */
+QL_INLINE QL_VNNI __m512 ql_pair_dot(const uint8_t *codes, const int8_t *x, __m512i low) {
+    const __m512i packed = _mm512_loadu_si512(codes);
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low), _mm512_loadu_si512(x));
+    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), _mm512_loadu_si512(x + 64));
+    return _mm512_cvtepi32_ps(dot);
+}
+
+/* The odd last block of a feature as floats: its 32 code bytes times x's [lows, highs] of that block. */
+QL_INLINE QL_VNNI __m512 ql_lone_dot(const uint8_t *codes, const int8_t *x, __m512i low) {
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)codes), low256 = _mm512_castsi512_si256(low);
+    const __m256i lo = _mm256_and_si256(packed, low256), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low256);
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(x)));
+}
+
 /* NR features from n, one row, 4-bit codes: acc_j += scale * d * float(q . xq) per block, and the zero
  * point's share, sum over groups of scale * zero * xz[g] (xz[g] = sum of d * sum xq over the group's
  * blocks, once per call: ql_zero_terms), taken off at the end. Two blocks a step: one 64-byte load
@@ -71,41 +90,34 @@ QL_VNNI void ql_quantize_x_a8(const float *xp, int64_t m, int64_t row_length, in
  * theirs (ql_quantize_x_a8 lays x out in such pairs), so lanes 0-7 of the dot product are block b's
  * and lanes 8-15 block b + 1's: half the instructions of a block at a time. An odd last block goes
  * alone. The inner step is vector work only: the pair's two scales broadcast from memory times the
- * pair's d, shared by the NR features. */
+ * pair's d. Each feature's codes are read start to end before the next one's, as they lie: 4 features
+ * interleaved block by block streamed rows of a kilobyte or more from DRAM at about two thirds of the
+ * speed (benchmarks/RESULTS.md). */
 QL_INLINE QL_VNNI void ql_block_a8(const int NR, const ql_weight *w, const int8_t *xq, const float *xd,
                                    const float *xz, int64_t n, float *y, const float *params) {
     const int64_t G = w->groups, per_group = w->group_codes / 64, blocks = G * per_group;
     const int64_t row_bytes = G * w->group_bytes;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[4];
-    for (int j = 0; j < NR; j++) acc[j] = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-        const __m512i lows = _mm512_loadu_si512(xq + b * 64), highs = _mm512_loadu_si512(xq + b * 64 + 64);
-        const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(xd[b]), _mm256_set1_ps(xd[b + 1]), 1);
-        const int64_t first = b / per_group, second = (b + 1) / per_group;
-        for (int j = 0; j < NR; j++) {
-            __m512i packed = _mm512_loadu_si512(w->codes + (n + j) * row_bytes + b * 32);
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low), lows);
-            dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), highs);
-            const float *scale = params + j * G;
-            __m512 sd = _mm512_insertf32x8(_mm512_set1_ps(scale[first]), _mm256_set1_ps(scale[second]), 1);
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sd, d), acc[j]);
+    for (int j = 0; j < NR; j++) { /* each feature's codes in order, as they lie (ql_block_a8_short_by_feature) */
+        const uint8_t *row = w->codes + (n + j) * row_bytes;
+        const float *scale = params + j * G;
+        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); /* two chains: FMA latency */
+        int64_t b = 0;
+        for (; b + 2 <= blocks; b += 2) {
+            const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(xd[b]), _mm256_set1_ps(xd[b + 1]), 1);
+            const __m512 sd = _mm512_insertf32x8(_mm512_set1_ps(scale[b / per_group]),
+                                                 _mm256_set1_ps(scale[(b + 1) / per_group]), 1);
+            const __m512 dot = ql_pair_dot(row + b * 32, xq + b * 64, low);
+            if (b & 2)
+                odd = _mm512_fmadd_ps(dot, _mm512_mul_ps(sd, d), odd);
+            else
+                even = _mm512_fmadd_ps(dot, _mm512_mul_ps(sd, d), even);
         }
-    }
-    if (b < blocks) { /* the odd last block: [its lows, its highs] */
-        const __m512i x = _mm512_loadu_si512(xq + b * 64);
-        const __m256i low256 = _mm256_set1_epi8(0x0f);
-        const int64_t g = b / per_group;
-        for (int j = 0; j < NR; j++) {
-            __m256i packed = _mm256_loadu_si256((const __m256i *)(w->codes + (n + j) * row_bytes + b * 32));
-            __m256i lo = _mm256_and_si256(packed, low256);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low256);
-            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
-            const float sd = params[j * G + g] * xd[b];
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(sd), acc[j]);
-        }
+        if (b < blocks) /* the odd last block: [its lows, its highs] */
+            odd = _mm512_fmadd_ps(ql_lone_dot(row + b * 32, xq + b * 64, low),
+                                  _mm512_set1_ps(scale[b / per_group] * xd[b]), odd);
+        acc[j] = _mm512_add_ps(even, odd);
     }
     for (int j = 0; j < NR; j++) { /* the zero point's share, lane by lane */
         const float *scale = params + j * G, *zero = params + (4 + j) * G;
@@ -118,20 +130,15 @@ QL_INLINE QL_VNNI void ql_block_a8(const int NR, const ql_weight *w, const int8_
     ql_store_sums(NR, acc, y + n);
 }
 
-/* ql_block_a8 for 4 features of at most 32 groups: each feature's scales (and zeros) stay in two
- * registers, converted once, and a pair's two scales are picked out of them by one permute instead of
- * going through memory (ql_params4_512), faster at one row on every shape measured. One function for
- * both (windows of 32 groups, any row count) ran the short rows slower and longer rows no faster, so
- * the near-copy of ql_block_a8 stays (timings in benchmarks/RESULTS.md). */
-QL_INLINE QL_VNNI void ql_block_a8_short(const ql_weight *w, const int8_t *xq, const float *xd, const float *xz,
-                                         int64_t n, float *y) {
-    const int64_t G = w->groups, per_group = w->group_codes / 64, blocks = G * per_group;
-    const int64_t row_bytes = G * w->group_bytes, low_count = G < 16 ? G : 16, high_count = G - low_count;
-    const __m512i low = _mm512_set1_epi8(0x0f);
+/* The short kernels' start for 4 features of at most 32 groups: each feature's scales in two registers,
+ * converted once (a pair's two scales are then picked out of them by one permute instead of going through
+ * memory: ql_params4_512), and acc starting from minus the zero point's share. */
+QL_INLINE QL_VNNI void ql_short_start(const ql_weight *w, const float *xz, int64_t n, __m512 *scale_low,
+                                      __m512 *scale_high, __m512 *acc) {
+    const int64_t G = w->groups, low_count = G < 16 ? G : 16, high_count = G - low_count;
     const __m512 xz_low = ql_load16(xz, QL_F32, 0, low_count);
     const __m512 xz_high = high_count ? ql_load16(xz, QL_F32, 16, high_count) : _mm512_setzero_ps();
-    __m512 scale_low[4], scale_high[4], acc[4];
-    for (int j = 0; j < 4; j++) { /* acc starts from minus the zero point's share */
+    for (int j = 0; j < 4; j++) {
         const int64_t first = (n + j) * G;
         scale_low[j] = ql_load16(w->scale, w->scale_dtype, first, low_count);
         scale_high[j] = high_count ? ql_load16(w->scale, w->scale_dtype, first + 16, high_count) : _mm512_setzero_ps();
@@ -142,33 +149,89 @@ QL_INLINE QL_VNNI void ql_block_a8_short(const ql_weight *w, const int8_t *xq, c
         acc[j] = _mm512_fnmadd_ps(_mm512_mul_ps(scale_low[j], zero_low), xz_low, _mm512_setzero_ps());
         acc[j] = _mm512_fnmadd_ps(_mm512_mul_ps(scale_high[j], zero_high), xz_high, acc[j]);
     }
+}
+
+/* Lanes 0-7 block b's d times its group's scale, lanes 8-15 block b + 1's (`pick`: each lane's group). */
+QL_INLINE QL_VNNI __m512 ql_picked_scale(__m512 scale_low, __m512 scale_high, __m512i pick, __m512 d) {
+    return _mm512_mul_ps(_mm512_permutex2var_ps(scale_low, pick, scale_high), d);
+}
+
+QL_INLINE QL_VNNI __m512i ql_pair_pick(int64_t b, int64_t per_group) {
+    return _mm512_mask_blend_epi32((__mmask16)0xff00, _mm512_set1_epi32((int)(b / per_group)),
+                                   _mm512_set1_epi32((int)((b + 1) / per_group)));
+}
+
+/* ql_block_a8 for 4 features of at most 32 groups and rows under QL_BY_FEATURE_BYTES, block by block:
+ * each pair of x's blocks is loaded once for the 4 features, whose 4 short rows lie in one run of memory
+ * anyway. Faster at one row on every such shape measured (benchmarks/RESULTS.md). */
+QL_INLINE QL_VNNI void ql_block_a8_short_by_block(const ql_weight *w, const int8_t *xq, const float *xd,
+                                                  const float *xz, int64_t n, float *y) {
+    const int64_t per_group = w->group_codes / 64, blocks = w->groups * per_group;
+    const int64_t row_bytes = w->groups * w->group_bytes;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 scale_low[4], scale_high[4], acc[4];
+    ql_short_start(w, xz, n, scale_low, scale_high, acc);
     int64_t b = 0;
     for (; b + 2 <= blocks; b += 2) {
-        const __m512i lows = _mm512_loadu_si512(xq + b * 64), highs = _mm512_loadu_si512(xq + b * 64 + 64);
         const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(xd[b]), _mm256_set1_ps(xd[b + 1]), 1);
-        const __m512i pick = _mm512_mask_blend_epi32((__mmask16)0xff00, _mm512_set1_epi32((int)(b / per_group)),
-                                                     _mm512_set1_epi32((int)((b + 1) / per_group)));
+        const __m512i pick = ql_pair_pick(b, per_group);
         for (int j = 0; j < 4; j++) {
-            __m512i packed = _mm512_loadu_si512(w->codes + (n + j) * row_bytes + b * 32);
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(packed, low), lows);
-            dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), highs);
-            __m512 sd = _mm512_mul_ps(_mm512_permutex2var_ps(scale_low[j], pick, scale_high[j]), d);
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, acc[j]);
+            const __m512 dot = ql_pair_dot(w->codes + (n + j) * row_bytes + b * 32, xq + b * 64, low);
+            acc[j] = _mm512_fmadd_ps(dot, ql_picked_scale(scale_low[j], scale_high[j], pick, d), acc[j]);
         }
     }
     if (b < blocks) { /* the odd last block: [its lows, its highs] */
-        const __m512i x = _mm512_loadu_si512(xq + b * 64);
-        const __m256i low256 = _mm256_set1_epi8(0x0f);
         const __m512i pick = _mm512_set1_epi32((int)(b / per_group));
         const __m512 d = _mm512_set1_ps(xd[b]);
         for (int j = 0; j < 4; j++) {
-            __m256i packed = _mm256_loadu_si256((const __m256i *)(w->codes + (n + j) * row_bytes + b * 32));
-            __m256i lo = _mm256_and_si256(packed, low256);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low256);
-            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
-            __m512 sd = _mm512_mul_ps(_mm512_permutex2var_ps(scale_low[j], pick, scale_high[j]), d);
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, acc[j]);
+            const __m512 dot = ql_lone_dot(w->codes + (n + j) * row_bytes + b * 32, xq + b * 64, low);
+            acc[j] = _mm512_fmadd_ps(dot, ql_picked_scale(scale_low[j], scale_high[j], pick, d), acc[j]);
+        }
+    }
+    ql_store_sums(4, acc, y + n);
+}
+
+/* The same for rows of QL_BY_FEATURE_BYTES or more, feature by feature: each feature's codes in order, as
+ * they lie (ql_block_a8), its pairs a window at a time (their d and picks computed once for the 4), then
+ * its odd last block. */
+QL_INLINE QL_VNNI void ql_block_a8_short_by_feature(const ql_weight *w, const int8_t *xq, const float *xd,
+                                                    const float *xz, int64_t n, float *y) {
+    const int64_t per_group = w->group_codes / 64, blocks = w->groups * per_group;
+    const int64_t row_bytes = w->groups * w->group_bytes, pairs = blocks / 2, lone = blocks - 1;
+    const int has_lone = (int)(blocks % 2);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 scale_low[4], scale_high[4], acc[4];
+    ql_short_start(w, xz, n, scale_low, scale_high, acc);
+    const __m512i lone_pick = _mm512_set1_epi32((int)(lone / per_group));
+    const __m512 lone_d = _mm512_set1_ps(has_lone ? xd[lone] : 0.0f);
+    for (int64_t p0 = 0; p0 == 0 || p0 < pairs; p0 += QL_PAIR_WINDOW) {
+        const int64_t count = pairs - p0 < QL_PAIR_WINDOW ? pairs - p0 : QL_PAIR_WINDOW;
+        const int last = p0 + QL_PAIR_WINDOW >= pairs;
+        __m512 d[QL_PAIR_WINDOW];
+        __m512i pick[QL_PAIR_WINDOW];
+        for (int64_t p = 0; p < count; p++) {
+            const int64_t b = 2 * (p0 + p);
+            d[p] = _mm512_insertf32x8(_mm512_set1_ps(xd[b]), _mm256_set1_ps(xd[b + 1]), 1);
+            pick[p] = ql_pair_pick(b, per_group);
+        }
+        for (int j = 0; j < 4; j++) {
+            const uint8_t *row = w->codes + (n + j) * row_bytes, *codes = row + p0 * 64;
+            const int8_t *x = xq + p0 * 128;
+            __m512 even = acc[j], odd = _mm512_setzero_ps(); /* two chains: FMA latency */
+            int64_t p = 0;
+            for (; p + 2 <= count; p += 2) {
+                even = _mm512_fmadd_ps(ql_pair_dot(codes + p * 64, x + p * 128, low),
+                                       ql_picked_scale(scale_low[j], scale_high[j], pick[p], d[p]), even);
+                odd = _mm512_fmadd_ps(ql_pair_dot(codes + p * 64 + 64, x + p * 128 + 128, low),
+                                      ql_picked_scale(scale_low[j], scale_high[j], pick[p + 1], d[p + 1]), odd);
+            }
+            if (p < count)
+                even = _mm512_fmadd_ps(ql_pair_dot(codes + p * 64, x + p * 128, low),
+                                       ql_picked_scale(scale_low[j], scale_high[j], pick[p], d[p]), even);
+            if (last && has_lone)
+                odd = _mm512_fmadd_ps(ql_lone_dot(row + lone * 32, xq + lone * 64, low),
+                                      ql_picked_scale(scale_low[j], scale_high[j], lone_pick, lone_d), odd);
+            acc[j] = _mm512_add_ps(even, odd);
         }
     }
     ql_store_sums(4, acc, y + n);
@@ -228,7 +291,7 @@ QL_INLINE QL_VNNI void ql_gemm512_a8_mode(const int int8, const ql_weight *w, co
         if (!int8) ql_prefetch_l2(w->codes + (n + 4 * QL_PREFETCH_L2_BLOCKS) * G * w->group_bytes, block_bytes, end);
         if (!int8 && G <= 32) {
             for (int64_t r = 0; r < m; r++)
-                ql_block_a8_short(w, xq + r * blocks * 64, xd + r * blocks, xz + r * G, n, y + r * y_stride);
+                (G * w->group_bytes < QL_BY_FEATURE_BYTES ? ql_block_a8_short_by_block : ql_block_a8_short_by_feature)(w, xq + r * blocks * 64, xd + r * blocks, xz + r * G, n, y + r * y_stride);
             continue;
         }
         ql_params4_512(w, n, params);
