@@ -34,6 +34,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from quantlab.errors import ConfigError
 from quantlab.generation.kv_cache import QuantizedKVCache
 from quantlab.kernels.cpu import native
+from quantlab.kernels.cpu.huge_pages import move_to_huge_pages
 from quantlab.kernels.cpu.native import QuantlabCpuWeight
 from quantlab.kernels.cpu.weights import NativeWeight, describable, native_weight
 from quantlab.nn.rotation import core_signs as rotation_core_signs
@@ -237,6 +238,7 @@ class NativeDecoder:
         config = model.config
         body = model.model
         layers = list(body.layers)
+        move_to_huge_pages(self._streamed(model, layers))
         first = layers[0].self_attn
         head_dim = int(getattr(first, "head_dim", 0) or config.hidden_size // config.num_attention_heads)
         blocks = (NativeBlock * len(layers))()
@@ -276,6 +278,14 @@ class NativeDecoder:
             struct.head = ctypes.pointer(head.struct)
             struct.head_bias = self._pointer(getattr(model.lm_head, "bias", None), "lm_head.bias")
         return struct
+
+    @staticmethod
+    def _streamed(model: Any, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        """The modules whose stored tensors every token reads: projections and tables in native formats."""
+        projections = [layer.get_submodule(path) for layer in layers for _, path in _PROJECTIONS]
+        tables = [getattr(m, "embedding", m) for m in (model.get_input_embeddings(), model.get_output_embeddings())]
+        found = [m for m in [*projections, *tables] if m is not None and hasattr(m, "stored_tensors")]
+        return [m for m in found if getattr(m, "layout", None) is not None and describable(m.layout)]
 
     def _native_table(self, module: torch.nn.Module | None) -> NativeWeight | None:
         """The description of an embedding table or output head stored in a native format, else None."""

@@ -2,16 +2,17 @@
 
 import copy
 import gc
+import sys
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import quantlab
 from quantlab.errors import ConfigError
 from quantlab.generation import compile_for_decoding, disable_compiled_decoding
 from quantlab.generation.native import NativeDecodeStep
-from quantlab.kernels.cpu import native
+from quantlab.kernels.cpu import huge_pages, native
 from quantlab.testing.models import tiny_llama, tiny_qwen2
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native CPU kernels are not built here")
@@ -310,3 +311,51 @@ def test_a_finished_generations_cache_is_not_kept_alive():
     assert step.native_steps == 3
     gc.collect()
     assert step.decoder.cache_ref() is None
+
+
+def test_a_step_on_one_held_team_gives_the_logits_of_a_team_call_per_product():
+    """At two threads the step holds torch's thread team for its whole call and posts each product and
+    attention to it, instead of one fork and join per call; every output is computed by the same code
+    either way, so tokens and logits are equal bit for bit, and the team is entered once a token."""
+    lib = native.library()
+    if not lib.ql_uses_openmp() or torch.get_num_threads() < 2:
+        pytest.skip("the step holds a team only on torch's OpenMP team with two threads or more")
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    model = quantlab.quantize(LlamaForCausalLM(config).eval(), quantlab.CustomBitsConfig(bits=4, group_size=64))
+    model.generation_config.pad_token_id = 0
+    step = _native(model)
+    lib.ql_set_team_stall_ns(1 << 62, 0)  # a busy machine must not send the calls to the other pool here
+    try:
+        before = lib.ql_pool_calls(1)
+        tokens, logits = _decode(model)
+        held = lib.ql_pool_calls(1) - before
+        lib.ql_set_teams(0)
+        before = lib.ql_pool_calls(1)
+        per_product_tokens, per_product_logits = _decode(model)
+        per_product = lib.ql_pool_calls(1) - before
+    finally:
+        lib.ql_set_teams(1)
+        lib.ql_set_team_stall_ns(1_000_000, 1_000_000_000)
+    assert step.native_steps == 2 * (TOKENS - 1)
+    assert torch.equal(tokens, per_product_tokens)
+    assert torch.equal(logits, per_product_logits)
+    # the prompt's eager forward calls the team the same number of times in both runs; the steps differ
+    products_a_step = 4 * config.num_hidden_layers  # q/k/v, o, gate/up and down a block (the head is float)
+    assert per_product - held == (TOKENS - 1) * (products_a_step - 1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are asked of Linux")
+def test_the_step_moves_the_weights_every_token_reads_into_one_huge_page_mapping():
+    model = quantlab.quantize(tiny_llama(seed=3), quantlab.CustomBitsConfig(bits=4, group_size=32))
+    model.generation_config.pad_token_id = 0
+    tokens, logits = _decode(model)
+    projections = [m for m in model.modules() if hasattr(m, "stored_tensors")]
+    before = [t.data_ptr() for m in projections for t in m.stored_tensors().values()]
+    _native(model)
+    after = [t.data_ptr() for m in projections for t in m.stored_tensors().values()]
+    assert all(a != b for a, b in zip(after, before, strict=True))
+    assert after[0] % huge_pages.HUGE_PAGE == 0 and after == sorted(after)  # one mapping, in the step's order
+    native_tokens, native_logits = _decode(model)
+    assert torch.equal(native_tokens, tokens) and _relative(native_logits, logits) < 1e-5

@@ -40,7 +40,7 @@ from quantlab.utils.environment import switched_on
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("csrc")
-ABI_VERSION = 12
+ABI_VERSION = 13
 KINDS = 5  # QL_KINDS: the kinds of `ql_weight` (one per native codec, `Codec.native_kind`)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 ISA_CODES = {name: code for code, name in ISA_NAMES.items()}
@@ -208,6 +208,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ql_set_team_stall_ns.argtypes = [i64, i64]
     lib.ql_pool_calls.argtypes = [integer]
     lib.ql_pool_calls.restype = i64
+    lib.ql_set_teams.argtypes = [integer]
     return lib
 
 

@@ -256,6 +256,20 @@ static int ql_check_quantized_cache(const ql_decoder *d, const ql_quantized_cach
  * (the cache's own count of positions written) grows by one. With a quantized cache (`cache` NULL) they go
  * to slot `window` of every layer's window and the caller counts them (and quantizes a full window).
  * logits [head->n] when the decoder has a head. */
+typedef struct {
+    const ql_decoder *d;
+    const ql_cache *cache;
+    const ql_quantized_cache *quantized;
+    float *hidden;
+    const float *cos, *sin;
+    int64_t position;
+    float *logits;
+    int threads, activation_bits;
+    int status;
+} ql_step;
+
+static void ql_step_body(void *arg);
+
 QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, const ql_quantized_cache *quantized,
                           float *hidden, const float *cos, const float *sin, int64_t position, float *logits,
                           int threads, int activation_bits) {
@@ -263,12 +277,31 @@ QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, const ql_q
     int status = ql_check_decoder(d, position, quantized ? position + 1 : cache->max_len);
     if (status == QL_OK && quantized) status = ql_check_quantized_cache(d, quantized, position);
     if (status != QL_OK) return status;
+    ql_step step = {d, cache, quantized, hidden, cos, sin, position, logits, threads, activation_bits, QL_OK};
+    ql_run_team(ql_step_body, &step, threads); /* every product and attention of the step on one held team */
+    return step.status;
+}
+
+/* The step itself, once its arguments were checked. */
+static void ql_step_body(void *arg) {
+    ql_step *step = (ql_step *)arg;
+    const ql_decoder *d = step->d;
+    const ql_cache *cache = step->cache;
+    const ql_quantized_cache *quantized = step->quantized;
+    float *hidden = step->hidden, *logits = step->logits;
+    const float *cos = step->cos, *sin = step->sin;
+    const int64_t position = step->position;
+    const int threads = step->threads, activation_bits = step->activation_bits;
+    int status = QL_OK;
     int64_t q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim, length = position + 1;
     int64_t widest = q_size + 2 * kv_size;
     if (2 * d->intermediate > widest) widest = 2 * d->intermediate;
     if (d->hidden > widest) widest = d->hidden;
     float *buffer = malloc((size_t)(widest + d->hidden + q_size + d->hidden + d->heads * length) * sizeof(float));
-    if (!buffer) return QL_NO_MEMORY;
+    if (!buffer) {
+        step->status = QL_NO_MEMORY;
+        return;
+    }
     float *wide = buffer, *normed = wide + widest, *attended = normed + d->hidden, *delta = attended + q_size;
     float *scores = delta + d->hidden;
     int isa = ql_isa();
@@ -290,7 +323,8 @@ QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, const ql_q
             attention.values = cache->values[b];
             attention.max_len = cache->max_len;
         }
-        ql_run(ql_attention_head, &attention, d->heads, length * d->heads * d->head_dim >= 32768 ? threads : 1);
+        const int64_t attention_work = length * d->heads * d->head_dim; /* on a held team, threads cost little */
+        ql_run(ql_attention_head, &attention, d->heads, ql_in_team() || attention_work >= 32768 ? threads : 1);
         ql_rotate(attended, q_size, &block->o_rotation);
         const float *o_bias[1] = {block->o_bias};
         status = ql_project(&block->o, o_bias, 1, attended, delta, threads, activation_bits);
@@ -322,5 +356,5 @@ QL_API int ql_decode_step(const ql_decoder *d, const ql_cache *cache, const ql_q
         }
     }
     free(buffer);
-    return status;
+    step->status = status;
 }

@@ -6,7 +6,8 @@
 #include <time.h>
 
 /* ---- threads ----------------------------------------------------------------------------------
- * Two ways to run a job on several threads.
+ * Two ways to run a job on several threads, and a third to hold one team through many jobs
+ * (`ql_run_team`, below: the decode step's products and attention).
  *
  * `ql_run`, for every call when torch runs on OpenMP (libgomp): `ql_use_openmp` hands over
  * libgomp's GOMP_parallel and the job runs on torch's own OpenMP team. Around our calls torch
@@ -37,16 +38,21 @@
 
 #define QL_MAX_WORKERS 63
 
+/* One job at a time, its chunks claimed from one atomic ticket (generation << 32 | next chunk). */
+typedef struct {
+    _Atomic uint64_t ticket;
+    _Atomic int64_t done;
+    _Atomic int64_t chunks;
+    _Atomic(ql_task) task;
+    _Atomic(void *) arg;
+} ql_queue;
+
 static struct {
     pthread_mutex_t lock;     /* guards sleeping and starting workers */
     pthread_cond_t wake;
     pthread_mutex_t running;  /* one job at a time; a second caller works alone */
-    _Atomic uint64_t ticket;
-    _Atomic int64_t done;
-    _Atomic int64_t chunks;
+    ql_queue queue;
     _Atomic int helpers;      /* workers allowed to join the current job */
-    _Atomic(ql_task) task;
-    _Atomic(void *) arg;
     _Atomic int sleepers;
     int workers;
 } ql_pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .running = PTHREAD_MUTEX_INITIALIZER};
@@ -65,16 +71,16 @@ static inline void ql_pause(void) {
 #endif
 }
 
-static inline uint64_t ql_generation(void) { return atomic_load(&ql_pool.ticket) >> 32; }
+static inline uint64_t ql_generation(ql_queue *queue) { return atomic_load(&queue->ticket) >> 32; }
 
 /* Claim the next chunk of job `generation`; 0 once the job has none left (or has ended). */
-static int ql_claim(uint64_t generation, int64_t *chunk) {
-    uint64_t ticket = atomic_load(&ql_pool.ticket);
+static int ql_claim(ql_queue *queue, uint64_t generation, int64_t *chunk) {
+    uint64_t ticket = atomic_load(&queue->ticket);
     for (;;) {
         if (ticket >> 32 != generation) return 0;
         int64_t next = (int64_t)(ticket & 0xffffffffu);
-        if (next >= atomic_load(&ql_pool.chunks)) return 0;
-        if (atomic_compare_exchange_weak(&ql_pool.ticket, &ticket, ticket + 1)) {
+        if (next >= atomic_load(&queue->chunks)) return 0;
+        if (atomic_compare_exchange_weak(&queue->ticket, &ticket, ticket + 1)) {
             *chunk = next;
             return 1;
         }
@@ -82,35 +88,69 @@ static int ql_claim(uint64_t generation, int64_t *chunk) {
 }
 
 /* A successful claim proves the job is unfinished, so task and arg read before it are its own. */
-static void ql_work(uint64_t generation) {
-    ql_task task = atomic_load(&ql_pool.task);
-    void *arg = atomic_load(&ql_pool.arg);
+static void ql_work(ql_queue *queue, uint64_t generation) {
+    ql_task task = atomic_load(&queue->task);
+    void *arg = atomic_load(&queue->arg);
     int64_t chunk;
-    while (ql_claim(generation, &chunk)) {
+    while (ql_claim(queue, generation, &chunk)) {
         task(arg, chunk);
-        atomic_fetch_add(&ql_pool.done, 1);
+        atomic_fetch_add(&queue->done, 1);
     }
 }
+
+/* Post a job on `queue` (its generation after the current one) and return that generation. */
+static uint64_t ql_post(ql_queue *queue, ql_task task, void *arg, int64_t chunks) {
+    atomic_store(&queue->task, task);
+    atomic_store(&queue->arg, arg);
+    atomic_store(&queue->chunks, chunks);
+    atomic_store(&queue->done, 0);
+    uint64_t generation = ql_generation(queue) + 1;
+    atomic_store(&queue->ticket, generation << 32);
+    return generation;
+}
+
+/* The poster works on its own job too, then waits only for the chunks others claimed: a late
+ * helper finds nothing left, and a helper preempted inside its chunk gets the core back. */
+static void ql_work_and_wait(ql_queue *queue, uint64_t generation, int64_t chunks) {
+    ql_work(queue, generation);
+    for (int spins = 0; atomic_load(&queue->done) < chunks; spins++) {
+        if (spins < 4096)
+            ql_pause();
+        else
+            sched_yield();
+    }
+}
+
+/* A team held through ql_run_team (below); the calling thread's, while it runs the body. */
+typedef struct {
+    ql_queue queue;
+    _Atomic int ended;
+    pthread_t driver;
+    void (*body)(void *);
+    void *arg;
+} ql_team;
+
+static _Thread_local ql_team *ql_current_team = NULL;
 
 static void *ql_worker(void *index_pointer) {
     int index = (int)(intptr_t)index_pointer;
     uint64_t seen = 0;
     for (;;) {
-        uint64_t generation = ql_generation();
+        uint64_t generation = ql_generation(&ql_pool.queue);
         if (generation != seen) {
             seen = generation;
-            if (index < atomic_load(&ql_pool.helpers)) ql_work(generation);
+            if (index < atomic_load(&ql_pool.helpers)) ql_work(&ql_pool.queue, generation);
             continue;
         }
         int64_t deadline = ql_now_ns() + ql_spin_ns;
-        for (int spins = 0; ql_generation() == seen; spins++) {
+        for (int spins = 0; ql_generation(&ql_pool.queue) == seen; spins++) {
             ql_pause();
             if ((spins & 63) == 0 && ql_now_ns() > deadline) break;
         }
-        if (ql_generation() != seen) continue;
+        if (ql_generation(&ql_pool.queue) != seen) continue;
         pthread_mutex_lock(&ql_pool.lock);
         atomic_fetch_add(&ql_pool.sleepers, 1);
-        while (ql_generation() == seen) pthread_cond_wait(&ql_pool.wake, &ql_pool.lock);
+        while (ql_generation(&ql_pool.queue) == seen) pthread_cond_wait(&ql_pool.wake, &ql_pool.lock);
         atomic_fetch_sub(&ql_pool.sleepers, 1);
         pthread_mutex_unlock(&ql_pool.lock);
     }
@@ -206,6 +246,11 @@ static void ql_start_workers(int wanted) {
 
 /* Run task(arg, c) for c in [0, chunks) on up to `threads` threads, the caller included. */
 void ql_run(ql_task task, void *arg, int64_t chunks, int threads) {
+    ql_team *team = ql_current_team;
+    if (team && threads > 1 && chunks > 1) {
+        ql_work_and_wait(&team->queue, ql_post(&team->queue, task, arg, chunks), chunks);
+        return;
+    }
     if (threads > 1 && chunks > 1 && ql_gomp_parallel) {
         int64_t start = ql_now_ns();
         if (start >= atomic_load(&ql_team_after_ns)) {
@@ -231,27 +276,68 @@ void ql_run_own(ql_task task, void *arg, int64_t chunks, int threads) {
     }
     ql_start_workers(threads - 1);
     atomic_fetch_add(&ql_calls[0], 1);
-    atomic_store(&ql_pool.task, task);
-    atomic_store(&ql_pool.arg, arg);
-    atomic_store(&ql_pool.chunks, chunks);
     atomic_store(&ql_pool.helpers, threads - 1);
-    atomic_store(&ql_pool.done, 0);
-    uint64_t generation = ql_generation() + 1;
-    atomic_store(&ql_pool.ticket, generation << 32);
+    uint64_t generation = ql_post(&ql_pool.queue, task, arg, chunks);
     if (atomic_load(&ql_pool.sleepers) > 0) {
         pthread_mutex_lock(&ql_pool.lock);
         pthread_cond_broadcast(&ql_pool.wake);
         pthread_mutex_unlock(&ql_pool.lock);
     }
-    ql_work(generation);
-    for (int spins = 0; atomic_load(&ql_pool.done) < chunks; spins++) {
-        if (spins < 4096)
-            ql_pause();
-        else
-            sched_yield(); /* a worker was preempted inside its chunk: let it run */
-    }
+    ql_work_and_wait(&ql_pool.queue, generation, chunks);
     pthread_mutex_unlock(&ql_pool.running);
 }
+
+/* ---- one team held through a long call (ql_run_team) ----
+ * A decoding step makes seven products a block, each too short for a fork and join of its own: on
+ * torch's team that costs microseconds a call, as much as the product of a small layer
+ * (benchmarks/RESULTS.md). ql_run_team runs body(arg) on the calling thread inside one call of
+ * torch's team, whose other threads meanwhile spin on a queue of the team's own: every ql_run the
+ * body makes is posted there and costs an atomic store, and the poster works on it too and waits
+ * only for chunks others claimed (ql_work_and_wait), so a helper that is late or absent slows the
+ * body but never stops it. Without torch's team (our own pool, a forked child, a busy machine that
+ * made ql_run leave it), the body runs directly and each of its calls takes ql_run's usual way. */
+static void ql_team_member(void *data) {
+    ql_team *team = (ql_team *)data;
+    if (pthread_equal(pthread_self(), team->driver)) {
+        ql_current_team = team;
+        team->body(team->arg);
+        ql_current_team = NULL;
+        atomic_store(&team->ended, 1);
+        return;
+    }
+    for (uint64_t seen = 0; !atomic_load(&team->ended);) {
+        uint64_t generation = ql_generation(&team->queue);
+        if (generation == seen) {
+            ql_pause();
+            continue;
+        }
+        seen = generation;
+        ql_work(&team->queue, generation);
+    }
+}
+
+static int ql_teams_on = 1;
+
+/* Tests compare the step on a held team with the step without one (each product its own call). */
+QL_API void ql_set_teams(int on) { ql_teams_on = on; }
+
+void ql_run_team(void (*body)(void *), void *arg, int threads) {
+    if (!ql_teams_on || threads <= 1 || !ql_gomp_parallel || ql_current_team || ql_now_ns() < atomic_load(&ql_team_after_ns)) {
+        body(arg);
+        return;
+    }
+    ql_team team = {.driver = pthread_self(), .body = body, .arg = arg};
+    atomic_init(&team.queue.ticket, 0);
+    atomic_init(&team.queue.done, 0);
+    atomic_init(&team.queue.chunks, 0);
+    atomic_init(&team.queue.task, NULL);
+    atomic_init(&team.queue.arg, NULL);
+    atomic_init(&team.ended, 0);
+    ql_gomp_parallel(ql_team_member, &team, (unsigned)threads, 0);
+    atomic_fetch_add(&ql_calls[1], 1);
+}
+
+int ql_in_team(void) { return ql_current_team != NULL; }
 
 /* Chunks of whole blocks of 4 features, `per_thread` per thread: about 4 balance threads over
  * bulk work; a call on a few rows streams its weights from memory, and one contiguous run per

@@ -22,7 +22,7 @@
 
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
-#define QL_ABI_VERSION 12
+#define QL_ABI_VERSION 13
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 #define QL_DECODED_FEATURES 32 /* AVX2 at many rows: 16 features decoded, and their input-major panel (avx2.c) */
 #define QL_AVX512_PANEL_ROWS 32 /* from this many rows on, AVX-512 multiplies panels of 32 decoded features (avx512.c) */
@@ -289,6 +289,8 @@ void ql_repack_a8(const ql_weight *w, int64_t n, int64_t count, int64_t panel, i
 typedef void (*ql_task)(void *arg, int64_t chunk);
 void ql_run(ql_task task, void *arg, int64_t chunks, int threads);     /* torch's team if known */
 void ql_run_own(ql_task task, void *arg, int64_t chunks, int threads); /* our own pool */
+void ql_run_team(void (*body)(void *), void *arg, int threads); /* body's ql_run calls on one held team */
+int ql_in_team(void);                                                /* inside ql_run_team's body */
 int ql_threads(int requested, int64_t work);
 int64_t ql_chunk_features(int64_t n, int threads, int per_thread);
 
