@@ -7,6 +7,7 @@
 #include "quantlab_cpu.h"
 
 #ifdef QL_X86
+#define QL_BY_FEATURE_BYTES_256 512 /* 4-bit rows this long are read feature by feature (ql_feature256_a8) */
 
 /* 16 floats as 16 int8 (round to nearest even, as torch.round), returning their int32 sum's lanes. */
 QL_INLINE QL_AVX2 __m256i ql_round16_a8(__m256 first, __m256 second, __m256 inverse, int8_t *out) {
@@ -52,7 +53,8 @@ QL_AVX2 void ql_quantize_x_a8_256(const float *xp, int64_t m, int64_t row_length
  * zero point's share, sum over groups of scale * zero * xz[g] (ql_zero_terms), taken off. A block's
  * 32 code bytes are one load: low nibbles meet its first 32 int8 inputs, high nibbles the next 32.
  * The next 4 features' codes are prefetched as they go (ql_prefetch_next4, avx2.c): more tokens/s in
- * the native step, on one and two threads (benchmarks/RESULTS.md). */
+ * the native step, on one and two threads (benchmarks/RESULTS.md). For rows shorter than
+ * QL_BY_FEATURE_BYTES_256, whose 4 rows lie in one short run of memory anyway. */
 QL_INLINE QL_AVX2 void ql_block256_a8(const int NR, const ql_weight *w, const int8_t *xq, const float *xd,
                                       const float *xz, int64_t n, float *y, const float *params) {
     const int64_t G = w->groups, per_group = w->group_codes / 64, blocks = G * per_group;
@@ -84,6 +86,38 @@ QL_INLINE QL_AVX2 void ql_block256_a8(const int NR, const ql_weight *w, const in
         for (int64_t g = 0; g < G; g++) share += scale[g] * zero[g] * xz[g];
         y[n + j] = ql_sum256(acc[j]) - share;
     }
+}
+
+/* One feature, one row, 4-bit codes, its codes read start to end (rows of QL_BY_FEATURE_BYTES_256 or more,
+ * and the last features short of 4): 4 features interleaved block by block streamed long rows from DRAM
+ * at about three quarters of the speed (benchmarks/RESULTS.md). Two chains: FMA latency. */
+QL_INLINE QL_AVX2 void ql_feature256_a8(const ql_weight *w, const int8_t *xq, const float *xd, const float *xz,
+                                        int64_t n, float *y, const float *scale, const float *zero) {
+    const int64_t G = w->groups, per_group = w->group_codes / 64;
+    const int64_t row_bytes = G * w->group_bytes;
+    const uint8_t *codes = w->codes + n * row_bytes;
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    float share = 0.0f;
+    for (int64_t g = 0, b = 0; g < G; g++) {
+        share += scale[g] * zero[g] * xz[g];
+        for (int64_t i = 0; i < per_group; i++, b++) {
+            if ((b & 1) == 0) /* the same line 4 features on, as ql_block256_a8 asks for */
+                _mm_prefetch((const char *)(codes + 4 * row_bytes + b * 32), _MM_HINT_T0);
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + b * 32));
+            const __m256i lows = _mm256_loadu_si256((const __m256i *)(xq + b * 64));
+            const __m256i highs = _mm256_loadu_si256((const __m256i *)(xq + b * 64 + 32));
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(packed, low), lows),
+                                                   _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), highs));
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            const __m256 sd = _mm256_set1_ps(scale[g] * xd[b]);
+            if (b & 1)
+                odd = _mm256_fmadd_ps(dot, sd, odd);
+            else
+                even = _mm256_fmadd_ps(dot, sd, even);
+        }
+    }
+    y[n] = ql_sum256(_mm256_add_ps(even, odd)) - share;
 }
 
 /* One feature, one row, int8 codes: scale * d * float(q . xq) per block. Each feature's codes are
@@ -129,15 +163,16 @@ QL_AVX2 void ql_gemm256_a8(const ql_weight *w, const int8_t *xq, const float *xd
         return;
     }
     for (int64_t r = 0; r < m; r++) ql_zero_terms(w, xd + r * blocks, xs + r * blocks, xz + r * G);
+    const int by_feature = G * w->group_bytes >= QL_BY_FEATURE_BYTES_256;
     for (int64_t n = n0; n < n1;) {
-        const int NR = n1 - n >= 4 ? 4 : 1;
+        const int NR = n1 - n >= 4 && !by_feature ? 4 : 1;
         ql_params256(w, n, NR, params, params + NR * G);
         for (int64_t r = 0; r < m; r++) {
             const int8_t *xr = xq + r * blocks * 64;
             if (NR == 4)
                 ql_block256_a8(4, w, xr, xd + r * blocks, xz + r * G, n, y + r * y_stride, params);
             else
-                ql_block256_a8(1, w, xr, xd + r * blocks, xz + r * G, n, y + r * y_stride, params);
+                ql_feature256_a8(w, xr, xd + r * blocks, xz + r * G, n, y + r * y_stride, params, params + G);
         }
         n += NR;
     }
