@@ -161,23 +161,39 @@ QL_INLINE QL_VNNI __m512i ql_pair_pick(int64_t b, int64_t per_group) {
                                    _mm512_set1_epi32((int)((b + 1) / per_group)));
 }
 
+/* With a block per group (groups of 64), each group's d multiplied into the 4 features' scale registers once
+ * (the same products, rounded the same), so that a pair's scale is one permute, not a permute and a multiply. */
+QL_INLINE QL_VNNI void ql_fold_d(const ql_weight *w, const float *xd, __m512 *scale_low, __m512 *scale_high) {
+    const int64_t G = w->groups, low_count = G < 16 ? G : 16, high_count = G - low_count;
+    const __m512 xd_low = ql_load16(xd, QL_F32, 0, low_count);
+    const __m512 xd_high = high_count ? ql_load16(xd, QL_F32, 16, high_count) : _mm512_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        scale_low[j] = _mm512_mul_ps(scale_low[j], xd_low);
+        scale_high[j] = _mm512_mul_ps(scale_high[j], xd_high);
+    }
+}
+
 /* ql_block_a8 for 4 features of at most 32 groups and rows under QL_BY_FEATURE_BYTES, block by block:
  * each pair of x's blocks is loaded once for the 4 features, whose 4 short rows lie in one run of memory
- * anyway. Faster at one row on every such shape measured (benchmarks/RESULTS.md). */
-QL_INLINE QL_VNNI void ql_block_a8_short_by_block(const ql_weight *w, const int8_t *xq, const float *xd,
-                                                  const float *xz, int64_t n, float *y) {
+ * anyway. Faster at one row on every such shape measured (benchmarks/RESULTS.md). `folded`: a block per
+ * group, d in the scales (ql_fold_d). */
+QL_INLINE QL_VNNI void ql_block_a8_short_by_block(const int folded, const ql_weight *w, const int8_t *xq,
+                                                  const float *xd, const float *xz, int64_t n, float *y) {
     const int64_t per_group = w->group_codes / 64, blocks = w->groups * per_group;
     const int64_t row_bytes = w->groups * w->group_bytes;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 scale_low[4], scale_high[4], acc[4];
     ql_short_start(w, xz, n, scale_low, scale_high, acc);
+    if (folded) ql_fold_d(w, xd, scale_low, scale_high);
     int64_t b = 0;
     for (; b + 2 <= blocks; b += 2) {
-        const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(xd[b]), _mm256_set1_ps(xd[b + 1]), 1);
+        const __m512 d = folded ? _mm512_setzero_ps() : _mm512_insertf32x8(_mm512_set1_ps(xd[b]), _mm256_set1_ps(xd[b + 1]), 1);
         const __m512i pick = ql_pair_pick(b, per_group);
         for (int j = 0; j < 4; j++) {
             const __m512 dot = ql_pair_dot(w->codes + (n + j) * row_bytes + b * 32, xq + b * 64, low);
-            acc[j] = _mm512_fmadd_ps(dot, ql_picked_scale(scale_low[j], scale_high[j], pick, d), acc[j]);
+            const __m512 sd = folded ? _mm512_permutex2var_ps(scale_low[j], pick, scale_high[j])
+                                     : ql_picked_scale(scale_low[j], scale_high[j], pick, d);
+            acc[j] = _mm512_fmadd_ps(dot, sd, acc[j]);
         }
     }
     if (b < blocks) { /* the odd last block: [its lows, its highs] */
@@ -185,7 +201,9 @@ QL_INLINE QL_VNNI void ql_block_a8_short_by_block(const ql_weight *w, const int8
         const __m512 d = _mm512_set1_ps(xd[b]);
         for (int j = 0; j < 4; j++) {
             const __m512 dot = ql_lone_dot(w->codes + (n + j) * row_bytes + b * 32, xq + b * 64, low);
-            acc[j] = _mm512_fmadd_ps(dot, ql_picked_scale(scale_low[j], scale_high[j], pick, d), acc[j]);
+            const __m512 sd = folded ? _mm512_permutex2var_ps(scale_low[j], pick, scale_high[j])
+                                     : ql_picked_scale(scale_low[j], scale_high[j], pick, d);
+            acc[j] = _mm512_fmadd_ps(dot, sd, acc[j]);
         }
     }
     ql_store_sums(4, acc, y + n);
@@ -235,6 +253,17 @@ QL_INLINE QL_VNNI void ql_block_a8_short_by_feature(const ql_weight *w, const in
         }
     }
     ql_store_sums(4, acc, y + n);
+}
+
+/* 4 features of at most 32 groups, one row: by block or by feature as their rows' length asks. */
+QL_INLINE QL_VNNI void ql_block_a8_short(const ql_weight *w, const int8_t *xq, const float *xd, const float *xz,
+                                         int64_t n, float *y) {
+    if (w->groups * w->group_bytes >= QL_BY_FEATURE_BYTES)
+        ql_block_a8_short_by_feature(w, xq, xd, xz, n, y);
+    else if (w->group_codes == 64)
+        ql_block_a8_short_by_block(1, w, xq, xd, xz, n, y);
+    else
+        ql_block_a8_short_by_block(0, w, xq, xd, xz, n, y);
 }
 
 /* NR features from n, one row, int8 codes: scale * d * float((q + 128) . xq - 128 * sum xq) per block,
@@ -291,7 +320,7 @@ QL_INLINE QL_VNNI void ql_gemm512_a8_mode(const int int8, const ql_weight *w, co
         if (!int8) ql_prefetch_l2(w->codes + (n + 4 * QL_PREFETCH_L2_BLOCKS) * G * w->group_bytes, block_bytes, end);
         if (!int8 && G <= 32) {
             for (int64_t r = 0; r < m; r++)
-                (G * w->group_bytes < QL_BY_FEATURE_BYTES ? ql_block_a8_short_by_block : ql_block_a8_short_by_feature)(w, xq + r * blocks * 64, xd + r * blocks, xz + r * G, n, y + r * y_stride);
+                ql_block_a8_short(w, xq + r * blocks * 64, xd + r * blocks, xz + r * G, n, y + r * y_stride);
             continue;
         }
         ql_params4_512(w, n, params);
