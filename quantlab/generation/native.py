@@ -172,6 +172,8 @@ class NativeDecoder:
         self.cache_key: tuple = ()
         self.cache_ref: Any = lambda: None  # the cache `cache_struct` describes
         self.cache_struct = NativeCacheStruct()
+        self.angle_key: tuple = ()
+        self.angle_table = (torch.empty(0), torch.empty(0))  # rotary cos, sin by position (_angles)
 
     # ---- description -----------------------------------------------------------------------------------
 
@@ -414,6 +416,26 @@ class NativeDecoder:
             raise RuntimeError(f"quantlab's native embedding lookup failed with status {status} (a quantlab bug)")
         return hidden
 
+    def _angles(
+        self, hidden: torch.Tensor, position: int, position_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos/sin `[head_dim]` of the token: the model's rotary module computes them, for a static
+        rope (its angles depend on the position alone) once for a table of positions, which the following tokens
+        read (the same values: each angle is one product, whatever the positions beside it)."""
+        rotary = self.model.model.rotary_emb
+        rope_type = str(getattr(rotary, "rope_type", "default"))
+        if position_ids is not None or "dynamic" in rope_type or "longrope" in rope_type:
+            ids = position_ids if position_ids is not None else torch.tensor([[position]])
+            cos, sin = rotary(hidden, ids)
+            return cos.float().contiguous(), sin.float().contiguous()
+        frequencies = rotary.inv_freq
+        key = (id(rotary), frequencies.data_ptr(), frequencies._version)
+        if self.angle_key != key or position >= self.angle_table[0].shape[0]:
+            cos, sin = rotary(hidden, torch.arange(max(256, 2 * position + 1))[None])
+            self.angle_table = (cos[0].float().contiguous(), sin[0].float().contiguous())
+            self.angle_key = key
+        return self.angle_table[0][position], self.angle_table[1][position]
+
     def step(self, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor | None) -> torch.Tensor:
         """Logits `[1, 1, vocab]` of the token, its keys and values written to `cache` (a static cache, or a
         quantized cache the step reads)."""
@@ -428,12 +450,8 @@ class NativeDecoder:
                 raise ConfigError(
                     f"the static cache holds {cache_struct.max_len} positions and is full; pass a larger max_cache_len"
                 )
-        body = self.model.model
         hidden = self._embed(input_ids)
-        if position_ids is None:
-            position_ids = torch.tensor([[position]])
-        cos, sin = body.rotary_emb(hidden, position_ids)
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        cos, sin = self._angles(hidden, position, position_ids)
         head = self.struct.head
         logits = torch.empty(1, 1, head.contents.n if head else 0)
         status = self.step_function(

@@ -359,3 +359,19 @@ def test_the_step_moves_the_weights_every_token_reads_into_one_huge_page_mapping
     assert after[0] % huge_pages.HUGE_PAGE == 0 and after == sorted(after)  # one mapping, in the step's order
     native_tokens, native_logits = _decode(model)
     assert torch.equal(native_tokens, tokens) and _relative(native_logits, logits) < 1e-5
+
+
+def test_a_static_ropes_angles_come_from_one_table_equal_to_the_rotary_modules_own():
+    model = quantlab.quantize(tiny_llama(seed=3), quantlab.CustomBitsConfig(bits=4, group_size=32))
+    model.generation_config.pad_token_id = 0
+    decoder = _native(model).decoder
+    hidden = torch.zeros(1, 1, model.config.hidden_size)
+    for position in (0, 7, 300):  # 300: past the first table, which grows
+        cos, sin = decoder._angles(hidden, position, None)
+        own_cos, own_sin = model.model.rotary_emb(hidden, torch.tensor([[position]]))
+        assert torch.equal(cos, own_cos[0, 0]) and torch.equal(sin, own_sin[0, 0])
+    assert decoder.angle_table[0].shape[0] > 300
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.mul_(2.0)  # the module changed in place: the table is made anew
+    cos, _ = decoder._angles(hidden, 7, None)
+    assert torch.equal(cos, model.model.rotary_emb(hidden, torch.tensor([[7]]))[0][0, 0])
