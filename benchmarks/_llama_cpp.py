@@ -6,10 +6,22 @@ with llama.cpp's own quantize API (`allow_requantize`: llama.cpp decodes it to f
 every type is made from the same weights quantlab quantizes). The files are written once into
 `$QUANTLAB_CACHE/llama-cpp`. llama-cpp-python is optional (`pip install 'quantlab[peers]'`; it
 compiles llama.cpp for several minutes): without it the peers are skipped with a note.
+
+A native build of llama.cpp can crash on some CPUs: on an Intel Xeon with AMX, llama-cpp-python 0.3.36
+built with `AMX_INT8` died with a segmentation fault at the first decode of a Q4_0 or Q8_0 file. So each
+file is first decoded in a child process (`open_model`): with llama.cpp's extra buffer types (its repacked
+and AMX kernels, the default), else without them; a setting that crashes is named in a note, and a file
+no setting runs is skipped.
 """
 
+import contextlib
 import ctypes
+import functools
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,16 +61,38 @@ def quantized_file(quant_type: str, threads: int) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _model_parameters(extra_buffers: bool) -> Iterator[None]:
+    """Models loaded inside use llama.cpp's extra buffer types or not (llama-cpp-python has no argument for it)."""
+    import llama_cpp.llama_cpp as bindings
+
+    default = bindings.llama_model_default_params
+
+    def parameters():
+        chosen = default()
+        chosen.use_extra_bufts = extra_buffers
+        return chosen
+
+    bindings.llama_model_default_params = parameters
+    try:
+        yield
+    finally:
+        bindings.llama_model_default_params = default
+
+
 class LlamaCppModel:
     """One llama.cpp model: greedy generation from token ids and prompt processing, timed."""
 
-    def __init__(self, path: Path, threads: int, context: int) -> None:
+    def __init__(self, path: Path, threads: int, context: int, extra_buffers: bool = True) -> None:
         import llama_cpp
 
         self._llama_cpp = llama_cpp
-        self.llm = llama_cpp.Llama(
-            model_path=str(path), n_ctx=context, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
-        )
+        self.extra_buffers = extra_buffers
+        with _model_parameters(extra_buffers):
+            self.llm = llama_cpp.Llama(
+                model_path=str(path), n_ctx=context, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                verbose=False,
+            )  # fmt: skip
 
     def _next_token(self) -> int:
         logits = self._llama_cpp.llama_get_logits(self.llm.ctx)
@@ -94,3 +128,40 @@ class LlamaCppModel:
         self.llm.reset()
         self.llm.eval(prompt)
         return time.perf_counter() - start
+
+
+@functools.cache
+def _failure(path: Path, threads: int, extra_buffers: bool) -> str | None:
+    """None when a child process decodes a prompt and a few tokens of `path` with this setting, else how it died."""
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); import _llama_cpp; "
+        "model = _llama_cpp.LlamaCppModel(Path(sys.argv[2]), int(sys.argv[3]), 64, sys.argv[4] == '1'); "
+        "model.generate(list(range(100, 116)), 4)"
+    )
+    here = str(Path(__file__).parent)
+    arguments = [sys.executable, "-c", code, here, str(path), str(threads), "1" if extra_buffers else "0"]
+    try:
+        child = subprocess.run(arguments, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return "no answer in 10 minutes"
+    if child.returncode == 0:
+        return None
+    if child.returncode < 0:
+        return f"killed by {signal.Signals(-child.returncode).name}"
+    last = (child.stderr.strip().splitlines() or ["no message"])[-1]
+    return f"exit status {child.returncode}: {last}"
+
+
+def open_model(path: Path, threads: int, context: int) -> LlamaCppModel | None:
+    """llama.cpp on `path` with the first setting that runs on this machine (extra buffer types on, else off),
+    each crash said in a note; None, also with a note, when neither runs."""
+    for extra_buffers in (True, False):
+        failure = _failure(path, threads, extra_buffers)
+        setting = "with" if extra_buffers else "without"
+        if failure is None:
+            if not extra_buffers:
+                print(f"  note: llama.cpp runs {path.name} {setting} its extra buffer types (repacked and AMX kernels)")
+            return LlamaCppModel(path, threads, context, extra_buffers)
+        print(f"  note: llama.cpp did not decode {path.name} {setting} its extra buffer types here ({failure})")
+    print(f"  note: {path.name} skipped: no llama.cpp setting runs it on this machine")
+    return None

@@ -237,7 +237,9 @@ def build(args, directory: Path, tokenizer) -> dict[str, object]:
     if _llama_cpp.available():
         for quant_type in _llama_cpp.PEER_TYPES:
             path = _llama_cpp.quantized_file(quant_type, args.threads)
-            candidates[f"llama.cpp {quant_type}"] = _llama_cpp.LlamaCppModel(path, args.threads, 2 * PREFILL_TOKENS)
+            peer = _llama_cpp.open_model(path, args.threads, 2 * PREFILL_TOKENS)
+            if peer is not None:
+                candidates[f"llama.cpp {quant_type}"] = peer
     else:
         print("  note: llama-cpp-python is not installed, llama.cpp peers skipped (pip install 'quantlab[peers]')")
     return candidates
@@ -306,7 +308,9 @@ def run_alone(args, name: str) -> float:
     long_prompt = torch.arange(100, 100 + PREFILL_TOKENS)[None]
     if name.startswith("llama.cpp "):
         path = _llama_cpp.quantized_file(name.split()[-1], args.threads)
-        candidate = _llama_cpp.LlamaCppModel(path, args.threads, 2 * PREFILL_TOKENS)
+        candidate = _llama_cpp.open_model(path, args.threads, 2 * PREFILL_TOKENS)
+        if candidate is None:
+            raise SystemExit(f"{name}: no llama.cpp setting runs here")
     elif name == OnnxCandidate.NAME:  # the export's own peak counts too, as the fast path's compile does
         candidate = OnnxCandidate(directory, args.threads)
     else:

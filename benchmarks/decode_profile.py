@@ -3,6 +3,7 @@ llama.cpp's loop on the same machine.
 
     python benchmarks/decode_profile.py                         # 4-bit g64 e8, float activations
     python benchmarks/decode_profile.py --methods "4bit e8" "int8 e8" --activation-bits 0 8
+    python benchmarks/decode_profile.py --activation-bits 8 --huge-pages both   # weights in 2 MiB pages or not
 
 For each method, in rounds (candidates alternated with llama.cpp's Q4_0 / Q8_0 when installed):
 
@@ -79,7 +80,9 @@ def _mean_seconds(call, seconds: float = 0.15) -> float:
 class StepProfile:
     """The native step of one loaded model: its generate timed, the C call timed, its parts replayed."""
 
-    def __init__(self, name: str, activation_bits: int, prompt_tokens: int, tokens: int) -> None:
+    def __init__(self, name: str, activation_bits: int, prompt_tokens: int, tokens: int, huge_pages: bool) -> None:
+        os.environ["QUANTLAB_HUGE_PAGES"] = "1" if huge_pages else "0"  # read when the native step is installed
+        self.name = name
         self.model = load(name, smollm2_dir())
         self.model.generation_config.pad_token_id = self.model.generation_config.eos_token_id
         self.config = fast_decoding_config(
@@ -189,20 +192,30 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--huge-pages", choices=["on", "off", "both"], default="on",
+        help="the step's weights moved into 2 MiB pages (quantlab's default), left in place, or each way alternated",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"kernels: {native.isa()}, thread pool: {native.thread_pool()}, threads {args.threads}", flush=True)
+    pages = {"on": [True], "off": [False], "both": [True, False]}[args.huge_pages]
     profiles = {
-        f"{name} a{bits}": StepProfile(name, bits, args.prompt_tokens, args.tokens)
+        f"{name} a{bits}" + ("" if len(pages) == 1 else " 2M pages" if huge else " 4K pages"): StepProfile(
+            name, bits, args.prompt_tokens, args.tokens, huge
+        )
         for name in args.methods
         for bits in args.activation_bits
+        for huge in pages
     }
     peers = {}
     if _llama_cpp.available():
         for name in args.methods:
             quant_type = PEERS.get(name, "Q4_0")
             path = _llama_cpp.quantized_file(quant_type, args.threads)
-            peers[quant_type] = _llama_cpp.LlamaCppModel(path, args.threads, args.prompt_tokens + args.tokens + 8)
+            peer = _llama_cpp.open_model(path, args.threads, args.prompt_tokens + args.tokens + 8)
+            if peer is not None:
+                peers[quant_type] = peer
     else:
         print("note: llama-cpp-python is not installed, llama.cpp's loop skipped (pip install 'quantlab[peers]')")
     prompt = list(range(100, 100 + args.prompt_tokens))
@@ -238,7 +251,7 @@ def main() -> None:
             print(f"  {part:18s} {spread.range_text(3)}{share}")
     if peers:
         for key in profiles:
-            peer = PEERS.get(key.rsplit(" ", 1)[0], "Q4_0")
+            peer = PEERS.get(profiles[key].name, "Q4_0")
             theirs, ours = figures[peer]["generate"].values, figures[key]["generate"].values
             ratios = [p / q for p, q in zip(theirs, ours, strict=True)]
             spread = f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"

@@ -159,10 +159,14 @@ def export_candidate(name: str, args: argparse.Namespace, folder: Path, tokenize
 
 def time_decoding(files: list[ExportedFile], args: argparse.Namespace, prompt: list[int]) -> None:
     """Tokens per second of a plain one-token-at-a-time loop, every file in every round, order rotated."""
-    models = {
-        file.name: _llama_cpp.LlamaCppModel(file.path, args.threads, args.prompt_tokens + args.decode_tokens)
+    opened = {
+        file.name: _llama_cpp.open_model(file.path, args.threads, args.prompt_tokens + args.decode_tokens)
         for file in files
     }
+    models = {name: model for name, model in opened.items() if model is not None}
+    files = [file for file in files if file.name in models]
+    if not files:
+        return
     try:
         for model in models.values():  # warm-up: page the weights in, size the buffers
             model.decode_seconds(prompt, 8)
