@@ -8,6 +8,7 @@ fast path (`quantlab.generation.compile_for_decoding`), with llama.cpp as an opt
     python benchmarks/decode.py --methods "4bit e8" --paths fast fast-int8 --no-memory --no-onnx
     python benchmarks/decode.py --methods "4bit e8" "int8 e8" --paths fast native native-int8 --no-memory --no-onnx
     python benchmarks/decode.py --isa avx2 --methods fp32 "4bit e8" --paths eager native-int8  # AVX2 kernels
+    python benchmarks/decode.py --methods fp32 bf16 "4bit bf16" "int8 bf16" --paths eager  # models in bfloat16
     python benchmarks/decode.py --contexts 512 2048 8192 --rounds 3 --tokens 32  # float vs int8 KV cache
 
 Every model is loaded once (quantized while loading); the eager and fast paths of a method share
@@ -81,6 +82,10 @@ METHODS = {
     "nf4 e8": NF4Config(embedding_bits=8),
     "4bit e8": CustomBitsConfig(bits=4, group_size=64, embedding_bits=8),
 }
+# The same models loaded in bfloat16 (`dtype=torch.bfloat16`): torch's bf16 GEMM for the float model, and for the
+# quantized layers at many rows on CPUs with bf16 instructions; eager paths only (the native step is float32).
+BF16 = " bf16"
+METHODS.update({name + BF16 if name != "fp32" else "bf16": config for name, config in list(METHODS.items())})
 PATHS = ("eager", "fast", "fast-unfused", "fast-int8", "native", "native-int8")
 PREFILL_TOKENS = 512
 
@@ -197,9 +202,15 @@ def decode_rate(candidate, prompt, tokens: int) -> tuple[float, float, list[int]
     return rate, first, generated
 
 
+def in_bf16(name: str) -> bool:
+    return name == "bf16" or name.endswith(BF16)
+
+
 def load(name: str, directory: Path):
     config = METHODS[name]
     kwargs = {} if config is None else {"quantization_config": config}
+    if in_bf16(name):
+        kwargs["dtype"] = torch.bfloat16
     return AutoModelForCausalLM.from_pretrained(directory, **kwargs).eval()
 
 
@@ -221,7 +232,8 @@ def build(args, directory: Path, tokenizer) -> dict[str, object]:
     for name in args.methods:
         model = load(name, directory)
         model.generation_config.pad_token_id = tokenizer.eos_token_id
-        paths = [path for path in args.paths if METHODS[name] is not None or not path.startswith("native")]
+        native = METHODS[name] is not None and not in_bf16(name)
+        paths = [path for path in args.paths if native or not path.startswith("native")]
         for path, path_model in models_by_path(name, directory, paths, model).items():
             candidates[f"{name} {path}"] = TorchCandidate(path_model, path, max_cache_len, args.compile_mode)
     for key, candidate in candidates.items():

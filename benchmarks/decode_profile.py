@@ -44,7 +44,7 @@ from quantlab.kernels.cpu.native import QuantlabCpuWeight
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _llama_cpp
-from decode import METHODS, load
+from decode import METHODS, in_bf16, load
 from kernel_speed import Spread, copy_bandwidth
 
 PEERS = {"int8 e8": "Q8_0", "int8": "Q8_0"}  # the llama.cpp type each method is compared with; Q4_0 otherwise
@@ -186,7 +186,9 @@ class StepProfile:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", nargs="+", default=["4bit e8"], choices=[m for m in METHODS if METHODS[m]])
+    parser.add_argument(
+        "--methods", nargs="+", default=["4bit e8"], choices=[m for m in METHODS if METHODS[m] and not in_bf16(m)]
+    )
     parser.add_argument("--activation-bits", nargs="+", type=int, default=[0], choices=[0, 8])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)

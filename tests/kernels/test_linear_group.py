@@ -6,7 +6,7 @@ import torch
 
 import quantlab
 from quantlab import CustomBitsConfig, Int8SymmetricConfig, NF4Config
-from quantlab.kernels.cpu import native, ops
+from quantlab.kernels.cpu import native, ops, tune
 from quantlab.kernels.cpu.linear import ctypes_linear
 from quantlab.kernels.cpu.weights import native_weight
 
@@ -104,3 +104,31 @@ def test_the_c_entry_point_refuses_weights_of_different_layouts(library):
     for other in ("3bit-g32", "nf4-dq"):  # each weight valid alone, not the layout of the first
         status, _ = _gemm_group([same[0], projections(FORMATS[other])[1]], x)
         assert status == 1  # QL_BAD_FORMAT
+
+
+BF16_ROWS = 128  # the rows from which bfloat16 activations run in torch's bf16 GEMM (torch_ops.cpp, kBf16Rows)
+needs_bf16 = pytest.mark.skipif(
+    "avx512_bf16" not in tune.cpu_flags(), reason="this CPU has no AVX512-BF16: bf16 activations run in float32"
+)
+
+
+@needs_bf16
+@pytest.mark.parametrize("name", ["4bit-g64", "nf4-dq", "int8"])
+def test_bfloat16_activations_at_many_rows_run_in_bf16_on_the_decoded_weight(operators, name):
+    """From 128 rows a bf16 input is multiplied in torch's bf16 GEMM by the decoded weight rounded to bf16
+    (as a bf16 model computes), by `linear` and by `linear_group` alike; below, in float32 as before."""
+    layers = projections(FORMATS[name], bias=True)
+    weights = [layer.dequantize_weight() for layer in layers]
+    for rows in (BF16_ROWS, 3 * BF16_ROWS):
+        x = torch.randn(rows, IN_FEATURES).to(torch.bfloat16)
+        expected = torch.cat(
+            [x @ w.bfloat16().T + layer.bias.bfloat16() for w, layer in zip(weights, layers, strict=True)], dim=-1
+        )
+        with torch.no_grad():
+            assert torch.equal(operators.linear_group_op(x, *operators.group_arguments(layers)), expected)
+            assert torch.equal(separately(x, layers), expected)
+    layers = projections(FORMATS[name])  # no biases: the float32 path adds them after its cast to bf16
+    x = torch.randn(BF16_ROWS - 1, IN_FEATURES).to(torch.bfloat16)
+    with torch.no_grad():
+        in_float32 = separately(x.float(), layers).to(torch.bfloat16)
+        assert torch.equal(separately(x, layers), in_float32)

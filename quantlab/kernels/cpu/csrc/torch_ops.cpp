@@ -28,6 +28,10 @@ extern "C" {
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <charconv>
@@ -236,6 +240,50 @@ void dequantized_matmul(const ql_weight &w, const at::Tensor &flat, const at::Te
     }
 }
 
+// bfloat16 activations at kBf16Rows rows and more, on a CPU with AVX512-BF16 (on Intel CPUs with AMX, oneDNN runs
+// torch's bf16 GEMM on the tiles): the weight decoded, rounded to bfloat16 and multiplied by torch's bf16 GEMM,
+// the compute dtype a bf16 model asks for (not the float32 sums of the other paths); about twice the speed of
+// the float32 products on Zen 4, which the measured crossover with the fused kernel (32-128 rows) puts at 128
+// rows (benchmarks/RESULTS.md). Below, or without those instructions, x goes to float32 as before.
+constexpr int64_t kBf16Rows = 128;
+
+bool cpu_has_bf16_gemm() {
+#if defined(__x86_64__) || defined(__i386__)
+    static const bool has = [] {
+        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+        return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));  // AVX512_BF16
+    }();
+    return has;
+#else
+    return false;
+#endif
+}
+
+bool bf16_product(const at::Tensor &x, int64_t rows) {
+    return x.scalar_type() == at::kBFloat16 && rows >= kBf16Rows && cpu_has_bf16_gemm();
+}
+
+// out[rows, n] (bfloat16) = flat (bfloat16) @ W.T in torch's bf16 GEMM, W decoded as dequantized_matmul decodes it,
+// each tile rounded to bfloat16 in a buffer kept by the calling thread.
+void bf16_dequantized_matmul(const ql_weight &w, const at::Tensor &flat, const at::Tensor &out) {
+    thread_local at::Tensor rounded;
+    const int64_t n = w.n, k = flat.size(1);
+    const int64_t tile = n * k * 4 <= kDecodedWholeBytes ? n : std::max<int64_t>(4, kDecodedTileBytes / (4 * k));
+    at::Tensor buffer = decode_buffer(std::min(tile, n), k);
+    if (!rounded.defined() || rounded.numel() < buffer.numel())
+        rounded = at::empty({buffer.numel()}, at::TensorOptions().dtype(at::kBFloat16));
+    for (int64_t first = 0; first < n; first += tile) {
+        const int64_t count = std::min(tile, n - first);
+        at::Tensor part = buffer.narrow(0, 0, count);
+        int status = dequantize_fn(&w, first, first + count, part.data_ptr<float>(), k, at::get_num_threads());
+        TORCH_CHECK(status == 0, "quantlab native dequantize failed with status ", status);
+        at::Tensor part16 = rounded.narrow(0, 0, count * k).view({count, k});
+        part16.copy_(part);
+        at::Tensor columns = out.narrow(1, first, count);
+        at::mm_out(columns, flat, part16.t());
+    }
+}
+
 at::Tensor linear(const at::Tensor &x, Optional bias, c10::string_view layout_text, const at::Tensor &codes,
                   Optional scale, Optional zero, Optional absmax_codes, Optional absmax_scale, Optional absmax_offset) {
     const Layout layout = parse_layout(layout_text);
@@ -247,6 +295,14 @@ at::Tensor linear(const at::Tensor &x, Optional bias, c10::string_view layout_te
     // x as float32 rows with unit stride: as given when it is (a decoding step's [1, k] or [b, 1, k]),
     // so a one-row call allocates its output and nothing else (each tensor op costs time there).
     at::Tensor flat = x.dim() == 2 ? x : x.reshape({-1, in_features});
+    if (bf16_product(flat, flat.size(0))) {
+        c10::SmallVector<int64_t, 4> shape(x.sizes().begin(), x.sizes().end());
+        shape.back() = d.weight.n;
+        at::Tensor out = at::empty(shape, x.options());
+        bf16_dequantized_matmul(d.weight, flat.contiguous(), out.view({flat.size(0), d.weight.n}));
+        if (bias.has_value()) out.add_(bias->to(out.scalar_type()));
+        return out;
+    }
     if (flat.scalar_type() != at::kFloat || flat.stride(1) != 1) flat = flat.to(at::kFloat).contiguous();
     const int64_t rows = flat.size(0), n = d.weight.n;
     c10::SmallVector<int64_t, 4> shape(x.sizes().begin(), x.sizes().end());
@@ -294,12 +350,19 @@ at::Tensor linear_group(const at::Tensor &x, OptionalList bias, c10::string_view
         features += weights.back().n;
     }
     at::Tensor flat = x.reshape({-1, in_features});
-    if (flat.scalar_type() != at::kFloat || flat.stride(1) != 1) flat = flat.to(at::kFloat).contiguous();
+    const bool bf16 = activation_bits == 0 && bf16_product(flat, flat.size(0));
+    if (bf16)
+        flat = flat.contiguous();
+    else if (flat.scalar_type() != at::kFloat || flat.stride(1) != 1)
+        flat = flat.to(at::kFloat).contiguous();
     const int64_t rows = flat.size(0);
     at::Tensor out = at::empty({rows, features}, flat.options());
     ql_weight group_shape = weights[0];  // the product is chosen for the group's whole width
     group_shape.n = features;
-    if (activation_bits == 0 && dequantize_first(group_shape, rows)) {
+    if (bf16) {
+        for (int64_t i = 0, column = 0; i < static_cast<int64_t>(count); column += weights[i].n, i++)
+            bf16_dequantized_matmul(weights[i], flat, out.narrow(1, column, weights[i].n));
+    } else if (activation_bits == 0 && dequantize_first(group_shape, rows)) {
         for (int64_t i = 0, column = 0; i < static_cast<int64_t>(count); column += weights[i].n, i++)
             dequantized_matmul(weights[i], flat, out.narrow(1, column, weights[i].n));
     } else if (rows) {
