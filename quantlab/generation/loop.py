@@ -97,7 +97,7 @@ def native_sample(
             probabilities = torch.nn.functional.softmax(next_token_scores, dim=-1)
             next_tokens = torch.multinomial(probabilities, num_samples=1).squeeze(1)
         else:
-            next_tokens = torch.argmax(next_token_scores, dim=-1)
+            next_tokens = decoder.greedy_tokens(next_token_scores)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         if stopping_criteria(input_ids, scores).any():
             break

@@ -416,6 +416,13 @@ class NativeDecoder:
             raise RuntimeError(f"quantlab's native embedding lookup failed with status {status} (a quantlab bug)")
         return hidden
 
+    def greedy_tokens(self, scores: torch.Tensor) -> torch.Tensor:
+        """`torch.argmax(scores, dim=-1)` (the same index, NaN included) of one row of float32 scores, in one native
+        call: torch's argmax over a vocabulary costs a tenth of the Python around a step."""
+        if scores.dim() != 2 or scores.shape[0] != 1 or scores.dtype != torch.float32 or not scores.is_contiguous():
+            return torch.argmax(scores, dim=-1)
+        return torch.tensor([self.lib.ql_argmax(scores.data_ptr(), scores.shape[1])])
+
     def _angles(
         self, hidden: torch.Tensor, position: int, position_ids: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,7 @@ from quantlab.utils.environment import switched_on
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("csrc")
-ABI_VERSION = 13
+ABI_VERSION = 14
 KINDS = 5  # QL_KINDS: the kinds of `ql_weight` (one per native codec, `Codec.native_kind`)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 ISA_CODES = {name: code for code, name in ISA_NAMES.items()}
@@ -209,6 +209,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ql_pool_calls.argtypes = [integer]
     lib.ql_pool_calls.restype = i64
     lib.ql_set_teams.argtypes = [integer]
+    lib.ql_argmax.argtypes = [ptr, i64]
+    lib.ql_argmax.restype = i64
     return lib
 
 

@@ -22,7 +22,7 @@
 
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
-#define QL_ABI_VERSION 13
+#define QL_ABI_VERSION 14
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 #define QL_DECODED_FEATURES 32 /* AVX2 at many rows: 16 features decoded, and their input-major panel (avx2.c) */
 #define QL_AVX512_PANEL_ROWS 32 /* from this many rows on, AVX-512 multiplies panels of 32 decoded features (avx512.c) */
@@ -296,6 +296,7 @@ int64_t ql_chunk_features(int64_t n, int threads, int per_thread);
 
 /* matmul.c */
 QL_API int ql_isa(void);
+QL_API int64_t ql_argmax(const float *x, int64_t n); /* torch.argmax of n floats; -1 when n < 1 */
 /* Which product a call of m rows runs (matmul.c): measured per format, shape class and row bucket (ql_set_product). */
 enum { QL_PRODUCT_UNSET = 0, QL_PRODUCT_FUSED = 1, QL_PRODUCT_DECODED = 2, QL_PRODUCT_FUSED_AVX2 = 3 };
 #define QL_SHAPE_CLASSES 3
