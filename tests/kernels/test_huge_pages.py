@@ -62,3 +62,14 @@ def test_quantlab_huge_pages_0_leaves_every_tensor_where_it_is(monkeypatch):
     pointers = [t.data_ptr() for layer in layers for t in layer.stored_tensors().values()]
     assert huge_pages.move_to_huge_pages(layers) == 0
     assert [t.data_ptr() for layer in layers for t in layer.stored_tensors().values()] == pointers
+
+
+def test_a_tensor_two_modules_hold_moves_once_and_stays_shared():
+    shared = torch.arange(5000, dtype=torch.int32)
+    first, second = torch.nn.Module(), torch.nn.Module()
+    for module in (first, second):
+        module.register_buffer("codes", shared)
+        module.stored_tensors = lambda module=module: {"codes": module.codes}
+    moved = huge_pages.move_to_huge_pages([first, second])
+    assert moved == -(-shared.numel() * 4 // huge_pages.ALIGNMENT) * huge_pages.ALIGNMENT
+    assert first.codes is second.codes and torch.equal(first.codes, torch.arange(5000, dtype=torch.int32))

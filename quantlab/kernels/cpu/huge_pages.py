@@ -51,21 +51,30 @@ def move_to_huge_pages(modules: Iterable[torch.nn.Module]) -> int:
     """
     if not available():
         return 0
-    plan: list[tuple[torch.nn.Module, str, torch.Tensor, int]] = []
+    plan: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+    offsets: dict[int, int] = {}  # id of each tensor to move -> its place: a tensor two modules hold moves once
     size = 0
     for module in dict.fromkeys(modules):  # each module once, in order
         for name, tensor in _movable(module):
-            plan.append((module, name, tensor, size))
-            size += -(-tensor.numel() * tensor.element_size() // ALIGNMENT) * ALIGNMENT
+            plan.append((module, name, tensor))
+            if id(tensor) not in offsets:
+                offsets[id(tensor)] = size
+                size += -(-tensor.numel() * tensor.element_size() // ALIGNMENT) * ALIGNMENT
     if not plan:
         return 0
     mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: no huge pages
     start = (-_address(mapping)) % HUGE_PAGE  # the first tensor on a 2 MiB boundary
     mapping.madvise(mmap.MADV_HUGEPAGE)
-    for module, name, tensor, offset in plan:
-        moved = torch.frombuffer(mapping, dtype=tensor.dtype, count=tensor.numel(), offset=start + offset)
-        moved = moved.view(tensor.shape)
-        moved.copy_(tensor.detach())
+    moved_tensors: dict[int, torch.Tensor] = {}
+    for module, name, tensor in plan:
+        moved = moved_tensors.get(id(tensor))
+        if moved is None:
+            moved = torch.frombuffer(
+                mapping, dtype=tensor.dtype, count=tensor.numel(), offset=start + offsets[id(tensor)]
+            )
+            moved = moved.view(tensor.shape)
+            moved.copy_(tensor.detach())
+            moved_tensors[id(tensor)] = moved
         if name in module._parameters:
             module._parameters[name].data = moved
         else:
