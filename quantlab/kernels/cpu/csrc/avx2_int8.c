@@ -49,17 +49,26 @@ QL_AVX2 void ql_quantize_x_a8_256(const float *xp, int64_t m, int64_t row_length
     }
 }
 
-/* NR features from n, one row, 4-bit codes: acc_j += scale * d * float(q . xq) per block, then the
+/* One block of 4-bit codes (32 bytes: low nibbles meet `lows`, the first 32 int8 inputs, high nibbles
+ * `highs`) as 8 float partial sums of its exact integer dot product. */
+QL_INLINE QL_AVX2 __m256 ql_block_dot256(__m256i packed, __m256i lows, __m256i highs) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(packed, low), lows),
+                                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), highs));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* 4 features from n, one row, 4-bit codes: acc_j += scale * d * float(q . xq) per block, then the
  * zero point's share, sum over groups of scale * zero * xz[g] (ql_zero_terms), taken off. A block's
  * 32 code bytes are one load: low nibbles meet its first 32 int8 inputs, high nibbles the next 32.
  * The next 4 features' codes are prefetched as they go (ql_prefetch_next4, avx2.c): more tokens/s in
  * the native step, on one and two threads (benchmarks/RESULTS.md). For rows shorter than
  * QL_BY_FEATURE_BYTES_256, whose 4 rows lie in one short run of memory anyway. */
-QL_INLINE QL_AVX2 void ql_block256_a8(const int NR, const ql_weight *w, const int8_t *xq, const float *xd,
-                                      const float *xz, int64_t n, float *y, const float *params) {
+QL_INLINE QL_AVX2 void ql_block256_a8(const ql_weight *w, const int8_t *xq, const float *xd, const float *xz,
+                                      int64_t n, float *y, const float *params) {
+    enum { NR = 4 };
     const int64_t G = w->groups, per_group = w->group_codes / 64, blocks = G * per_group;
     const int64_t row_bytes = G * w->group_bytes;
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256 acc[4];
     for (int j = 0; j < NR; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0, g = 0, in_group = 0; b < blocks; b++, in_group++) {
@@ -74,9 +83,7 @@ QL_INLINE QL_AVX2 void ql_block256_a8(const int NR, const ql_weight *w, const in
             for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(w->codes + (n + j + 4) * row_bytes + b * 32), _MM_HINT_T0);
         for (int j = 0; j < NR; j++) {
             const __m256i packed = _mm256_loadu_si256((const __m256i *)(w->codes + (n + j) * row_bytes + b * 32));
-            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(packed, low), lows),
-                                                   _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), highs));
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            const __m256 dot = ql_block_dot256(packed, lows, highs);
             acc[j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(_mm256_broadcast_ss(params + j * G + g), d), acc[j]);
         }
     }
@@ -96,7 +103,6 @@ QL_INLINE QL_AVX2 void ql_feature256_a8(const ql_weight *w, const int8_t *xq, co
     const int64_t G = w->groups, per_group = w->group_codes / 64;
     const int64_t row_bytes = G * w->group_bytes;
     const uint8_t *codes = w->codes + n * row_bytes;
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     float share = 0.0f;
     for (int64_t g = 0, b = 0; g < G; g++) {
@@ -107,9 +113,7 @@ QL_INLINE QL_AVX2 void ql_feature256_a8(const ql_weight *w, const int8_t *xq, co
             const __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + b * 32));
             const __m256i lows = _mm256_loadu_si256((const __m256i *)(xq + b * 64));
             const __m256i highs = _mm256_loadu_si256((const __m256i *)(xq + b * 64 + 32));
-            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(packed, low), lows),
-                                                   _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), highs));
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            const __m256 dot = ql_block_dot256(packed, lows, highs);
             const __m256 sd = _mm256_set1_ps(scale[g] * xd[b]);
             if (b & 1)
                 odd = _mm256_fmadd_ps(dot, sd, odd);
@@ -170,7 +174,7 @@ QL_AVX2 void ql_gemm256_a8(const ql_weight *w, const int8_t *xq, const float *xd
         for (int64_t r = 0; r < m; r++) {
             const int8_t *xr = xq + r * blocks * 64;
             if (NR == 4)
-                ql_block256_a8(4, w, xr, xd + r * blocks, xz + r * G, n, y + r * y_stride, params);
+                ql_block256_a8(w, xr, xd + r * blocks, xz + r * G, n, y + r * y_stride, params);
             else
                 ql_feature256_a8(w, xr, xd + r * blocks, xz + r * G, n, y + r * y_stride, params, params + G);
         }

@@ -91,8 +91,8 @@ QL_INLINE QL_VNNI __m512 ql_lone_dot(const uint8_t *codes, const int8_t *x, __m5
  * and lanes 8-15 block b + 1's: half the instructions of a block at a time. An odd last block goes
  * alone. The inner step is vector work only: the pair's two scales broadcast from memory times the
  * pair's d. Each feature's codes are read start to end before the next one's, as they lie: 4 features
- * interleaved block by block streamed rows of a kilobyte or more from DRAM at about two thirds of the
- * speed (benchmarks/RESULTS.md). */
+ * interleaved block by block streamed rows of 768 bytes from DRAM at about half the speed (one cold
+ * product of 1,536 inputs: 14 against 28.6 GB/s, benchmarks/RESULTS.md); these rows are longer. */
 QL_INLINE QL_VNNI void ql_block_a8(const int NR, const ql_weight *w, const int8_t *xq, const float *xd,
                                    const float *xz, int64_t n, float *y, const float *params) {
     const int64_t G = w->groups, per_group = w->group_codes / 64, blocks = G * per_group;
@@ -187,7 +187,8 @@ QL_INLINE QL_VNNI void ql_block_a8_short_by_block(const int folded, const ql_wei
     if (folded) ql_fold_d(w, xd, scale_low, scale_high);
     int64_t b = 0;
     for (; b + 2 <= blocks; b += 2) {
-        const __m512 d = folded ? _mm512_setzero_ps() : _mm512_insertf32x8(_mm512_set1_ps(xd[b]), _mm256_set1_ps(xd[b + 1]), 1);
+        const __m512 d = folded ? _mm512_setzero_ps() /* unused */
+                                : _mm512_insertf32x8(_mm512_set1_ps(xd[b]), _mm256_set1_ps(xd[b + 1]), 1);
         const __m512i pick = ql_pair_pick(b, per_group);
         for (int j = 0; j < 4; j++) {
             const __m512 dot = ql_pair_dot(w->codes + (n + j) * row_bytes + b * 32, xq + b * 64, low);

@@ -69,8 +69,8 @@ static int ql_avx2_panels(int isa, int64_t m, int a8) {
 /* A product of m >= 2 rows of float x runs either on the fused kernels here (QL_PRODUCT_FUSED; on an AVX-512
  * CPU, QL_PRODUCT_FUSED_AVX2 runs the AVX2 ones, whose panels of 16 features can share a layer of few
  * outputs better between threads) or as the weight decoded (ql_dequantize) and multiplied by the caller's
- * BLAS GEMM (QL_PRODUCT_DECODED: torch's, MKL or oneDNN). Which is faster depends on the CPU more than on anything here: a vendor's BLAS may run its
- * best code on one CPU and a weaker path on another. So it is measured on the machine that runs it
+ * BLAS GEMM (QL_PRODUCT_DECODED: torch's, MKL or oneDNN). Which is faster depends on the CPU more than on
+ * anything here: a vendor's BLAS may run its best code on one CPU and a weaker path on another. So it is measured on the machine that runs it
  * (quantlab.kernels.cpu.tune), per instruction set, format (kind and bits), shape class and row bucket,
  * and set here; an entry never set keeps the default: fused on x86, decoded from 8 rows on with the
  * portable kernel (it decodes each weight once per 4 rows). */
@@ -95,8 +95,6 @@ QL_API int ql_set_product(int isa, int kind, int bits, int shape_class, int row_
     return QL_OK;
 }
 
-/* The instruction set a product of m rows of float x on features [0, features) of w's layout runs at: the
- * CPU's, or AVX2's kernels on an AVX-512 CPU where they were measured faster (QL_PRODUCT_FUSED_AVX2). */
 /* The product of m rows on a weight of `kind` and `bits` with n outputs and k inputs (ql_product's table). */
 static int ql_product_of(int kind, int bits, int64_t n, int64_t k, int64_t m) {
     int bucket = ql_row_bucket(m), isa = ql_isa();
@@ -106,6 +104,8 @@ static int ql_product_of(int kind, int bits, int64_t n, int64_t k, int64_t m) {
     return isa == QL_ISA_SCALAR && m >= 8 ? QL_PRODUCT_DECODED : QL_PRODUCT_FUSED;
 }
 
+/* The instruction set a product of m rows of float x on features [0, features) of w's layout runs at: the
+ * CPU's, or AVX2's kernels on an AVX-512 CPU where they were measured faster (QL_PRODUCT_FUSED_AVX2). */
 int ql_product_isa(const ql_weight *w, int64_t m, int64_t features) {
     return ql_product_of(w->kind, w->bits, features, w->k, m) == QL_PRODUCT_FUSED_AVX2 ? QL_ISA_AVX2 : ql_isa();
 }

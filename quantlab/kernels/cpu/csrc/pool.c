@@ -288,9 +288,9 @@ void ql_run_own(ql_task task, void *arg, int64_t chunks, int threads) {
 }
 
 /* ---- one team held through a long call (ql_run_team) ----
- * A decoding step makes seven products a block, each too short for a fork and join of its own: on
- * torch's team that costs microseconds a call, as much as the product of a small layer
- * (benchmarks/RESULTS.md). ql_run_team runs body(arg) on the calling thread inside one call of
+ * A decoding step makes four product calls a block and an attention, each a fork and join of torch's
+ * team of its own; holding one team through the step saved 1-3 % of its time (benchmarks/RESULTS.md:
+ * the step is bound by memory, not by these joins). ql_run_team runs body(arg) on the calling thread inside one call of
  * torch's team, whose other threads meanwhile spin on a queue of the team's own: every ql_run the
  * body makes is posted there and costs an atomic store, and the poster works on it too and waits
  * only for chunks others claimed (ql_work_and_wait), so a helper that is late or absent slows the
@@ -322,7 +322,8 @@ static int ql_teams_on = 1;
 QL_API void ql_set_teams(int on) { ql_teams_on = on; }
 
 void ql_run_team(void (*body)(void *), void *arg, int threads) {
-    if (!ql_teams_on || threads <= 1 || !ql_gomp_parallel || ql_current_team || ql_now_ns() < atomic_load(&ql_team_after_ns)) {
+    if (!ql_teams_on || threads <= 1 || !ql_gomp_parallel || ql_current_team ||
+        ql_now_ns() < atomic_load(&ql_team_after_ns)) {
         body(arg);
         return;
     }

@@ -294,9 +294,11 @@ int ql_in_team(void);                                                /* inside q
 int ql_threads(int requested, int64_t work);
 int64_t ql_chunk_features(int64_t n, int threads, int per_thread);
 
+/* argmax.c */
+QL_API int64_t ql_argmax(const float *x, int64_t n); /* torch.argmax of n floats; -1 when n < 1 */
+
 /* matmul.c */
 QL_API int ql_isa(void);
-QL_API int64_t ql_argmax(const float *x, int64_t n); /* torch.argmax of n floats; -1 when n < 1 */
 /* Which product a call of m rows runs (matmul.c): measured per format, shape class and row bucket (ql_set_product). */
 enum { QL_PRODUCT_UNSET = 0, QL_PRODUCT_FUSED = 1, QL_PRODUCT_DECODED = 2, QL_PRODUCT_FUSED_AVX2 = 3 };
 #define QL_SHAPE_CLASSES 3

@@ -215,26 +215,31 @@ constexpr int64_t kDecodedTileBytes = 2 << 20;
 // (ql_product, set by quantlab.kernels.cpu.tune).
 bool dequantize_first(const ql_weight &w, int64_t rows) { return product_fn(&w, rows) == QL_PRODUCT_DECODED; }
 
-// The float32 buffer a weight (or a tile of it) is decoded into, kept between calls by each calling thread: a
-// fresh buffer per call costs its page faults, more than the decoding itself on small layers.
-at::Tensor decode_buffer(int64_t rows, int64_t columns) {
-    thread_local at::Tensor buffer;
+// A buffer a weight (or a tile of it) is decoded into (float32) or rounded into (bfloat16), kept between calls by
+// each calling thread: a fresh buffer per call costs its page faults, more than the decoding itself on small layers.
+at::Tensor decode_buffer(int64_t rows, int64_t columns, at::ScalarType dtype) {
+    thread_local at::Tensor buffers[2];  // float32, bfloat16
+    at::Tensor &buffer = buffers[dtype == at::kBFloat16 ? 1 : 0];
     const int64_t size = rows * columns;
-    if (!buffer.defined() || buffer.numel() < size) buffer = at::empty({size}, at::TensorOptions().dtype(at::kFloat));
+    if (!buffer.defined() || buffer.numel() < size) buffer = at::empty({size}, at::TensorOptions().dtype(dtype));
     return buffer.narrow(0, 0, size).view({rows, columns});
 }
 
 // out[rows, n] (rows of stride out.stride(0)) = flat @ W.T, W decoded whole or a tile of output features
-// at a time (kDecodedWholeBytes): each decoded value is the reference's, the sums torch's GEMM's.
+// at a time (kDecodedWholeBytes): each decoded value is the reference's, the sums torch's GEMM's. A bfloat16
+// `flat` (bf16_product) meets each tile rounded to bfloat16, in torch's bf16 GEMM.
 void dequantized_matmul(const ql_weight &w, const at::Tensor &flat, const at::Tensor &out) {
     const int64_t n = w.n, k = flat.size(1);
     const int64_t tile = n * k * 4 <= kDecodedWholeBytes ? n : std::max<int64_t>(4, kDecodedTileBytes / (4 * k));
-    at::Tensor buffer = decode_buffer(std::min(tile, n), k);
+    const bool bf16 = flat.scalar_type() == at::kBFloat16;
+    at::Tensor buffer = decode_buffer(std::min(tile, n), k, at::kFloat);
+    at::Tensor rounded = bf16 ? decode_buffer(std::min(tile, n), k, at::kBFloat16) : at::Tensor();
     for (int64_t first = 0; first < n; first += tile) {
         const int64_t count = std::min(tile, n - first);
         at::Tensor part = buffer.narrow(0, 0, count);
         int status = dequantize_fn(&w, first, first + count, part.data_ptr<float>(), k, at::get_num_threads());
         TORCH_CHECK(status == 0, "quantlab native dequantize failed with status ", status);
+        if (bf16) part = rounded.narrow(0, 0, count).copy_(part);
         at::Tensor columns = out.narrow(1, first, count);
         at::mm_out(columns, flat, part.t());
     }
@@ -263,27 +268,6 @@ bool bf16_product(const at::Tensor &x, int64_t rows) {
     return x.scalar_type() == at::kBFloat16 && rows >= kBf16Rows && cpu_has_bf16_gemm();
 }
 
-// out[rows, n] (bfloat16) = flat (bfloat16) @ W.T in torch's bf16 GEMM, W decoded as dequantized_matmul decodes it,
-// each tile rounded to bfloat16 in a buffer kept by the calling thread.
-void bf16_dequantized_matmul(const ql_weight &w, const at::Tensor &flat, const at::Tensor &out) {
-    thread_local at::Tensor rounded;
-    const int64_t n = w.n, k = flat.size(1);
-    const int64_t tile = n * k * 4 <= kDecodedWholeBytes ? n : std::max<int64_t>(4, kDecodedTileBytes / (4 * k));
-    at::Tensor buffer = decode_buffer(std::min(tile, n), k);
-    if (!rounded.defined() || rounded.numel() < buffer.numel())
-        rounded = at::empty({buffer.numel()}, at::TensorOptions().dtype(at::kBFloat16));
-    for (int64_t first = 0; first < n; first += tile) {
-        const int64_t count = std::min(tile, n - first);
-        at::Tensor part = buffer.narrow(0, 0, count);
-        int status = dequantize_fn(&w, first, first + count, part.data_ptr<float>(), k, at::get_num_threads());
-        TORCH_CHECK(status == 0, "quantlab native dequantize failed with status ", status);
-        at::Tensor part16 = rounded.narrow(0, 0, count * k).view({count, k});
-        part16.copy_(part);
-        at::Tensor columns = out.narrow(1, first, count);
-        at::mm_out(columns, flat, part16.t());
-    }
-}
-
 at::Tensor linear(const at::Tensor &x, Optional bias, c10::string_view layout_text, const at::Tensor &codes,
                   Optional scale, Optional zero, Optional absmax_codes, Optional absmax_scale, Optional absmax_offset) {
     const Layout layout = parse_layout(layout_text);
@@ -295,27 +279,23 @@ at::Tensor linear(const at::Tensor &x, Optional bias, c10::string_view layout_te
     // x as float32 rows with unit stride: as given when it is (a decoding step's [1, k] or [b, 1, k]),
     // so a one-row call allocates its output and nothing else (each tensor op costs time there).
     at::Tensor flat = x.dim() == 2 ? x : x.reshape({-1, in_features});
-    if (bf16_product(flat, flat.size(0))) {
-        c10::SmallVector<int64_t, 4> shape(x.sizes().begin(), x.sizes().end());
-        shape.back() = d.weight.n;
-        at::Tensor out = at::empty(shape, x.options());
-        bf16_dequantized_matmul(d.weight, flat.contiguous(), out.view({flat.size(0), d.weight.n}));
-        if (bias.has_value()) out.add_(bias->to(out.scalar_type()));
-        return out;
-    }
-    if (flat.scalar_type() != at::kFloat || flat.stride(1) != 1) flat = flat.to(at::kFloat).contiguous();
+    const bool bf16 = bf16_product(flat, flat.size(0));  // many bf16 rows stay bf16, on torch's bf16 GEMM
+    if (bf16)
+        flat = flat.contiguous();
+    else if (flat.scalar_type() != at::kFloat || flat.stride(1) != 1)
+        flat = flat.to(at::kFloat).contiguous();
     const int64_t rows = flat.size(0), n = d.weight.n;
     c10::SmallVector<int64_t, 4> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = n;
     at::Tensor out = at::empty(shape, flat.options());
-    if (dequantize_first(d.weight, rows)) {
+    if (bf16 || dequantize_first(d.weight, rows)) {
         dequantized_matmul(d.weight, flat, out.view({rows, n}));
     } else if (rows) {
         int status = gemm_fn(&d.weight, flat.data_ptr<float>(), rows, flat.stride(0), out.data_ptr<float>(), n,
                              at::get_num_threads());
         TORCH_CHECK(status == 0, "quantlab native matmul failed with status ", status);
     }
-    if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
+    if (x.scalar_type() != out.scalar_type()) out = out.to(x.scalar_type());
     if (bias.has_value()) out.add_(bias->to(out.scalar_type()));  // as the reference: the output's dtype, then add
     return out;
 }
@@ -359,10 +339,7 @@ at::Tensor linear_group(const at::Tensor &x, OptionalList bias, c10::string_view
     at::Tensor out = at::empty({rows, features}, flat.options());
     ql_weight group_shape = weights[0];  // the product is chosen for the group's whole width
     group_shape.n = features;
-    if (bf16) {
-        for (int64_t i = 0, column = 0; i < static_cast<int64_t>(count); column += weights[i].n, i++)
-            bf16_dequantized_matmul(weights[i], flat, out.narrow(1, column, weights[i].n));
-    } else if (activation_bits == 0 && dequantize_first(group_shape, rows)) {
+    if (bf16 || (activation_bits == 0 && dequantize_first(group_shape, rows))) {
         for (int64_t i = 0, column = 0; i < static_cast<int64_t>(count); column += weights[i].n, i++)
             dequantized_matmul(weights[i], flat, out.narrow(1, column, weights[i].n));
     } else if (rows) {
@@ -371,7 +348,7 @@ at::Tensor linear_group(const at::Tensor &x, OptionalList bias, c10::string_view
                                    static_cast<int>(activation_bits));
         TORCH_CHECK(status == 0, "quantlab native grouped matmul failed with status ", status);
     }
-    if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
+    if (x.scalar_type() != out.scalar_type()) out = out.to(x.scalar_type());
     for (int64_t i = 0, column = 0; i < static_cast<int64_t>(count); column += weights[i].n, i++) {
         std::optional<at::Tensor> b = bias[i];
         if (b.has_value()) out.narrow(1, column, weights[i].n).add_(b->to(out.scalar_type()));  // as `linear` does
