@@ -16,9 +16,11 @@ fused kernel, native dequantize then torch's GEMM (`ql dq+mm 4b`); torch fp32 th
 (`onednn fp32`, `torch._C._nn.mkldnn_linear`: on AMD CPUs MKL's GEMM, which `nn.Linear` uses,
 takes its AVX2 path, oneDNN its AVX-512 one, so this shows the headroom at many rows);
 bitsandbytes NF4 (double quant) and int8 (LLM.int8); onnxruntime `MatMulNBits` at 4 and 8 bits,
-blocks of 64, each a one-node model. `--activation-bits 8` times only torch fp32 and the `quantlab::linear_group`
-operator on 4-bit (groups of 64) and int8 (per channel) layers, on float activations (`ql op 4b`, `ql op int8`) and on
-activations rounded to int8 blocks of 64 (`... i8act`), where this CPU has the kernels for it.
+blocks of 64, each a one-node model. `--activation-bits 8` times only torch fp32 and bf16 and the
+`quantlab::linear_group` operator on 4-bit (groups of 64) and int8 (per channel) layers, on float activations
+(`ql op 4b`, `ql op int8`) and on activations rounded to int8 blocks of 64 (`... i8act`), where this CPU has the
+kernels for it; where AMX tiles run (`QUANTLAB_AMX`, quantlab.kernels.cpu.native), `... i8act` is on them and
+`... i8act vnni` on the AVX512-VNNI kernel.
 
 The machine is shared and noisy, so every candidate is timed in every round, in rotated
 order. A round's figure is its fastest call: on a loaded machine any call longer than a
@@ -132,10 +134,15 @@ def build_candidates(linear: torch.nn.Linear, threads: int) -> tuple[dict[str, F
 
 
 def int8_activation_candidates(linear: torch.nn.Linear) -> tuple[dict[str, Forward], dict[str, int]]:
-    """torch fp32 and the grouped operator on float and on int8 activations, 4-bit g64 and int8 layers."""
+    """torch fp32 and bf16 (x converted in the call) and the grouped operator on float and on int8 activations,
+    4-bit g64 and int8 layers; where AMX tiles run, int8 activations also on the AVX512-VNNI kernel (`vnni`)."""
     weight = linear.weight
-    forwards: dict[str, Forward] = {"torch fp32": lambda x: torch.nn.functional.linear(x, weight)}
-    sizes = {"torch fp32": weight.numel() * 4}
+    weight_bf16 = weight.detach().bfloat16()
+    forwards: dict[str, Forward] = {
+        "torch fp32": lambda x: torch.nn.functional.linear(x, weight),
+        "torch bf16": lambda x: torch.nn.functional.linear(x.bfloat16(), weight_bf16),
+    }
+    sizes = {"torch fp32": weight.numel() * 4, "torch bf16": weight.numel() * 2}
     if not ops.available() or not native.int8_activations_supported():
         raise SystemExit("--activation-bits 8 needs quantlab's operators and an AVX2 or AVX512-VNNI CPU")
     for name, config in (("4b", QUANTLAB["ql 4b"]), ("int8", QUANTLAB["ql int8"])):
@@ -144,7 +151,22 @@ def int8_activation_candidates(linear: torch.nn.Linear) -> tuple[dict[str, Forwa
         forwards[f"ql op {name}"] = lambda x, group=group: ops.linear_group_op(x, *group, 0)
         forwards[f"ql op {name} i8act"] = lambda x, group=group: ops.linear_group_op(x, *group, 8)
         sizes[f"ql op {name}"] = sizes[f"ql op {name} i8act"] = layer.stored_bytes()
+        if native.amx_status() == "ready":
+            vnni = lambda x, group=group: on_vnni_rows(ops.linear_group_op, x, *group, 8)  # noqa: E731
+            forwards[f"ql op {name} i8act vnni"] = vnni
+            sizes[f"ql op {name} i8act vnni"] = layer.stored_bytes()
     return forwards, sizes
+
+
+def on_vnni_rows(call: Callable, *arguments: object) -> object:
+    """`call(*arguments)` with the many-row int8-activation products on the AVX512-VNNI kernel instead of AMX."""
+    lib = native.library()
+    before = lib.ql_a8_rows_choice()
+    lib.ql_set_a8_rows(native.ROWS_ISA)
+    try:
+        return call(*arguments)
+    finally:
+        lib.ql_set_a8_rows(before)
 
 
 def bare_operators(name: str, layer: quantlab.QuantizedLinear) -> dict[str, Forward]:
@@ -241,6 +263,10 @@ RATIOS = {  # label -> (numerator, denominator): > 1 means the quantlab kernel i
     "fp32 / ql op int8 i8act": ("torch fp32", "ql op int8 i8act"),
     "ql op 4b / ql op 4b i8act": ("ql op 4b", "ql op 4b i8act"),
     "ql op int8 / ql op int8 i8act": ("ql op int8", "ql op int8 i8act"),
+    "bf16 / ql op 4b i8act": ("torch bf16", "ql op 4b i8act"),
+    "bf16 / ql op int8 i8act": ("torch bf16", "ql op int8 i8act"),
+    "vnni / amx 4b i8act": ("ql op 4b i8act vnni", "ql op 4b i8act"),
+    "vnni / amx int8 i8act": ("ql op int8 i8act vnni", "ql op int8 i8act"),
     "fp32 / ql int8": ("torch fp32", "ql int8"),
     "bnb nf4 / ql 4b": ("bnb nf4", "ql 4b"),
     "bnb int8 / ql int8": ("bnb int8", "ql int8"),
@@ -334,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"CPU {tune.cpu_name()}, flags {' '.join(tune.cpu_flags()) or 'none'}; torch {torch.__version__} fp32 "
         f"{tune.fp32_gflops():.0f} GFLOP/s (1024^3), {args.threads} threads, quantlab kernels: {native.isa()}, "
-        f"products {tune.setting()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"products {tune.setting()}, AMX: {native.amx_status()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
         f"load average {os.getloadavg()[0]:.1f}, {args.rounds} rounds"
     )
     results = []

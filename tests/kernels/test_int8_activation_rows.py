@@ -1,18 +1,20 @@
-"""The many-row int8-activation kernels (avx512_vnni_rows.c, avx2_int8_rows.c: panels of repacked codes, a
-prompt's prefill): each output equals the one-row kernel's on the same row (same int8 rounding of x, same
-exact int32 block dots; only the order of the float sums differs) and the rounded activations times the
-dequantized weight. Row counts hit every remainder of the row tiles (6 rows VNNI, 4 AVX2), feature counts
-every remainder of the panels (32 features VNNI, 16 AVX2)."""
+"""The many-row int8-activation kernels (avx512_vnni_rows.c, avx2_int8_rows.c, amx_int8_rows.c: panels of
+repacked codes, a prompt's prefill): each output equals the one-row kernel's on the same row (same int8
+rounding of x, same exact int32 block dots; only the order of the float sums differs) and the rounded
+activations times the dequantized weight. Row counts hit every remainder of the row tiles (6 rows VNNI, 4
+AVX2, 32 AMX), feature counts every remainder of the panels (32 features VNNI and AMX, 16 AVX2). The AMX
+kernel runs where the CPU and Linux allow its tiles, and everywhere with its tile instructions emulated
+in C, which must give the VNNI kernel's outputs bit for bit."""
 
 import pytest
 import torch
 
 import quantlab
 from quantlab import CustomBitsConfig, Int8SymmetricConfig
-from quantlab.kernels.cpu import ops
+from quantlab.kernels.cpu import native, ops
 
 # the many-row kernels from 4 rows on; rests of 6-row tiles (VNNI): 4, 5, 2, 1, 5, 4, 3, 4; of 4-row tiles
-# (AVX2): 0, 1, 0, 1, 3, 0, 1, 2
+# (AVX2): 0, 1, 0, 1, 3, 0, 1, 2; of 32-row steps (AMX, from 16 rows on): 23, 28, 1, 2
 ROWS = [4, 5, 8, 13, 23, 28, 33, 34]
 # panels of 32: 4 + 2, 1 + 18, 0 + 7, 0 + 21; of 16: 8 + 2, 3 + 2, 0 + 7, 1 + 5
 FEATURES = (130, 50, 7, 21)
@@ -117,3 +119,48 @@ def test_4bit_extreme_codes_and_activations_at_many_rows(operators):
     x = torch.ones(9, 256)
     x[::2] = -1.0
     assert_many_rows_match([module], x, rounding_shows=False)
+
+
+@pytest.fixture()
+def vnni_rows(library):
+    """The AVX512-VNNI kernel's instruction set; the test chooses the many-row kernel itself."""
+    if library.ql_isa() < 2:
+        pytest.skip("this CPU has no AVX-512")
+    before = library.ql_a8_rows_choice()
+    library.ql_force_isa(2)
+    try:
+        if not native.int8_activations_supported() or not ops.available():
+            pytest.skip("this CPU has no AVX512-VNNI, or the torch operators could not be built")
+        yield library
+    finally:
+        library.ql_set_a8_rows(before)
+        library.ql_force_isa(-1)
+
+
+@pytest.mark.parametrize("config", [CustomBitsConfig(bits=4, group_size=64), CustomBitsConfig(bits=4, group_size=128),
+                                    Int8SymmetricConfig(group_size=None)])  # fmt: skip
+@pytest.mark.parametrize("rows", [16, 37, 64])
+def test_the_tiles_give_the_vnni_kernels_outputs_bit_for_bit(vnni_rows, config, rows):
+    """amx_rows_body.h's step on the emulated tiles (and on the real ones where they run) against
+    avx512_vnni_rows.c: the same int32 block dots and the same float epilogue in the same order."""
+    layers = [layer(config, 640, n) for n in (70, 21)]
+    x = activations(rows, 640)
+    assert vnni_rows.ql_set_a8_rows(native.ROWS_ISA) == 0
+    expected = run(layers, x, 8)
+    choices = [native.ROWS_AMX_EMULATED] + ([native.ROWS_AMX] if native.amx_status() == "ready" else [])
+    for choice in choices:
+        assert vnni_rows.ql_set_a8_rows(choice) == 0
+        assert torch.equal(run(layers, x, 8), expected), choice
+
+
+def test_the_amx_check_and_status_agree_with_the_machine(library):
+    """`ql_amx_check` runs (and passes) exactly where the tiles are ready; the kernel cannot be turned on elsewhere."""
+    status = native.amx_status()
+    if status == "ready" and library.ql_isa() == 2:
+        assert library.ql_amx_check() == 0
+        assert library.ql_amx_speedup() > 0
+    else:
+        assert library.ql_amx_check() == -1
+        assert library.ql_amx_speedup() == -1
+        assert library.ql_set_a8_rows(native.ROWS_AMX) == 1
+        assert library.ql_a8_rows_choice() != native.ROWS_AMX

@@ -19,6 +19,11 @@ OpenMP team instead of a second pool that would compete with it for the cores (p
 leave it for the library's own pool for a second whenever a call's join waited for a team thread
 that was not running (a machine other busy processes share: a late thread never stalls a call
 on the own pool); `QUANTLAB_THREAD_POOL=own` keeps them on the own pool throughout.
+
+AMX: on a CPU with AMX tiles (Intel Sapphire Rapids and later) the many-row products on int8 activations
+run on them once Linux granted the process the tile state and a check on this machine found them equal to
+the AVX512-VNNI kernel and faster than it (`amx_int8_rows.c`); `QUANTLAB_AMX=0` keeps them off. Where Linux refuses, one
+note says so and the VNNI kernel runs.
 """
 
 import ctypes
@@ -40,7 +45,7 @@ from quantlab.utils.environment import switched_on
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("csrc")
-ABI_VERSION = 14
+ABI_VERSION = 15
 KINDS = 5  # QL_KINDS: the kinds of `ql_weight` (one per native codec, `Codec.native_kind`)
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 ISA_CODES = {name: code for code, name in ISA_NAMES.items()}
@@ -211,6 +216,41 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ql_set_teams.argtypes = [integer]
     lib.ql_argmax.argtypes = [ptr, i64]
     lib.ql_argmax.restype = i64
+    lib.ql_amx_status.restype = integer
+    lib.ql_amx_check.restype = integer
+    lib.ql_amx_speedup.restype = ctypes.c_double
+    lib.ql_set_a8_rows.argtypes = [integer]
+    lib.ql_set_a8_rows.restype = integer
+    lib.ql_a8_rows_choice.restype = integer
+    return lib
+
+
+AMX_STATUS = {0: "ready", 1: "no AMX on this CPU", 2: "Linux refused the tile permission", 3: "compiler without AMX"}
+ROWS_ISA, ROWS_AMX, ROWS_AMX_EMULATED = 0, 1, 2
+AMX_TIE = 0.03  # the tiles must be this much faster than the VNNI kernel to take its products
+
+
+def amx_status() -> str:
+    """Whether AMX tiles run here: `ready`, else why not (`no AMX on this CPU`, ...); `no kernels` without them."""
+    lib = library()
+    return "no kernels" if lib is None else AMX_STATUS[lib.ql_amx_status()]
+
+
+def _use_amx(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Turn the AMX many-row kernel on where the CPU, Linux and a check on this machine allow it."""
+    status = lib.ql_amx_status()
+    if status == 1 or not switched_on("QUANTLAB_AMX"):
+        return lib
+    if status != 0:
+        logger.warning("quantlab: AMX tiles unused (%s); int8 activations run on AVX512-VNNI", AMX_STATUS[status])
+        return lib
+    if lib.ql_amx_check() != 0:
+        logger.warning("quantlab: AMX tiles unused: their products differ from AVX512-VNNI's on this machine")
+        return lib
+    speedup = lib.ql_amx_speedup()
+    logger.info("quantlab: AMX tiles %.2fx AVX512-VNNI on a 128-row product", speedup)
+    if speedup > 1.0 + AMX_TIE:
+        lib.ql_set_a8_rows(ROWS_AMX)
     return lib
 
 
@@ -252,7 +292,7 @@ def _open_library() -> ctypes.CDLL:
 @functools.cache
 def _load() -> ctypes.CDLL | None:
     try:
-        return _choose_threads(_bind(_open_library()))
+        return _use_amx(_choose_threads(_bind(_open_library())))
     except (NativeBuildError, trusted.UntrustedLibraryError, OSError) as error:
         warnings.warn(
             f"quantlab's native CPU kernels are unavailable, quantized layers use the slower reference kernel: {error}",

@@ -455,7 +455,7 @@ def report(table: Table) -> str:
     lines = [
         f"CPU: {m['cpu']}; flags: {' '.join(m['flags']) or 'none'}",
         f"kernels: {m['isa']}, {m['threads']} threads, torch {m['torch']} (fp32 GEMM {fp32_gflops():.0f} GFLOP/s "
-        f"at 1024^3 now)",
+        f"at 1024^3 now); AMX tiles for int8 activations: {native.amx_status()}",
         "",
         "| format | shapes (in x out) | rows | fused ms | fused AVX2 ms | decoded + torch GEMM ms | torch fp32 ms "
         "| chosen | fp32 / chosen |",

@@ -49,16 +49,48 @@ void ql_zero_terms(const ql_weight *w, const float *xd, const int32_t *xs, float
  * scales and zeros as stored [panel, groups] each, then its codes [groups x group_codes, panel] as bytes. */
 int ql_a8_scratch_make(const ql_weight *w, int64_t m, int64_t panel, ql_a8_scratch *scratch) {
     const int64_t xz = ql_round_up(m * w->groups, 16), params = ql_round_up(w->groups * panel, 16);
-    const int64_t codes = w->groups * w->group_codes * panel;
+    const int64_t codes = w->groups * w->group_codes * panel, padded = QL_AMX_STEP_ROWS * w->groups * w->group_codes;
     float *base = NULL;
-    if (posix_memalign((void **)&base, 64, (size_t)((xz + 4 * params) * (int64_t)sizeof(float) + codes))) return 1;
+    if (posix_memalign((void **)&base, 64, (size_t)((xz + 4 * params) * (int64_t)sizeof(float) + codes + padded))) return 1;
     scratch->xz = base;
     scratch->scales = base + xz;
     scratch->shares = scratch->scales + params;
     scratch->stored = scratch->shares + params;
     scratch->panel = (uint8_t *)(scratch->stored + 2 * params);
+    scratch->padded = (int8_t *)(scratch->panel + codes);
     return 0;
 }
+
+static int ql_rows_choice = QL_ROWS_ISA;
+
+/* Turn the AMX kernel on (QL_ROWS_AMX: only where ql_amx_status is ready and the VNNI kernel runs), the
+ * emulated one (x86), or back to the instruction set's (QL_ROWS_ISA). */
+QL_API int ql_set_a8_rows(int choice) {
+#ifdef QL_X86
+    if (choice == QL_ROWS_AMX && (ql_amx_status() != QL_AMX_READY || ql_a8_kernel() != QL_A8_VNNI)) return 1;
+    if (choice == QL_ROWS_ISA || choice == QL_ROWS_AMX || choice == QL_ROWS_AMX_EMULATED) {
+        ql_rows_choice = choice;
+        return 0;
+    }
+#endif
+    return choice == QL_ROWS_ISA ? 0 : 1;
+}
+
+QL_API int ql_a8_rows_choice(void) { return ql_rows_choice; }
+
+#ifdef QL_X86
+/* The many-row kernel of int8-activation kernel a8 on m rows. */
+ql_a8_rows_kernel ql_a8_rows_for(int a8, int64_t m) {
+    if (ql_rows_choice == QL_ROWS_AMX_EMULATED) return ql_rows_amx_emulated_a8;
+    if (ql_rows_choice == QL_ROWS_AMX && a8 == QL_A8_VNNI && m >= QL_AMX_ROWS) return ql_rows_amx_a8;
+    return a8 == QL_A8_VNNI ? ql_rows512_a8 : ql_rows256_a8;
+}
+
+int64_t ql_a8_rows_panel(int a8, int64_t m) {
+    ql_a8_rows_kernel kernel = ql_a8_rows_for(a8, m);
+    return kernel == ql_rows256_a8 ? 16 : 32;
+}
+#endif
 
 #ifdef QL_X86
 /* Features [n, n + count) of a panel of `panel` features: scales[g * panel + f] and, for affine weights,

@@ -57,8 +57,6 @@ QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
 
 static int ql_a8_rows(int a8, int64_t m) { return a8 != QL_A8_NONE && m >= QL_A8_ROWS; }
 
-/* Features a panel of the many-row int8-activation kernel: 32 (AVX512-VNNI) or 16 (AVX2). */
-static int64_t ql_a8_panel(int a8) { return a8 == QL_A8_VNNI ? 32 : 16; }
 
 /* Whether a product on m rows takes AVX2's many-row kernel (float x; int8 activations have their own). */
 static int ql_avx2_panels(int isa, int64_t m, int a8) {
@@ -194,12 +192,11 @@ static void ql_gemm_chunk(void *arg, int64_t chunk) {
     if (job->xq) decoded_length = job->m * w->groups; /* the int8-activation kernel's zero terms */
     if (job->a8_rows) {
         ql_a8_scratch rows;
-        if (ql_a8_scratch_make(w, job->m, ql_a8_panel(job->a8), &rows)) {
+        if (ql_a8_scratch_make(w, job->m, ql_a8_rows_panel(job->a8, job->m), &rows)) {
             atomic_store(&job->failed, 1);
             return;
         }
-        (job->a8 == QL_A8_VNNI ? ql_rows512_a8 : ql_rows256_a8)(w, job->xq, job->xd, job->xs, job->m, n0, n1, job->out,
-                                                                job->out_stride, &rows);
+        ql_a8_rows_for(job->a8, job->m)(w, job->xq, job->xd, job->xs, job->m, n0, n1, job->out, job->out_stride, &rows);
         free(rows.xz);
         return;
     }
@@ -267,7 +264,7 @@ static void ql_dequantize_chunk(void *arg, int64_t chunk) {
  * work in panels of 16 features (AVX2) or 32 (AVX-512), so their chunks are whole panels; AVX-512's ~4
  * a thread, as whole panels of 32 cut SmolLM2's 576 features into 6 even chunks where 8 a thread cut 9. */
 static int64_t ql_chunk_for(int64_t features, int threads, int isa, int64_t m, int a8) {
-    if (ql_a8_rows(a8, m)) return ql_round_up(ql_chunk_features(features, threads, 4), ql_a8_panel(a8));
+    if (ql_a8_rows(a8, m)) return ql_round_up(ql_chunk_features(features, threads, 4), ql_a8_rows_panel(a8, m));
     if (ql_avx2_panels(isa, m, a8)) return ql_round_up(ql_chunk_features(features, threads, 8), 16);
     if (isa == QL_ISA_AVX512 && m >= QL_AVX512_PANEL_ROWS && a8 == QL_A8_NONE)
         return ql_round_up(ql_chunk_features(features, threads, 4), 32);

@@ -22,7 +22,7 @@
 
 #define QL_API __attribute__((visibility("default")))
 #define QL_INLINE static inline __attribute__((always_inline))
-#define QL_ABI_VERSION 14
+#define QL_ABI_VERSION 15
 #define QL_DECODE_ROWS 8 /* from this many rows on, AVX-512 decodes odd widths once into a buffer */
 #define QL_DECODED_FEATURES 32 /* AVX2 at many rows: 16 features decoded, and their input-major panel (avx2.c) */
 #define QL_AVX512_PANEL_ROWS 32 /* from this many rows on, AVX-512 multiplies panels of 32 decoded features (avx512.c) */
@@ -274,6 +274,7 @@ typedef struct {
     float *shares;
     float *stored;
     uint8_t *panel;
+    int8_t *padded; /* the AMX kernel's last partial step of x: QL_AMX_STEP_ROWS rows */
 } ql_a8_scratch;
 int ql_a8_scratch_make(const ql_weight *w, int64_t m, int64_t panel, ql_a8_scratch *scratch); /* 0, else out of memory; free(scratch->xz) */
 #ifdef QL_X86
@@ -283,6 +284,30 @@ void ql_rows512_a8(const ql_weight *w, const int8_t *xq, const float *xd, const 
 void ql_rows256_a8(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m, int64_t n0,
                    int64_t n1, float *y, int64_t y_stride, const ql_a8_scratch *scratch);
 void ql_repack_a8(const ql_weight *w, int64_t n, int64_t count, int64_t panel, int offset, uint8_t *out);
+#endif
+/* Which many-row kernel int8 activations take: the instruction set's (AVX512-VNNI or AVX2), AMX tiles
+ * (from QL_AMX_ROWS rows on, once turned on), or the tiles emulated in C (tests). */
+enum { QL_ROWS_ISA = 0, QL_ROWS_AMX = 1, QL_ROWS_AMX_EMULATED = 2 };
+typedef void (*ql_a8_rows_kernel)(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m,
+                                  int64_t n0, int64_t n1, float *y, int64_t y_stride, const ql_a8_scratch *scratch);
+ql_a8_rows_kernel ql_a8_rows_for(int a8, int64_t m);
+int64_t ql_a8_rows_panel(int a8, int64_t m); /* its panel of features */
+QL_API int ql_set_a8_rows(int choice);       /* 0, or 1 when this machine cannot run that choice */
+QL_API int ql_a8_rows_choice(void);
+
+/* amx_int8_rows.c */
+enum { QL_AMX_READY = 0, QL_AMX_NO_CPU = 1, QL_AMX_DENIED = 2, QL_AMX_NOT_BUILT = 3 };
+#define QL_AMX_PANEL 32     /* features a panel: the VNNI kernel's */
+#define QL_AMX_STEP_ROWS 32 /* rows a step: two tiles of 16 */
+#define QL_AMX_ROWS 16      /* from this many rows on the tiles take a product (fewer pad most of a step) */
+QL_API int ql_amx_status(void);
+QL_API int ql_amx_check(void);
+QL_API double ql_amx_speedup(void);
+#ifdef QL_X86
+void ql_rows_amx_a8(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m, int64_t n0,
+                    int64_t n1, float *y, int64_t y_stride, const ql_a8_scratch *scratch);
+void ql_rows_amx_emulated_a8(const ql_weight *w, const int8_t *xq, const float *xd, const int32_t *xs, int64_t m,
+                             int64_t n0, int64_t n1, float *y, int64_t y_stride, const ql_a8_scratch *scratch);
 #endif
 
 /* pool.c */
