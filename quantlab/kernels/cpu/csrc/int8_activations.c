@@ -86,11 +86,17 @@ ql_a8_rows_kernel ql_a8_rows_for(int a8, int64_t m) {
     return a8 == QL_A8_VNNI ? ql_rows512_a8 : ql_rows256_a8;
 }
 
-int64_t ql_a8_rows_panel(int a8, int64_t m) {
-    ql_a8_rows_kernel kernel = ql_a8_rows_for(a8, m);
-    return kernel == ql_rows256_a8 ? 16 : 32;
-}
 #endif
+
+/* The panel of features that kernel repacks: 16 (AVX2) or 32. */
+int64_t ql_a8_rows_panel(int a8, int64_t m) {
+#ifdef QL_X86
+    return ql_a8_rows_for(a8, m) == ql_rows256_a8 ? 16 : 32;
+#else
+    (void)a8, (void)m;
+    return 16;
+#endif
+}
 
 #ifdef QL_X86
 /* Features [n, n + count) of a panel of `panel` features: scales[g * panel + f] and, for affine weights,
