@@ -164,3 +164,10 @@ def test_the_amx_check_and_status_agree_with_the_machine(library):
         assert library.ql_amx_speedup() == -1
         assert library.ql_set_a8_rows(native.ROWS_AMX) == 1
         assert library.ql_a8_rows_choice() != native.ROWS_AMX
+
+
+def test_the_amx_check_runs_in_a_child_process_first(library):
+    """A fault in the tiles must end a child, not the process loading the kernels: the child's verdict is the
+    library's (0 where the tiles run and agree; -1, exit code 255, where they cannot run)."""
+    ready = native.amx_status() == "ready" and library.ql_isa() == 2
+    assert native._amx_check_in_child(library) == (0 if ready else 255)

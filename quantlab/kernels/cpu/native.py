@@ -236,6 +236,34 @@ def amx_status() -> str:
     return "no kernels" if lib is None else AMX_STATUS[lib.ql_amx_status()]
 
 
+def _amx_check_in_child(lib: ctypes.CDLL) -> int:
+    """`ql_amx_check` run first in a child process on the same library, so a fault in the tiles ends the child and
+    not this process: 0 equal, 1 different, else the child's exit code (negative: the signal that ended it)."""
+    path = _mapped_file(ctypes.cast(lib.ql_amx_check, ctypes.c_void_p).value)
+    if path is None:
+        return -1
+    program = "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).ql_amx_check() & 0xff)"
+    try:
+        child = subprocess.run([sys.executable, "-c", program, path], capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return -1
+    return child.returncode if child.returncode != 0 else lib.ql_amx_check()
+
+
+def _mapped_file(address: int | None) -> str | None:
+    """The file mapped at `address` in this process (the verified library, which was loaded through a descriptor)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                low, high = (int(value, 16) for value in fields[0].split("-"))
+                if address is not None and low <= address < high and len(fields) >= 6:
+                    return fields[5]
+    except OSError:
+        pass
+    return None
+
+
 def _use_amx(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Turn the AMX many-row kernel on where the CPU, Linux and a check on this machine allow it."""
     status = lib.ql_amx_status()
@@ -244,8 +272,10 @@ def _use_amx(lib: ctypes.CDLL) -> ctypes.CDLL:
     if status != 0:
         logger.warning("quantlab: AMX tiles unused (%s); int8 activations run on AVX512-VNNI", AMX_STATUS[status])
         return lib
-    if lib.ql_amx_check() != 0:
-        logger.warning("quantlab: AMX tiles unused: their products differ from AVX512-VNNI's on this machine")
+    verdict = _amx_check_in_child(lib)
+    if verdict != 0:
+        why = "their products differ from AVX512-VNNI's" if verdict == 1 else f"their check failed ({verdict})"
+        logger.warning("quantlab: AMX tiles unused: %s on this machine", why)
         return lib
     speedup = lib.ql_amx_speedup()
     logger.info("quantlab: AMX tiles %.2fx AVX512-VNNI on a 128-row product", speedup)
