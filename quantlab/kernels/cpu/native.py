@@ -237,8 +237,8 @@ def amx_status() -> str:
 
 
 def _amx_check_in_child(lib: ctypes.CDLL) -> int:
-    """`ql_amx_check` run first in a child process on the same library, so a fault in the tiles ends the child and
-    not this process: 0 equal, 1 different, else the child's exit code (negative: the signal that ended it)."""
+    """`ql_amx_check` run in a child process on the same library, so a fault in the tiles ends the child and not
+    this process: 0 equal, 1 different, else the child's exit code (negative: the signal that ended it)."""
     path = _mapped_file(ctypes.cast(lib.ql_amx_check, ctypes.c_void_p).value)
     if path is None:
         return -1
@@ -247,7 +247,7 @@ def _amx_check_in_child(lib: ctypes.CDLL) -> int:
         child = subprocess.run([sys.executable, "-c", program, path], capture_output=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return -1
-    return child.returncode if child.returncode != 0 else lib.ql_amx_check()
+    return child.returncode
 
 
 def _mapped_file(address: int | None) -> str | None:

@@ -158,48 +158,53 @@ static void ql_emulated_dpbsud(ql_tile_registers *tiles, int c, int a, int b) {
 #define QL_TILE_DPBSUD(c, a, b) ql_emulated_dpbsud(&tiles, c, a, b)
 #include "amx_rows_body.h"
 
-/* ---- checked on this machine before it is used --------------------------------------------------- */
+/* ---- checked and timed on this machine before it is used ----------------------------------------- */
 
-/* 0 when the tile kernel's outputs equal the AVX512-VNNI kernel's bit for bit on a 4-bit affine and an int8
- * weight (37 rows: a whole step and a partial one; 40 features: a whole panel and a partial one), 1 when
- * they differ, -1 when the tiles cannot run here or memory ran out. */
-QL_API int ql_amx_check(void) {
 #if QL_AMX_COMPILED
-    if (ql_amx_status() != QL_AMX_READY || ql_a8_kernel() != QL_A8_VNNI) return -1;
-    enum { M = 37, N = 40, K = 256 };
-    static uint8_t codes[N * K];
-    static float scale[N * K / 64], zero[N * K / 64], x[M * K], expected[M * N], got[M * N];
-    static int8_t xq[M * K];
-    static float xd[M * K / 64];
-    static int32_t xs[M * K / 64];
-    uint32_t state = 12345u;
-    for (int i = 0; i < N * K; i++) codes[i] = (uint8_t)((state = state * 1664525u + 1013904223u) >> 24);
-    for (int i = 0; i < N * K / 64; i++) {
-        scale[i] = 0.01f + (float)(i % 7) * 0.003f;
-        zero[i] = (float)(i % 16);
+/* A pseudo-random product to check and time the kernels on: codes of an n x k weight (enough bytes for int8),
+ * per-group scales and zeros, m rows of x rounded for the int8-activation kernels, two outputs; one allocation. */
+typedef struct {
+    int64_t m, n, k;
+    uint8_t *codes;
+    float *scale, *zero, *xd, *expected, *got;
+    int8_t *xq;
+    int32_t *xs;
+} ql_sample;
+
+static uint32_t ql_next(uint32_t *state) { return *state = *state * 1664525u + 1013904223u; }
+
+static int ql_sample_make(int64_t m, int64_t n, int64_t k, uint32_t seed, ql_sample *s) {
+    const int64_t groups = n * k / 64, blocks = m * k / 64;
+    const size_t floats = (size_t)(2 * groups + m * k + blocks + 2 * m * n);
+    float *base = malloc(floats * sizeof(float) + (size_t)(blocks * 4 + m * k + n * k));
+    if (!base) return 1;
+    *s = (ql_sample){.m = m, .n = n, .k = k, .scale = base, .zero = base + groups, .xd = base + 2 * groups};
+    float *x = s->xd + blocks;
+    s->expected = x + m * k;
+    s->got = s->expected + m * n;
+    s->xs = (int32_t *)(s->got + m * n);
+    s->xq = (int8_t *)(s->xs + blocks);
+    s->codes = (uint8_t *)(s->xq + m * k);
+    uint32_t state = seed;
+    for (int64_t i = 0; i < n * k; i++) s->codes[i] = (uint8_t)(ql_next(&state) >> 24);
+    for (int64_t i = 0; i < groups; i++) {
+        s->scale[i] = 0.01f + (float)(i % 7) * 0.003f;
+        s->zero[i] = (float)(i % 16);
     }
-    for (int i = 0; i < M * K; i++) x[i] = (float)((int)((state = state * 1664525u + 1013904223u) >> 20) - 2048) / 512.0f;
-    ql_quantize_x_a8(x, M, K, 0, xq, xd, xs);
-    int differ = 0;
-    for (int kind = QL_AFFINE; kind <= QL_INT8; kind++) {
-        const int bits = kind == QL_INT8 ? 8 : 4;
-        ql_weight w = {.codes = codes, .n = N, .k = K, .groups = K / 64, .group_size = 64, .group_codes = 64,
-                       .group_bytes = 64 * bits / 8, .bits = bits, .kind = kind, .scale = scale,
-                       .zero = kind == QL_INT8 ? NULL : zero, .scale_dtype = QL_F32, .zero_dtype = QL_F32};
-        ql_a8_scratch scratch;
-        if (ql_a8_scratch_make(&w, M, QL_AMX_PANEL, &scratch)) return -1;
-        ql_rows512_a8(&w, xq, xd, xs, M, 0, N, expected, N, &scratch);
-        ql_rows_amx_a8(&w, xq, xd, xs, M, 0, N, got, N, &scratch);
-        free(scratch.xz);
-        differ |= memcmp(expected, got, sizeof(got)) != 0;
-    }
-    return differ;
-#else
-    return -1;
-#endif
+    for (int64_t i = 0; i < m * k; i++) x[i] = (float)((int)(ql_next(&state) >> 20) - 2048) / 512.0f;
+    ql_quantize_x_a8(x, m, k, 0, s->xq, s->xd, s->xs);
+    return 0;
 }
 
-#if QL_AMX_COMPILED
+/* The sample's weight as 4-bit affine codes with zero points (QL_AFFINE) or int8 codes (QL_INT8), groups of 64. */
+static ql_weight ql_sample_weight(const ql_sample *s, int kind) {
+    const int bits = kind == QL_INT8 ? 8 : 4;
+    return (ql_weight){.codes = s->codes, .n = s->n, .k = s->k, .groups = s->k / 64, .group_size = 64,
+                       .group_codes = 64, .group_bytes = 64 * bits / 8, .bits = bits, .kind = kind,
+                       .scale = s->scale, .zero = kind == QL_INT8 ? NULL : s->zero, .scale_dtype = QL_F32,
+                       .zero_dtype = QL_F32};
+}
+
 static double ql_seconds(void) {
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
@@ -207,39 +212,56 @@ static double ql_seconds(void) {
 }
 #endif
 
+/* 0 when the tile kernel's outputs equal the AVX512-VNNI kernel's bit for bit on a 4-bit affine and an int8
+ * weight (37 rows: a whole step and a partial one; 40 features: a whole panel and a partial one), 1 when
+ * they differ, -1 when the tiles cannot run here or memory ran out. */
+QL_API int ql_amx_check(void) {
+#if QL_AMX_COMPILED
+    if (ql_amx_status() != QL_AMX_READY || ql_a8_kernel() != QL_A8_VNNI) return -1;
+    ql_sample s;
+    if (ql_sample_make(37, 40, 256, 12345u, &s)) return -1;
+    int result = 0;
+    for (int kind = QL_AFFINE; kind <= QL_INT8 && result == 0; kind++) {
+        const ql_weight w = ql_sample_weight(&s, kind);
+        ql_a8_scratch scratch;
+        if (ql_a8_scratch_make(&w, s.m, QL_AMX_PANEL, &scratch)) {
+            result = -1;
+            break;
+        }
+        ql_rows512_a8(&w, s.xq, s.xd, s.xs, s.m, 0, s.n, s.expected, s.n, &scratch);
+        ql_rows_amx_a8(&w, s.xq, s.xd, s.xs, s.m, 0, s.n, s.got, s.n, &scratch);
+        free(scratch.xz);
+        result = memcmp(s.expected, s.got, (size_t)(s.m * s.n) * sizeof(float)) != 0;
+    }
+    free(s.scale);
+    return result;
+#else
+    return -1;
+#endif
+}
+
 /* The VNNI kernel's time over the tiles' on one thread, for a 4-bit affine 1024 x 512 weight in groups of 64
  * at 128 rows (a prompt's product): the fastest of 3 calls, rounds alternated; -1 where the tiles cannot run. */
 QL_API double ql_amx_speedup(void) {
 #if QL_AMX_COMPILED
     if (ql_amx_status() != QL_AMX_READY || ql_a8_kernel() != QL_A8_VNNI) return -1.0;
-    enum { M = 128, N = 512, K = 1024 };
-    uint8_t *codes = malloc(N * K / 2);
-    float *scale = malloc(sizeof(float) * N * K / 64), *zero = malloc(sizeof(float) * N * K / 64);
-    float *x = malloc(sizeof(float) * M * K), *y = malloc(sizeof(float) * M * N), *xd = malloc(sizeof(float) * M * K / 64);
-    int8_t *xq = malloc(M * K);
-    int32_t *xs = malloc(sizeof(int32_t) * M * K / 64);
-    ql_weight w = {.codes = codes, .n = N, .k = K, .groups = K / 64, .group_size = 64, .group_codes = 64,
-                   .group_bytes = 32, .bits = 4, .kind = QL_AFFINE, .scale = scale, .zero = zero,
-                   .scale_dtype = QL_F32, .zero_dtype = QL_F32};
-    ql_a8_scratch scratch = {0};
+    ql_sample s;
+    if (ql_sample_make(128, 512, 1024, 7u, &s)) return -1.0;
+    const ql_weight w = ql_sample_weight(&s, QL_AFFINE);
+    ql_a8_scratch scratch;
     double best[2] = {1e30, 1e30};
-    if (codes && scale && zero && x && y && xd && xq && xs && !ql_a8_scratch_make(&w, M, QL_AMX_PANEL, &scratch)) {
-        uint32_t state = 7u;
-        for (int i = 0; i < N * K / 2; i++) codes[i] = (uint8_t)((state = state * 1664525u + 1013904223u) >> 24);
-        for (int i = 0; i < N * K / 64; i++) scale[i] = 0.01f, zero[i] = 8.0f;
-        for (int i = 0; i < M * K; i++) x[i] = (float)((int)((state = state * 1664525u + 1013904223u) >> 20) - 2048);
-        ql_quantize_x_a8(x, M, K, 0, xq, xd, xs);
+    if (!ql_a8_scratch_make(&w, s.m, QL_AMX_PANEL, &scratch)) {
         for (int round = 0; round < 3; round++)
             for (int kernel = 0; kernel < 2; kernel++)
                 for (int call = 0; call < 3; call++) {
                     const double start = ql_seconds();
-                    (kernel ? ql_rows_amx_a8 : ql_rows512_a8)(&w, xq, xd, xs, M, 0, N, y, N, &scratch);
+                    (kernel ? ql_rows_amx_a8 : ql_rows512_a8)(&w, s.xq, s.xd, s.xs, s.m, 0, s.n, s.got, s.n, &scratch);
                     const double seconds = ql_seconds() - start;
                     if (seconds < best[kernel]) best[kernel] = seconds;
                 }
+        free(scratch.xz);
     }
-    free(scratch.xz);
-    free(codes), free(scale), free(zero), free(x), free(y), free(xd), free(xq), free(xs);
+    free(s.scale);
     return best[1] < 1e30 ? best[0] / best[1] : -1.0;
 #else
     return -1.0;

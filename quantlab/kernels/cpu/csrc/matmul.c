@@ -57,7 +57,6 @@ QL_API void ql_force_isa(int isa) { ql_forced_isa = isa; }
 
 static int ql_a8_rows(int a8, int64_t m) { return a8 != QL_A8_NONE && m >= QL_A8_ROWS; }
 
-
 /* Whether a product on m rows takes AVX2's many-row kernel (float x; int8 activations have their own). */
 static int ql_avx2_panels(int isa, int64_t m, int a8) {
     return isa == QL_ISA_AVX2 && m >= QL_AVX2_DECODE_ROWS && a8 == QL_A8_NONE;
@@ -68,10 +67,10 @@ static int ql_avx2_panels(int isa, int64_t m, int a8) {
  * CPU, QL_PRODUCT_FUSED_AVX2 runs the AVX2 ones, whose panels of 16 features can share a layer of few
  * outputs better between threads) or as the weight decoded (ql_dequantize) and multiplied by the caller's
  * BLAS GEMM (QL_PRODUCT_DECODED: torch's, MKL or oneDNN). Which is faster depends on the CPU more than on
- * anything here: a vendor's BLAS may run its best code on one CPU and a weaker path on another. So it is measured on the machine that runs it
- * (quantlab.kernels.cpu.tune), per instruction set, format (kind and bits), shape class and row bucket,
- * and set here; an entry never set keeps the default: fused on x86, decoded from 8 rows on with the
- * portable kernel (it decodes each weight once per 4 rows). */
+ * anything here: a vendor's BLAS may run its best code on one CPU and a weaker path on another. So it is
+ * measured on the machine that runs it (quantlab.kernels.cpu.tune), per instruction set, format (kind and
+ * bits), shape class and row bucket, and set here; an entry never set keeps the default: fused on x86,
+ * decoded from 8 rows on with the portable kernel (it decodes each weight once per 4 rows). */
 static signed char ql_products[3][QL_KINDS][9][QL_SHAPE_CLASSES][QL_ROW_BUCKETS]; /* 0: unset */
 
 QL_API int ql_shape_class(int64_t n, int64_t k) { return n < QL_NARROW_OUTPUTS ? 0 : n * k < QL_LARGE_WEIGHT ? 1 : 2; }
