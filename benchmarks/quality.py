@@ -216,7 +216,8 @@ def lut_budget_reconstruct(bits: int, rotation: str | None = None) -> Any:
     """Learned tables under block-wise reconstruction within `bits + 0.25` bits per weight, each layer's width
     and group size chosen by mixed precision (`target_bits`) instead of a layer named by hand; `rotation` as in
     LUT_BUDGET_QAT_ROWS."""
-    rotate = {None: None, "mlp output": MLP_OUTPUT_LAYERS, "every projection": EVERY_PROJECTION}[rotation]
+    rotate = {None: None, "mlp output": MLP_OUTPUT_LAYERS, "every projection": EVERY_PROJECTION,
+              EVERY_PROJECTION_BLOCKS: EVERY_PROJECTION}[rotation]  # fmt: skip
     blocks = "largest" if rotation == "every projection" else "power_of_two"
     return quantlab.LutConfig(
         bits=bits,
@@ -265,18 +266,23 @@ ROTATED_RECONSTRUCT_QAT_ROWS = (
 LUT_QAT_ROWS = ((100, 256, 4),)
 # From learned tables whose widths and group sizes mixed precision chose (`lut_budget_reconstruct`): bits, steps,
 # which inputs are rotated (None; "mlp output": the down projections in power-of-two blocks; "every projection":
-# all seven in whole rows), the training text ("bundled": the bundled text after the evaluation windows;
-# "before the later part": the evaluated text's lines before token LATER_PART_OFFSET - TRAINING_MARGIN, about
-# 190,000 tokens after the evaluation windows, twice the bundled text's; "outside both evaluated parts": those and
-# the lines from TRAINING_MARGIN tokens after the later part's windows to the end, about 283,000 tokens on the
-# shared text).
+# all seven in whole rows; EVERY_PROJECTION_BLOCKS: all seven in power-of-two blocks), the training text
+# ("bundled": the bundled text after the evaluation windows; "before the later part": the evaluated text's lines
+# before token LATER_PART_OFFSET - TRAINING_MARGIN, about 190,000 tokens after the evaluation windows, twice the
+# bundled text's; "outside both evaluated parts": those and the lines from TRAINING_MARGIN tokens after the later
+# part's windows to the end, about 283,000 tokens on the shared text), and whether the float embedding table (tied
+# to the head) trains too, at the norms' rate, under bfloat16 autocast (`--embedding-lr-ratio 0.02 --bf16`).
+EVERY_PROJECTION_BLOCKS = "every projection in power-of-two blocks"
+ROTATION_WORDS = {None: "", "mlp output": ", mlp output rotated", "every projection": ", every projection rotated",
+                  EVERY_PROJECTION_BLOCKS: ", every projection rotated in power-of-two blocks"}  # fmt: skip
 LUT_BUDGET_QAT_ROWS = (
-    (4, 100, None, "bundled"),
-    (3, 100, None, "bundled"),
-    (3, 100, "mlp output", "bundled"),
-    (3, 100, "every projection", "bundled"),
-    (3, 300, "every projection", LONGER_TEXT),
-    (3, 400, "every projection", OUTSIDE_TEXT),
+    (4, 100, None, "bundled", False),
+    (3, 100, None, "bundled", False),
+    (3, 100, "mlp output", "bundled", False),
+    (3, 100, "every projection", "bundled", False),
+    (3, 300, "every projection", LONGER_TEXT, False),
+    (3, 400, "every projection", OUTSIDE_TEXT, False),
+    (2, 500, EVERY_PROJECTION_BLOCKS, OUTSIDE_TEXT, True),
 )
 BLOCK_WORDS = {"largest": " in whole rows", "power_of_two": " in power-of-two blocks"}
 EVERY_PROJECTION = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -305,14 +311,14 @@ def qat_variants() -> list[Variant]:
         return lambda directory, _: qat_model_of(directory, start, steps, seq_len, batch, RECONSTRUCT_QAT_NORM_LR_RATIO)
 
     def on_training_text(
-        start: Any, steps: int, again: int = 0, tables: bool = False
+        start: Any, steps: int, again: int = 0, tables: bool = False, bf16: bool = False
     ) -> Callable[[Path, Path | None], Any]:
         def build(directory: Path, training: Path | None) -> Any:
             if training is None:
                 raise ValueError("this row trains on the evaluated text outside its windows; none was given")
             table_lr_ratio = RECONSTRUCT_QAT_NORM_LR_RATIO if tables else None
             return qat_model_of(directory, start, steps, 256, 4, RECONSTRUCT_QAT_NORM_LR_RATIO, training, again,
-                                table_lr_ratio)  # fmt: skip
+                                table_lr_ratio, bf16)  # fmt: skip
 
         return build
 
@@ -352,16 +358,19 @@ def qat_variants() -> list[Variant]:
                 build=from_reconstruction(lut_3bit_reconstruct(), steps, seq_len, batch))
         for steps, seq_len, batch in LUT_QAT_ROWS
     ]  # fmt: skip
-    for bits, steps, rotation, text in LUT_BUDGET_QAT_ROWS:
+    for bits, steps, rotation, text, tables in LUT_BUDGET_QAT_ROWS:
         budget = f"within {bits + 0.25} bits/weight"
-        budget += {None: "", "mlp output": ", mlp output rotated", "every projection": ", every projection rotated"}[
-            rotation
-        ]
+        budget += ROTATION_WORDS[rotation]
         own_text = text in TRAINING_TEXTS  # else the bundled text, which `quantlab qat` reads by default
         data = f", text {text}" if own_text else ""
+        data += ", embedding table trained, bf16" if tables else ""
         name = f"qat lut {bits}-bit (reconstruct start {budget}, {steps} x 4 x 256 tokens{data})"
         start = lut_budget_reconstruct(bits, rotation)
-        build = on_training_text(start, steps) if own_text else from_reconstruction(start, steps, 256, 4)
+        build = (
+            on_training_text(start, steps, tables=tables, bf16=tables)
+            if own_text
+            else from_reconstruction(start, steps, 256, 4)
+        )
         variants.append(Variant(name, "quantlab", None, build=build, training_text=text if own_text else None))
     return variants
 
@@ -376,13 +385,14 @@ def qat_model_of(
     data: Path | None = None,
     again: int = 0,
     embedding_lr_ratio: float | None = None,
+    bf16: bool = False,
 ) -> torch.nn.Module:
     """`qat_model(directory, config=start)` into a temporary run folder; the trained checkpoint, loaded.
 
     The same as `quantlab quantize` with `start`'s options (`--method custom_bits --bits B --group-size G
     --symmetric --solver S`, or the learned tables' `--method lut ...`) `-o START`, then `quantlab qat START
     --max-steps N --max-seq-length L --per-device-train-batch-size K [--norm-lr-ratio R] [--embedding-lr-ratio E]
-    [--data FILE] -o RUN`
+    [--data FILE] [--bf16] -o RUN`
     (`quantlab qat` holds out the first 16 x 512 tokens of FILE, the harness's windows); with `again` steps, then
     `quantlab qat RUN/final --teacher FLOAT --max-steps AGAIN --learning-rate 2.5e-3 --seed 1` with the other
     flags the same."""
@@ -390,7 +400,7 @@ def qat_model_of(
     from quantlab.workflows.qat import qat_model
     from quantlab.workflows.runs import TrainingRun
 
-    training = {**QAT_TRAINING, "max_steps": steps, "per_device_train_batch_size": batch}
+    training = {**QAT_TRAINING, "max_steps": steps, "per_device_train_batch_size": batch, "bf16": bf16}
     options = QATOptions(norm_lr_ratio=norm_lr_ratio, embedding_lr_ratio=embedding_lr_ratio)
     with tempfile.TemporaryDirectory(prefix="quantlab-quality-qat-") as scratch:
 
