@@ -216,9 +216,7 @@ def lut_budget_reconstruct(bits: int, rotation: str | None = None) -> Any:
     """Learned tables under block-wise reconstruction within `bits + 0.25` bits per weight, each layer's width
     and group size chosen by mixed precision (`target_bits`) instead of a layer named by hand; `rotation` as in
     LUT_BUDGET_QAT_ROWS."""
-    rotate = {None: None, "mlp output": MLP_OUTPUT_LAYERS, "every projection": EVERY_PROJECTION,
-              EVERY_PROJECTION_BLOCKS: EVERY_PROJECTION}[rotation]  # fmt: skip
-    blocks = "largest" if rotation == "every projection" else "power_of_two"
+    rotate, blocks, _ = LUT_ROTATIONS[rotation]
     return quantlab.LutConfig(
         bits=bits,
         group_size=64,
@@ -273,8 +271,6 @@ LUT_QAT_ROWS = ((100, 256, 4),)
 # part's windows to the end, about 283,000 tokens on the shared text), and whether the float embedding table (tied
 # to the head) trains too, at the norms' rate, under bfloat16 autocast (`--embedding-lr-ratio 0.02 --bf16`).
 EVERY_PROJECTION_BLOCKS = "every projection in power-of-two blocks"
-ROTATION_WORDS = {None: "", "mlp output": ", mlp output rotated", "every projection": ", every projection rotated",
-                  EVERY_PROJECTION_BLOCKS: ", every projection rotated in power-of-two blocks"}  # fmt: skip
 LUT_BUDGET_QAT_ROWS = (
     (4, 100, None, "bundled", False),
     (3, 100, None, "bundled", False),
@@ -286,6 +282,13 @@ LUT_BUDGET_QAT_ROWS = (
 )
 BLOCK_WORDS = {"largest": " in whole rows", "power_of_two": " in power-of-two blocks"}
 EVERY_PROJECTION = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Each rotation kind of LUT_BUDGET_QAT_ROWS: the rotated layers, their Hadamard blocks, and the words in the row's name.
+LUT_ROTATIONS = {
+    None: (None, "power_of_two", ""),
+    "mlp output": (MLP_OUTPUT_LAYERS, "power_of_two", ", mlp output rotated"),
+    "every projection": (EVERY_PROJECTION, "largest", ", every projection rotated"),
+    EVERY_PROJECTION_BLOCKS: (EVERY_PROJECTION, "power_of_two", ", every projection rotated in power-of-two blocks"),
+}
 TRAINING_MARGIN = 1_000  # tokens between the training texts and the later part's windows, on either side
 RECONSTRUCT_QAT_NORM_LR_RATIO = 0.02
 # A second run on a trained result (the rows' `again` steps): half the first run's rate, another data order.
@@ -360,7 +363,7 @@ def qat_variants() -> list[Variant]:
     ]  # fmt: skip
     for bits, steps, rotation, text, tables in LUT_BUDGET_QAT_ROWS:
         budget = f"within {bits + 0.25} bits/weight"
-        budget += ROTATION_WORDS[rotation]
+        budget += LUT_ROTATIONS[rotation][2]
         own_text = text in TRAINING_TEXTS  # else the bundled text, which `quantlab qat` reads by default
         data = f", text {text}" if own_text else ""
         data += ", embedding table trained, bf16" if tables else ""
